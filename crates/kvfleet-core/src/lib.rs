@@ -1,0 +1,19 @@
+//! kvfleet-core: the pure vocabulary every other kvfleet crate shares.
+//!
+//! It defines token ids, the chained block hash that names a cached prefix (see
+//! `block_hash`), tokenizers, and deterministic chat rendering. No network I/O happens
+//! here; the only file reads are the loaders of a model's tokenizer and chat template
+//! (`HfTokenizer::from_dir`, `ChatTemplate::from_tokenizer_config`).
+
+pub mod block_hash;
+pub mod chat;
+pub mod tokenizer;
+pub mod tokens;
+
+pub use block_hash::{
+    chain_hash, extend_block_hashes, hash_blocks, namespace_seed, BlockHash, BlockHashMap,
+    DEFAULT_BLOCK_SIZE,
+};
+pub use chat::{ChatError, ChatMessage, ChatTemplate, Role, ToolDefinition};
+pub use tokenizer::{ByteTokenizer, HfTokenizer, StreamDecoder, Tokenizer, TokenizerError};
+pub use tokens::{blocks_needed, full_blocks, TokenId};

@@ -1,0 +1,132 @@
+//! Tokenizers: turning rendered prompts into token ids and generated ids back into text.
+//!
+//! The router tokenizes rendered chat prompts, so every tokenizer must treat special
+//! tokens written *as text* (for example `<|im_start|>`) as the single special id they
+//! stand for; otherwise the ids would differ from what the model was trained on and
+//! prefix hashes would not line up with other clients of the same model.
+//!
+//! Two implementations share the [`Tokenizer`] trait:
+//! - [`ByteTokenizer`]: the byte-level vocabulary of the seeded default model;
+//! - [`HfTokenizer`]: a Hugging Face `tokenizer.json`, for real models.
+//!
+//! [`StreamDecoder`] turns ids produced one at a time into text fragments that never
+//! split a UTF-8 character, for streaming responses.
+
+mod byte;
+mod hf;
+mod stream;
+
+pub use byte::{
+    ByteTokenizer, BYTE_ENDOFTEXT_ID, BYTE_IM_END_ID, BYTE_IM_START_ID, BYTE_SPECIAL_BASE,
+    BYTE_SPECIAL_TOKENS, BYTE_VOCAB_SIZE,
+};
+pub use hf::HfTokenizer;
+pub use stream::StreamDecoder;
+
+use crate::tokens::TokenId;
+use std::path::PathBuf;
+
+/// Why a tokenizer could not be loaded, or could not encode or decode.
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizerError {
+    /// A tokenizer file could not be read.
+    #[error("cannot read {path}: {source}")]
+    Io {
+        /// The file that could not be read.
+        path: PathBuf,
+        /// The underlying I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A tokenizer or tokenizer configuration file is malformed.
+    #[error("invalid tokenizer data in {what}: {source}")]
+    Load {
+        /// What was being loaded (a path, or "bytes").
+        what: String,
+        /// The parser's error.
+        #[source]
+        source: tokenizers::Error,
+    },
+    /// A JSON configuration file next to the tokenizer is malformed.
+    #[error("invalid JSON in {path}: {source}")]
+    Config {
+        /// The configuration file.
+        path: PathBuf,
+        /// The JSON error.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// The Hugging Face tokenizer failed to encode text.
+    #[error("encoding failed: {0}")]
+    Encode(#[source] tokenizers::Error),
+    /// The Hugging Face tokenizer failed to decode ids.
+    #[error("decoding failed: {0}")]
+    Decode(#[source] tokenizers::Error),
+    /// An id outside the vocabulary was given to decode.
+    #[error("token id {id} is outside the vocabulary of size {vocab_size}")]
+    UnknownId {
+        /// The offending id.
+        id: TokenId,
+        /// The vocabulary size it exceeds.
+        vocab_size: usize,
+    },
+}
+
+/// A tokenizer as the router and engine use it.
+///
+/// Implementations are shared between request handlers, hence `Send + Sync`.
+pub trait Tokenizer: Send + Sync {
+    /// Token ids of `text`. Special tokens written in the text are encoded as their
+    /// single id, and nothing is added (no BOS): chat templates render BOS themselves
+    /// when a model needs it.
+    fn encode(&self, text: &str) -> Result<Vec<TokenId>, TokenizerError>;
+
+    /// Text of `ids`, special tokens included as their text. Byte sequences that are
+    /// not valid UTF-8 decode as U+FFFD.
+    fn decode(&self, ids: &[TokenId]) -> Result<String, TokenizerError>;
+
+    /// Number of ids the tokenizer can produce, special tokens included.
+    fn vocab_size(&self) -> usize;
+
+    /// The id of a token given by its exact text, if the vocabulary has one.
+    fn token_id(&self, token: &str) -> Option<TokenId>;
+
+    /// Ids that end generation; the first is the model's primary end-of-sequence id.
+    fn eos_token_ids(&self) -> Vec<TokenId>;
+}
+
+/// The text of a special token as `tokenizer_config.json` writes it: either a plain
+/// string or an added-token object `{"content": "...", ...}`.
+pub(crate) fn special_token_text(value: &serde_json::Value) -> Option<String> {
+    match value {
+        serde_json::Value::String(s) => Some(s.clone()),
+        serde_json::Value::Object(map) => map
+            .get("content")
+            .and_then(serde_json::Value::as_str)
+            .map(str::to_owned),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn special_token_text_accepts_both_forms() {
+        assert_eq!(special_token_text(&json!("</s>")).as_deref(), Some("</s>"));
+        assert_eq!(
+            special_token_text(&json!({"__type": "AddedToken", "content": "<|im_end|>"}))
+                .as_deref(),
+            Some("<|im_end|>")
+        );
+        assert_eq!(special_token_text(&json!(null)), None);
+    }
+
+    #[test]
+    fn tokenizers_are_object_safe() {
+        let t: Box<dyn Tokenizer> = Box::new(ByteTokenizer::new());
+        assert_eq!(t.vocab_size(), BYTE_VOCAB_SIZE);
+    }
+}
