@@ -1,0 +1,695 @@
+//! The engine: scheduler + backend + sampling, one step at a time.
+//!
+//! `Engine::step` schedules a batch, runs one forward pass over every scheduled chunk
+//! together, samples the sequences whose prompt or previous token was just computed,
+//! publishes the KV events the step caused, and returns what each request produced.
+//! A worker drives it in a loop on its own thread.
+
+use crate::backend::ModelBackend;
+use crate::block_pool::BlockId;
+use crate::error::{EngineError, Result};
+use crate::kv_events::{KvEvent, KvEventSink};
+use crate::model::{ForwardItem, LogitsRequest};
+use crate::sampling::{Sampler, SamplingParams};
+use crate::scheduler::{ScheduledChunk, Scheduler, SchedulerConfig};
+use crate::sequence::{FinishReason, RequestId, SeqStatus, Sequence};
+use crate::stop_matcher::StopMatcher;
+use kvfleet_core::tokenizer::{StreamDecoder, Tokenizer};
+use kvfleet_core::{namespace_seed, BlockHash, TokenId};
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+/// How an engine is sized.
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// Model id: enters every block hash's namespace seed.
+    pub model_id: String,
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// Most sequences admitted at once.
+    pub max_num_seqs: usize,
+    /// Most tokens per step (chunked-prefill budget).
+    pub max_batched_tokens: usize,
+    /// Most prompt tokens one sequence runs per step (several prefills share a step).
+    pub max_prefill_chunk: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            model_id: "tiny".to_string(),
+            block_size: kvfleet_core::DEFAULT_BLOCK_SIZE,
+            max_num_seqs: 64,
+            max_batched_tokens: 2048,
+            max_prefill_chunk: 1024,
+        }
+    }
+}
+
+/// A generation request, in token ids.
+#[derive(Clone, Debug)]
+pub struct Request {
+    /// Caller-chosen id, unique among unfinished requests.
+    pub id: RequestId,
+    /// Prompt token ids.
+    pub prompt: Vec<TokenId>,
+    /// Sampling parameters.
+    pub params: SamplingParams,
+    /// Cache namespace salt (the tenant's, usually): requests share cached blocks
+    /// only when their salts are equal.
+    pub cache_salt: String,
+    /// Prompt tokens from this index on never enter the shared prefix cache (a
+    /// per-request status tail). `None`: the whole prompt is cacheable.
+    pub cacheable_len: Option<usize>,
+}
+
+impl Request {
+    /// A request with default salt and a fully cacheable prompt.
+    pub fn new(id: RequestId, prompt: Vec<TokenId>, params: SamplingParams) -> Self {
+        Request {
+            id,
+            prompt,
+            params,
+            cache_salt: String::new(),
+            cacheable_len: None,
+        }
+    }
+}
+
+/// One child of a fork: its own tail after the shared prefix.
+#[derive(Clone, Debug)]
+pub struct ForkChild {
+    /// The child's request id.
+    pub id: RequestId,
+    /// Tokens appended to the shared prefix (tool results, directive...).
+    pub suffix: Vec<TokenId>,
+    /// The child's sampling parameters.
+    pub params: SamplingParams,
+}
+
+/// A shared prefix computed once, then forked into children that share its blocks.
+#[derive(Clone, Debug)]
+pub struct ForkRequest {
+    /// Id of the prefix computation itself (reported with `FinishReason::Prefilled`).
+    pub id: RequestId,
+    /// The shared prefix.
+    pub prefix: Vec<TokenId>,
+    /// Cache namespace salt.
+    pub cache_salt: String,
+    /// The children.
+    pub children: Vec<ForkChild>,
+}
+
+/// What one request produced in one step.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepOutput {
+    /// The request.
+    pub id: RequestId,
+    /// The token sampled this step, if any (stop tokens are not reported).
+    pub token: Option<TokenId>,
+    /// Text that may be sent now (stop strings held back and cut).
+    pub text: String,
+    /// Set when the request is done.
+    pub finish: Option<FinishReason>,
+    /// Prompt length.
+    pub prompt_tokens: usize,
+    /// Prompt tokens served from the prefix cache (set from the step the prompt
+    /// was first fully computed on).
+    pub cached_tokens: usize,
+    /// The logits the token was sampled from, when logits capture is on.
+    pub logits: Option<Vec<f32>>,
+}
+
+/// Everything a request produced, gathered by [`Engine::run_to_completion`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct Completion {
+    /// The request.
+    pub id: RequestId,
+    /// Generated token ids.
+    pub tokens: Vec<TokenId>,
+    /// Generated text (empty without a tokenizer).
+    pub text: String,
+    /// Why it ended.
+    pub finish: FinishReason,
+    /// Prompt length.
+    pub prompt_tokens: usize,
+    /// Prompt tokens served from cache.
+    pub cached_tokens: usize,
+}
+
+/// A snapshot of the engine's load, as a router scores it.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct EngineLoad {
+    /// Admitted sequences.
+    pub running: usize,
+    /// Queued sequences.
+    pub waiting: usize,
+    /// Blocks available for allocation.
+    pub free_blocks: usize,
+    /// Ready cached prefix blocks.
+    pub cached_blocks: usize,
+    /// All blocks.
+    pub total_blocks: usize,
+    /// Prompt tokens not yet computed.
+    pub queued_prefill_tokens: usize,
+}
+
+/// Running totals since the engine started.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct EngineStats {
+    /// Steps run.
+    pub steps: u64,
+    /// Prompt tokens received.
+    pub prompt_tokens: u64,
+    /// Prompt tokens actually run through the model (recomputation included).
+    pub prompt_tokens_computed: u64,
+    /// Prompt tokens reported as cached.
+    pub cached_tokens: u64,
+    /// Tokens generated.
+    pub generated_tokens: u64,
+    /// Preemptions (recompute) so far.
+    pub preemptions: u64,
+}
+
+/// A continuous-batching engine over one backend.
+pub struct Engine {
+    config: EngineConfig,
+    backend: Box<dyn ModelBackend>,
+    tokenizer: Option<Arc<dyn Tokenizer>>,
+    scheduler: Scheduler,
+    eos: HashSet<TokenId>,
+    sink: Option<Arc<dyn KvEventSink>>,
+    event_seq: u64,
+    arrivals: u64,
+    forks: HashMap<RequestId, (String, Vec<ForkChild>)>,
+    stats: EngineStats,
+    capture_logits: bool,
+}
+
+impl Engine {
+    /// An engine over `backend`; its block count is the backend's.
+    pub fn new(
+        config: EngineConfig,
+        backend: Box<dyn ModelBackend>,
+        tokenizer: Option<Arc<dyn Tokenizer>>,
+    ) -> Result<Self> {
+        if config.block_size == 0
+            || config.max_num_seqs == 0
+            || config.max_batched_tokens == 0
+            || config.max_prefill_chunk == 0
+        {
+            return Err(EngineError::Config(
+                "block_size, max_num_seqs, max_batched_tokens and max_prefill_chunk must be positive"
+                    .into(),
+            ));
+        }
+        let mut eos: HashSet<TokenId> = tokenizer
+            .as_ref()
+            .map(|t| t.eos_token_ids().into_iter().collect())
+            .unwrap_or_default();
+        eos.extend(backend.config().eos_token_ids());
+        let scheduler = Scheduler::new(
+            SchedulerConfig {
+                block_size: config.block_size,
+                max_num_seqs: config.max_num_seqs,
+                max_batched_tokens: config.max_batched_tokens,
+                max_prefill_chunk: config.max_prefill_chunk,
+            },
+            backend.num_blocks(),
+        );
+        Ok(Engine {
+            config,
+            backend,
+            tokenizer,
+            scheduler,
+            eos,
+            sink: None,
+            event_seq: 0,
+            arrivals: 0,
+            forks: HashMap::new(),
+            stats: EngineStats::default(),
+            capture_logits: false,
+        })
+    }
+
+    /// Sends every future KV event to `sink`.
+    pub fn set_event_sink(&mut self, sink: Arc<dyn KvEventSink>) {
+        self.sink = Some(sink);
+    }
+
+    /// Returns the logits behind every sampled token in [`StepOutput::logits`]
+    /// (for numerical checks and debugging; it copies a vocabulary-sized row per token).
+    pub fn set_logits_capture(&mut self, on: bool) {
+        self.capture_logits = on;
+    }
+
+    /// The engine's configuration.
+    pub fn config(&self) -> &EngineConfig {
+        &self.config
+    }
+
+    /// The backend's model configuration.
+    pub fn model_config(&self) -> &crate::model_config::ModelConfig {
+        self.backend.config()
+    }
+
+    /// The seed of a cache namespace for `cache_salt` under this engine's model id.
+    pub fn namespace_seed(&self, cache_salt: &str) -> u64 {
+        namespace_seed(&self.config.model_id, cache_salt)
+    }
+
+    /// Sequence number of the last KV event published (0 before any).
+    pub fn last_event_seq(&self) -> u64 {
+        self.event_seq
+    }
+
+    /// Queues a request after checking it can ever be served.
+    pub fn add_request(&mut self, req: Request) -> Result<()> {
+        self.validate(req.id, &req.prompt, &req.params)?;
+        let cacheable = req.cacheable_len.unwrap_or(usize::MAX);
+        let seq = self.new_sequence(
+            req.id,
+            req.prompt,
+            req.params,
+            &req.cache_salt,
+            cacheable,
+            false,
+        );
+        self.stats.prompt_tokens += seq.prompt_len as u64;
+        self.scheduler.enqueue(seq);
+        Ok(())
+    }
+
+    /// Queues a fork: the prefix is computed once, then each child continues from a
+    /// copy-on-write fork of it (sharing every full block, copying the partial one).
+    pub fn add_fork(&mut self, fork: ForkRequest) -> Result<()> {
+        if fork.children.is_empty() {
+            return Err(EngineError::InvalidRequest(
+                "a fork needs at least one child".into(),
+            ));
+        }
+        let mut ids = HashSet::new();
+        ids.insert(fork.id);
+        for c in &fork.children {
+            if !ids.insert(c.id) {
+                return Err(EngineError::InvalidRequest(format!(
+                    "duplicate request id {}",
+                    c.id
+                )));
+            }
+            let mut full = fork.prefix.clone();
+            full.extend_from_slice(&c.suffix);
+            if c.suffix.is_empty() {
+                return Err(EngineError::InvalidRequest(
+                    "a fork child needs a non-empty suffix".into(),
+                ));
+            }
+            self.validate(c.id, &full, &c.params)?;
+        }
+        let params = SamplingParams {
+            max_tokens: 1,
+            ..SamplingParams::default()
+        };
+        self.validate(fork.id, &fork.prefix, &params)?;
+        let seq = self.new_sequence(
+            fork.id,
+            fork.prefix,
+            params,
+            &fork.cache_salt,
+            usize::MAX,
+            true,
+        );
+        self.stats.prompt_tokens += seq.prompt_len as u64;
+        self.forks.insert(fork.id, (fork.cache_salt, fork.children));
+        self.scheduler.enqueue(seq);
+        Ok(())
+    }
+
+    /// Stops a request; returns whether it was known. Its blocks are released.
+    pub fn abort(&mut self, id: RequestId) -> bool {
+        // Aborting a fork parent aborts the children it has not spawned yet.
+        let had_fork = self.forks.remove(&id).is_some();
+        self.scheduler.remove(id).is_some() || had_fork
+    }
+
+    /// Whether any request is unfinished.
+    pub fn has_unfinished(&self) -> bool {
+        !self.scheduler.seqs.is_empty()
+    }
+
+    /// Current load.
+    pub fn load(&self) -> EngineLoad {
+        EngineLoad {
+            running: self.scheduler.running.len(),
+            waiting: self.scheduler.waiting.len(),
+            free_blocks: self.scheduler.pool.num_free(),
+            cached_blocks: self.scheduler.pool.num_cached(),
+            total_blocks: self.scheduler.pool.num_blocks(),
+            queued_prefill_tokens: self.scheduler.queued_prefill_tokens(),
+        }
+    }
+
+    /// Totals since start.
+    pub fn stats(&self) -> &EngineStats {
+        &self.stats
+    }
+
+    /// Every cached block hash with its parent, for a router's resync.
+    pub fn cache_dump(&self) -> Vec<(BlockHash, Option<BlockHash>)> {
+        self.scheduler.pool.cached_blocks()
+    }
+
+    /// Drops the whole prefix cache (a `Cleared` event follows).
+    pub fn clear_cache(&mut self) {
+        self.scheduler.pool.clear();
+        self.publish_events();
+    }
+
+    /// Checks the block pool's invariants; for tests.
+    pub fn check_invariants(&self) -> std::result::Result<(), String> {
+        self.scheduler.pool.check_invariants()
+    }
+
+    /// Runs one step and returns what each request produced.
+    pub fn step(&mut self) -> Result<Vec<StepOutput>> {
+        let chunks = self.scheduler.schedule();
+        self.stats.preemptions += self.scheduler.preempted_last_step.len() as u64;
+        if chunks.is_empty() {
+            self.publish_events();
+            return Ok(Vec::new());
+        }
+        self.stats.steps += 1;
+        let logits = {
+            let seqs = &self.scheduler.seqs;
+            let mut items = Vec::with_capacity(chunks.len());
+            for c in &chunks {
+                let s = seqs.get(&c.seq).ok_or_else(|| {
+                    EngineError::InvalidRequest(format!("lost sequence {}", c.seq))
+                })?;
+                let last = c.start + c.len == s.tokens.len() && !s.prefill_only;
+                items.push(ForwardItem {
+                    tokens: &s.tokens[c.start..c.start + c.len],
+                    start_pos: c.start,
+                    block_table: &s.block_table,
+                    logits: if last {
+                        LogitsRequest::Last
+                    } else {
+                        LogitsRequest::None
+                    },
+                });
+            }
+            self.backend.forward(&items)?
+        };
+        let mut outputs = Vec::new();
+        let mut prefilled = Vec::new();
+        for (chunk, row) in chunks.iter().zip(logits) {
+            if let Some(s) = self.scheduler.seqs.get(&chunk.seq) {
+                let end = (chunk.start + chunk.len).min(s.prompt_len);
+                self.stats.prompt_tokens_computed += end.saturating_sub(chunk.start) as u64;
+            }
+            self.commit_chunk(chunk, &row, &mut outputs, &mut prefilled);
+        }
+        for id in prefilled {
+            self.spawn_fork_children(id);
+        }
+        for o in &outputs {
+            if o.finish.is_some() {
+                self.scheduler.remove(o.id);
+            }
+        }
+        self.publish_events();
+        Ok(outputs)
+    }
+
+    /// Drives the engine until every request has finished; returns the completions.
+    pub fn run_to_completion(&mut self) -> Result<Vec<Completion>> {
+        let mut acc: HashMap<RequestId, Completion> = HashMap::new();
+        let mut done = Vec::new();
+        let mut idle_steps = 0;
+        while self.has_unfinished() {
+            let outs = self.step()?;
+            if outs.is_empty() {
+                idle_steps += 1;
+                if idle_steps > 1000 {
+                    return Err(EngineError::OutOfBlocks(
+                        "no progress: requests cannot be scheduled".into(),
+                    ));
+                }
+            } else {
+                idle_steps = 0;
+            }
+            for o in outs {
+                let c = acc.entry(o.id).or_insert_with(|| Completion {
+                    id: o.id,
+                    tokens: Vec::new(),
+                    text: String::new(),
+                    finish: FinishReason::Length,
+                    prompt_tokens: o.prompt_tokens,
+                    cached_tokens: 0,
+                });
+                c.tokens.extend(o.token);
+                c.text.push_str(&o.text);
+                c.cached_tokens = o.cached_tokens;
+                if let Some(f) = o.finish {
+                    c.finish = f;
+                    if let Some(c) = acc.remove(&o.id) {
+                        done.push(c);
+                    }
+                }
+            }
+        }
+        done.sort_by_key(|c| c.id);
+        Ok(done)
+    }
+
+    fn validate(&self, id: RequestId, prompt: &[TokenId], params: &SamplingParams) -> Result<()> {
+        params.validate()?;
+        if self.scheduler.seqs.contains_key(&id)
+            || self
+                .forks
+                .values()
+                .any(|(_, cs)| cs.iter().any(|c| c.id == id))
+        {
+            return Err(EngineError::InvalidRequest(format!(
+                "request id {id} is already in use"
+            )));
+        }
+        if prompt.is_empty() {
+            return Err(EngineError::InvalidRequest("the prompt is empty".into()));
+        }
+        let cfg = self.backend.config();
+        let ctx = cfg.max_position_embeddings;
+        if prompt.len() >= ctx {
+            return Err(EngineError::InvalidRequest(format!(
+                "the prompt has {} tokens; this model's context length is {ctx}",
+                prompt.len()
+            )));
+        }
+        if let Some(bad) = prompt.iter().find(|t| **t as usize >= cfg.vocab_size) {
+            return Err(EngineError::InvalidRequest(format!(
+                "token id {bad} is outside the vocabulary (size {})",
+                cfg.vocab_size
+            )));
+        }
+        let need = (prompt.len() + 1).div_ceil(self.config.block_size);
+        if need > self.scheduler.pool.num_blocks() {
+            return Err(EngineError::InvalidRequest(format!(
+                "the prompt needs {need} KV blocks; this worker has {}",
+                self.scheduler.pool.num_blocks()
+            )));
+        }
+        Ok(())
+    }
+
+    fn new_sequence(
+        &mut self,
+        id: RequestId,
+        prompt: Vec<TokenId>,
+        params: SamplingParams,
+        salt: &str,
+        cacheable_len: usize,
+        prefill_only: bool,
+    ) -> Sequence {
+        self.arrivals += 1;
+        let sampler = Sampler::new(&params, id ^ 0x9e37_79b9_7f4a_7c15);
+        let mut seq = Sequence {
+            id,
+            arrival: self.arrivals,
+            prompt_len: prompt.len(),
+            tokens: prompt,
+            block_table: Vec::new(),
+            num_computed: 0,
+            hashes: Vec::new(),
+            namespace: self.namespace_seed(salt),
+            cacheable_len,
+            status: SeqStatus::Waiting,
+            stop: StopMatcher::new(&params.stop),
+            params,
+            sampler,
+            prompt_tokens_computed: 0,
+            cached_tokens: None,
+            prefill_only,
+            preemptions: 0,
+            decoder: StreamDecoder::new(),
+            block_size: self.config.block_size,
+        };
+        seq.extend_hashes();
+        seq
+    }
+
+    fn commit_chunk(
+        &mut self,
+        chunk: &ScheduledChunk,
+        logits: &[f32],
+        outputs: &mut Vec<StepOutput>,
+        prefilled: &mut Vec<RequestId>,
+    ) {
+        self.scheduler.commit(chunk);
+        let max_pos = self.backend.config().max_position_embeddings;
+        let Some(seq) = self.scheduler.seqs.get_mut(&chunk.seq) else {
+            return;
+        };
+        if seq.num_computed < seq.tokens.len() {
+            return;
+        }
+        if seq.cached_tokens.is_none() {
+            let cached = seq.prompt_len.saturating_sub(seq.prompt_tokens_computed);
+            seq.cached_tokens = Some(cached);
+            self.stats.cached_tokens += cached as u64;
+        }
+        let cached_tokens = seq.cached_tokens.unwrap_or(0);
+        if seq.prefill_only {
+            seq.status = SeqStatus::Finished(FinishReason::Prefilled);
+            prefilled.push(seq.id);
+            outputs.push(StepOutput {
+                id: seq.id,
+                token: None,
+                text: String::new(),
+                finish: Some(FinishReason::Prefilled),
+                prompt_tokens: seq.prompt_len,
+                cached_tokens,
+                logits: None,
+            });
+            return;
+        }
+        let token = seq.sampler.sample(logits);
+        let mut out = StepOutput {
+            id: seq.id,
+            token: None,
+            text: String::new(),
+            finish: None,
+            prompt_tokens: seq.prompt_len,
+            cached_tokens,
+            logits: self.capture_logits.then(|| logits.to_vec()),
+        };
+        let is_stop_token = seq.params.stop_token_ids.contains(&token)
+            || (!seq.params.ignore_eos && self.eos.contains(&token));
+        if is_stop_token {
+            out.finish = Some(FinishReason::Stop);
+            if let Some(t) = &self.tokenizer {
+                out.text = seq.decoder.finish(t.as_ref()).unwrap_or_default();
+                out.text = seq.stop.push(&out.text).emit + &seq.stop.flush();
+            }
+        } else {
+            seq.tokens.push(token);
+            seq.extend_hashes();
+            self.stats.generated_tokens += 1;
+            out.token = Some(token);
+            if let Some(t) = &self.tokenizer {
+                let delta = seq.decoder.push(t.as_ref(), token).unwrap_or_default();
+                let check = seq.stop.push(&delta);
+                out.text = check.emit;
+                if check.stopped {
+                    out.finish = Some(FinishReason::Stop);
+                }
+            }
+            if out.finish.is_none()
+                && (seq.num_generated() >= seq.params.max_tokens || seq.tokens.len() >= max_pos)
+            {
+                out.finish = Some(FinishReason::Length);
+                if let Some(t) = &self.tokenizer {
+                    let tail = seq.decoder.finish(t.as_ref()).unwrap_or_default();
+                    let check = seq.stop.push(&tail);
+                    out.text.push_str(&check.emit);
+                    if check.stopped {
+                        out.finish = Some(FinishReason::Stop);
+                    } else {
+                        out.text.push_str(&seq.stop.flush());
+                    }
+                }
+            }
+        }
+        if let Some(f) = out.finish {
+            seq.status = SeqStatus::Finished(f);
+        }
+        outputs.push(out);
+    }
+
+    /// Turns a finished fork parent into its children: each shares the parent's full
+    /// blocks by reference and gets its own copy of the partial last block.
+    fn spawn_fork_children(&mut self, parent_id: RequestId) {
+        let Some((salt, children)) = self.forks.remove(&parent_id) else {
+            return;
+        };
+        let bs = self.config.block_size;
+        let Some(parent) = self.scheduler.seqs.get(&parent_id) else {
+            return;
+        };
+        let prefix = parent.tokens.clone();
+        let full = prefix.len() / bs;
+        let shared: Vec<BlockId> =
+            parent.block_table[..full.min(parent.block_table.len())].to_vec();
+        let partial = parent
+            .block_table
+            .get(full)
+            .copied()
+            .filter(|_| prefix.len() % bs != 0);
+        let parent_arrival = parent.arrival;
+        for child in children {
+            let mut tokens = prefix.clone();
+            tokens.extend_from_slice(&child.suffix);
+            let mut seq =
+                self.new_sequence(child.id, tokens, child.params, &salt, usize::MAX, false);
+            seq.arrival = parent_arrival;
+            self.stats.prompt_tokens += seq.prompt_len as u64;
+            for &b in &shared {
+                self.scheduler.pool.share(b);
+                seq.block_table.push(b);
+            }
+            seq.num_computed = shared.len() * bs;
+            if let Some(src) = partial {
+                if let Some(dst) = self.scheduler.pool.allocate() {
+                    self.backend.copy_block(src, dst);
+                    seq.block_table.push(dst);
+                    seq.num_computed = prefix.len();
+                }
+            }
+            if self.scheduler.running.len() < self.config.max_num_seqs {
+                seq.status = SeqStatus::Running;
+                let id = seq.id;
+                self.scheduler.seqs.insert(id, seq);
+                self.scheduler.running.push(id);
+            } else {
+                // No room to run it now: queue it; its prefix is still cached.
+                for b in seq.block_table.drain(..).rev() {
+                    self.scheduler.pool.release(b, seq.id);
+                }
+                seq.num_computed = 0;
+                self.scheduler.enqueue(seq);
+            }
+        }
+    }
+
+    fn publish_events(&mut self) {
+        let kinds = self.scheduler.pool.drain_events();
+        for kind in kinds {
+            self.event_seq += 1;
+            if let Some(sink) = &self.sink {
+                sink.publish(&KvEvent {
+                    seq: self.event_seq,
+                    kind,
+                });
+            }
+        }
+    }
+}

@@ -1,0 +1,38 @@
+//! kvfleet-engine: the worker's compute engine, built so a shared prefix costs
+//! nothing the second time.
+//!
+//! - [`block_pool`]: fixed KV blocks, reference counted and addressed by chained hash,
+//!   with an LRU free list whose blocks stay cached until reused.
+//! - [`scheduler`]: continuous batching with chunked prefill, prefix reuse at
+//!   admission, in-flight sharing, and preemption by recompute.
+//! - [`engine`]: one step = schedule, batched forward, sample, publish KV events.
+//! - [`model`]: a Llama-family decoder on candle-core whose attention reads K/V
+//!   through block tables ([`kv_cache`]).
+//! - [`kv_events`]: `Stored` / `Removed` / `Cleared` events with sequence numbers.
+
+pub mod backend;
+pub mod block_pool;
+pub mod engine;
+pub mod error;
+pub mod kv_cache;
+pub mod kv_events;
+pub mod model;
+pub mod model_config;
+pub mod model_source;
+pub mod sampling;
+pub mod scheduler;
+pub mod sequence;
+pub mod stop_matcher;
+
+pub use backend::{CpuBackend, ModelBackend};
+pub use engine::{
+    Completion, Engine, EngineConfig, EngineLoad, EngineStats, ForkChild, ForkRequest, Request,
+    StepOutput,
+};
+pub use error::{EngineError, Result};
+pub use kv_events::{KvEvent, KvEventKind, KvEventSink, RecordingSink};
+pub use model::{ForwardItem, LlamaModel, LogitsRequest};
+pub use model_config::ModelConfig;
+pub use model_source::{load_model, LoadedModel};
+pub use sampling::{Sampler, SamplingParams};
+pub use sequence::{FinishReason, RequestId};

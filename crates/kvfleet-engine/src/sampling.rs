@@ -1,0 +1,361 @@
+//! Turning logits into the next token: greedy, temperature, top-k and top-p sampling,
+//! reproducible from a seed.
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{EngineError, Result};
+
+/// How to pick tokens and when to stop, per request (OpenAI-style parameters).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct SamplingParams {
+    /// Softmax temperature; 0 means greedy (argmax).
+    pub temperature: f32,
+    /// Keep only the `top_k` most likely tokens; 0 disables.
+    pub top_k: usize,
+    /// Keep the smallest set of most likely tokens whose probability reaches `top_p`; 1.0 disables.
+    pub top_p: f32,
+    /// Seed of the request's random stream; `None` lets the engine choose one.
+    pub seed: Option<u64>,
+    /// Most tokens to generate.
+    pub max_tokens: usize,
+    /// Stop when the generated text contains one of these strings.
+    pub stop: Vec<String>,
+    /// Stop when one of these tokens is generated.
+    pub stop_token_ids: Vec<u32>,
+    /// Keep generating past the model's end-of-sequence token.
+    pub ignore_eos: bool,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: None,
+            max_tokens: 16,
+            stop: Vec::new(),
+            stop_token_ids: Vec::new(),
+            ignore_eos: false,
+        }
+    }
+}
+
+impl SamplingParams {
+    /// Rejects parameters no sampler can honour, with [`EngineError::InvalidRequest`].
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(EngineError::InvalidRequest(m));
+        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
+            return bad(format!(
+                "temperature must be finite and >= 0, got {}",
+                self.temperature
+            ));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return bad(format!("top_p must be in (0, 1], got {}", self.top_p));
+        }
+        if self.max_tokens == 0 {
+            return bad("max_tokens must be at least 1".into());
+        }
+        if self.stop.iter().any(String::is_empty) {
+            // An empty stop string would match before the first token.
+            return bad("stop strings must not be empty".into());
+        }
+        Ok(())
+    }
+
+    /// Whether these parameters pick the argmax (no randomness involved).
+    pub fn is_greedy(&self) -> bool {
+        self.temperature == 0.0 || self.top_k == 1
+    }
+}
+
+/// xoshiro256** seeded through splitmix64: small, fast, and identical on every platform,
+/// so a seeded request reproduces its tokens anywhere.
+#[derive(Debug, Clone)]
+struct Rng {
+    s: [u64; 4],
+}
+
+fn splitmix64(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+impl Rng {
+    fn new(seed: u64) -> Self {
+        let mut sm = seed;
+        Self {
+            s: [
+                splitmix64(&mut sm),
+                splitmix64(&mut sm),
+                splitmix64(&mut sm),
+                splitmix64(&mut sm),
+            ],
+        }
+    }
+
+    fn next_u64(&mut self) -> u64 {
+        let result = self.s[1].wrapping_mul(5).rotate_left(7).wrapping_mul(9);
+        let t = self.s[1] << 17;
+        self.s[2] ^= self.s[0];
+        self.s[3] ^= self.s[1];
+        self.s[1] ^= self.s[2];
+        self.s[0] ^= self.s[3];
+        self.s[2] ^= t;
+        self.s[3] = self.s[3].rotate_left(45);
+        result
+    }
+
+    /// Uniform in [0, 1) with 53 random bits.
+    fn next_f64(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+    }
+}
+
+/// Picks tokens from logits according to one request's [`SamplingParams`]; owns the
+/// request's random stream, so one `Sampler` should live as long as its sequence.
+#[derive(Debug, Clone)]
+pub struct Sampler {
+    temperature: f32,
+    top_k: usize,
+    top_p: f32,
+    rng: Rng,
+    /// Scratch for candidate (id, weight) pairs, kept to avoid an allocation per token.
+    scratch: Vec<(u32, f64)>,
+}
+
+impl Sampler {
+    /// A sampler seeded from `params.seed`, or from `fallback_seed` when the request has
+    /// none (the engine derives that from the request id so runs stay reproducible).
+    pub fn new(params: &SamplingParams, fallback_seed: u64) -> Self {
+        Self {
+            temperature: params.temperature,
+            top_k: params.top_k,
+            top_p: params.top_p,
+            rng: Rng::new(params.seed.unwrap_or(fallback_seed)),
+            scratch: Vec::new(),
+        }
+    }
+
+    /// Draws the next token from one row of logits (length = vocabulary size).
+    /// NaN logits are treated as minus infinity. An empty row yields token 0.
+    pub fn sample(&mut self, logits: &[f32]) -> u32 {
+        if self.temperature == 0.0 || self.top_k == 1 || logits.len() <= 1 {
+            return argmax(logits);
+        }
+        let inv_t = 1.0 / f64::from(self.temperature);
+        let cands = &mut self.scratch;
+        cands.clear();
+        cands.extend(
+            logits
+                .iter()
+                .enumerate()
+                .filter(|(_, l)| !l.is_nan() && **l > f32::NEG_INFINITY)
+                .map(|(i, &l)| (i as u32, f64::from(l))),
+        );
+        if cands.is_empty() {
+            return argmax(logits);
+        }
+        // Most likely first, lower id first among equals: a total order, so the
+        // candidate list (and thus the draw) is reproducible.
+        let order = |a: &(u32, f64), b: &(u32, f64)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+        let need_sorted = self.top_p < 1.0;
+        if self.top_k > 0 && self.top_k < cands.len() {
+            cands.select_nth_unstable_by(self.top_k - 1, order);
+            cands.truncate(self.top_k);
+        }
+        if need_sorted {
+            cands.sort_unstable_by(order);
+        }
+        let max = cands.iter().map(|c| c.1).fold(f64::NEG_INFINITY, f64::max);
+        let mut total = 0.0;
+        for c in cands.iter_mut() {
+            c.1 = ((c.1 - max) * inv_t).exp();
+            total += c.1;
+        }
+        if need_sorted {
+            // Smallest prefix whose mass reaches top_p (always at least one token).
+            let target = f64::from(self.top_p) * total;
+            let mut acc = 0.0;
+            let mut keep = cands.len();
+            for (i, c) in cands.iter().enumerate() {
+                acc += c.1;
+                if acc >= target {
+                    keep = i + 1;
+                    break;
+                }
+            }
+            cands.truncate(keep);
+            total = acc;
+        }
+        let mut u = self.rng.next_f64() * total;
+        for c in cands.iter() {
+            if u < c.1 {
+                return c.0;
+            }
+            u -= c.1;
+        }
+        // Rounding left a sliver of mass past the last candidate.
+        cands.last().map_or(0, |c| c.0)
+    }
+}
+
+/// Index of the largest logit; the lowest index wins ties, NaN never wins.
+pub fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0usize;
+    let mut best_v = f32::NEG_INFINITY;
+    let mut found = false;
+    for (i, &v) in logits.iter().enumerate() {
+        if v.is_nan() {
+            continue;
+        }
+        if !found || v > best_v {
+            best = i;
+            best_v = v;
+            found = true;
+        }
+    }
+    best as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn logits() -> Vec<f32> {
+        (0..50)
+            .map(|i| ((i * 37 % 17) as f32 - 8.0) * 0.3)
+            .collect()
+    }
+
+    fn params(temperature: f32, top_k: usize, top_p: f32, seed: Option<u64>) -> SamplingParams {
+        SamplingParams {
+            temperature,
+            top_k,
+            top_p,
+            seed,
+            ..SamplingParams::default()
+        }
+    }
+
+    #[test]
+    fn defaults_are_greedy_and_valid() {
+        let p = SamplingParams::default();
+        assert_eq!(p.temperature, 0.0);
+        assert_eq!(p.max_tokens, 16);
+        assert!(p.is_greedy());
+        p.validate().unwrap();
+    }
+
+    #[test]
+    fn greedy_is_argmax_lowest_id_on_ties() {
+        let mut s = Sampler::new(&SamplingParams::default(), 1);
+        assert_eq!(s.sample(&[0.1, 3.0, -1.0, 3.0]), 1);
+        assert_eq!(s.sample(&[f32::NAN, -5.0, -6.0]), 1);
+        assert_eq!(s.sample(&[2.0; 8]), 0);
+        assert_eq!(argmax(&[]), 0);
+        let l = logits();
+        let expect = argmax(&l);
+        assert_eq!(
+            l[expect as usize],
+            l.iter().cloned().fold(f32::MIN, f32::max)
+        );
+    }
+
+    #[test]
+    fn seeded_sampling_is_reproducible() {
+        let l = logits();
+        let draw = |seed: Option<u64>, fallback: u64| {
+            let mut s = Sampler::new(&params(1.0, 0, 1.0, seed), fallback);
+            (0..64).map(|_| s.sample(&l)).collect::<Vec<_>>()
+        };
+        assert_eq!(draw(Some(7), 1), draw(Some(7), 2));
+        assert_eq!(draw(None, 5), draw(None, 5));
+        assert_ne!(draw(Some(7), 1), draw(Some(8), 1));
+        // A real distribution: more than one distinct token shows up.
+        let mut toks = draw(Some(7), 1);
+        toks.sort_unstable();
+        toks.dedup();
+        assert!(toks.len() > 3);
+    }
+
+    #[test]
+    fn top_k_one_and_tiny_top_p_are_greedy() {
+        let l = logits();
+        let g = argmax(&l);
+        for seed in 0..20 {
+            assert_eq!(
+                Sampler::new(&params(1.5, 1, 1.0, Some(seed)), 0).sample(&l),
+                g
+            );
+            assert_eq!(
+                Sampler::new(&params(1.5, 0, 1e-6, Some(seed)), 0).sample(&l),
+                g
+            );
+        }
+    }
+
+    #[test]
+    fn top_k_restricts_candidates() {
+        let l = logits();
+        let mut sorted: Vec<u32> = (0..l.len() as u32).collect();
+        sorted.sort_by(|&a, &b| l[b as usize].total_cmp(&l[a as usize]).then(a.cmp(&b)));
+        let top3 = &sorted[..3];
+        let mut s = Sampler::new(&params(5.0, 3, 1.0, Some(3)), 0);
+        for _ in 0..200 {
+            assert!(top3.contains(&s.sample(&l)));
+        }
+    }
+
+    #[test]
+    fn top_p_keeps_the_nucleus() {
+        // Probabilities ~0.5, 0.3, 0.2 (and negligible): top_p 0.7 keeps two tokens.
+        let l = [0.5f32.ln(), 0.3f32.ln(), 0.2f32.ln(), -100.0];
+        let mut s = Sampler::new(&params(1.0, 0, 0.7, Some(11)), 0);
+        let mut seen = [0usize; 4];
+        for _ in 0..2000 {
+            seen[s.sample(&l) as usize] += 1;
+        }
+        assert_eq!(seen[2] + seen[3], 0);
+        assert!(seen[0] > 1000 && seen[1] > 500, "{seen:?}");
+    }
+
+    #[test]
+    fn temperature_follows_the_distribution() {
+        let l = [0.0f32, 2.0f32.ln()]; // p = 1/3, 2/3
+        let mut s = Sampler::new(&params(1.0, 0, 1.0, Some(99)), 0);
+        let ones = (0..6000).filter(|_| s.sample(&l) == 1).count();
+        assert!((3700..4300).contains(&ones), "{ones}");
+    }
+
+    #[test]
+    fn validate_rejects_bad_params() {
+        for p in [
+            params(-0.1, 0, 1.0, None),
+            params(f32::NAN, 0, 1.0, None),
+            params(f32::INFINITY, 0, 1.0, None),
+            params(1.0, 0, 0.0, None),
+            params(1.0, 0, 1.5, None),
+            params(1.0, 0, f32::NAN, None),
+            SamplingParams {
+                max_tokens: 0,
+                ..SamplingParams::default()
+            },
+            SamplingParams {
+                stop: vec![String::new()],
+                ..SamplingParams::default()
+            },
+        ] {
+            assert!(
+                matches!(p.validate(), Err(EngineError::InvalidRequest(_))),
+                "{p:?}"
+            );
+        }
+        params(0.7, 40, 0.9, Some(1)).validate().unwrap();
+    }
+}

@@ -1,0 +1,336 @@
+//! Continuous batching: which sequences run this step, and how many tokens each.
+//!
+//! Every step has a token budget. Running sequences go first, oldest first: a decoding
+//! sequence takes one token, a prefilling one takes a chunk of its prompt. Then waiting
+//! sequences are admitted in arrival order (strict FCFS: if the oldest cannot get its
+//! blocks, nobody behind it jumps the queue). When blocks run out for a running
+//! sequence, the newest running sequence is preempted: its blocks are released
+//! (tail-first, so its prefix stays cached) and it is recomputed later, keeping every
+//! token it generated, so no request is lost.
+//!
+//! Prefix reuse happens at admission (the longest run of cached blocks) and at every
+//! block allocation (a block some other sequence published in the meantime). A block
+//! that another sequence is computing right now is taken by reference, and this
+//! sequence waits for it instead of computing it again.
+
+use crate::block_pool::BlockPool;
+use crate::sequence::{RequestId, SeqStatus, Sequence};
+use std::collections::{HashMap, VecDeque};
+
+/// Limits that shape each step.
+#[derive(Clone, Debug)]
+pub struct SchedulerConfig {
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// Most sequences admitted at once.
+    pub max_num_seqs: usize,
+    /// Most tokens run through the model in one step (chunked prefill budget).
+    pub max_batched_tokens: usize,
+    /// Most prompt tokens one sequence may run in one step, so that several prefills
+    /// advance together instead of one long prompt holding the whole budget.
+    pub max_prefill_chunk: usize,
+}
+
+/// A piece of work for one step: run `len` tokens of `seq` from `start`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ScheduledChunk {
+    /// The sequence.
+    pub seq: RequestId,
+    /// First position to compute.
+    pub start: usize,
+    /// Number of tokens.
+    pub len: usize,
+}
+
+/// Sequences, their queues and the block pool they draw from.
+pub struct Scheduler {
+    /// Limits.
+    pub config: SchedulerConfig,
+    /// The KV block pool.
+    pub pool: BlockPool,
+    /// Every unfinished sequence.
+    pub seqs: HashMap<RequestId, Sequence>,
+    /// Admitted sequences, oldest first.
+    pub running: Vec<RequestId>,
+    /// Queued sequences, oldest first.
+    pub waiting: VecDeque<RequestId>,
+    /// Sequences preempted during the last `schedule` (for metrics and tests).
+    pub preempted_last_step: Vec<RequestId>,
+}
+
+enum Grow {
+    /// The blocks needed are held; this many tokens may run.
+    Ok(usize),
+    /// The pool is exhausted.
+    NoBlocks,
+}
+
+impl Scheduler {
+    /// A scheduler over a pool of `num_blocks` blocks.
+    pub fn new(config: SchedulerConfig, num_blocks: usize) -> Self {
+        Scheduler {
+            config,
+            pool: BlockPool::new(num_blocks),
+            seqs: HashMap::new(),
+            running: Vec::new(),
+            waiting: VecDeque::new(),
+            preempted_last_step: Vec::new(),
+        }
+    }
+
+    /// Queues a sequence (in arrival order).
+    pub fn enqueue(&mut self, seq: Sequence) {
+        let arrival = seq.arrival;
+        let id = seq.id;
+        self.seqs.insert(id, seq);
+        let pos = self
+            .waiting
+            .iter()
+            .position(|w| self.seqs.get(w).is_some_and(|s| s.arrival > arrival))
+            .unwrap_or(self.waiting.len());
+        self.waiting.insert(pos, id);
+    }
+
+    /// Prompt tokens not yet computed, over all unfinished sequences.
+    pub fn queued_prefill_tokens(&self) -> usize {
+        self.seqs
+            .values()
+            .map(|s| s.prompt_len.saturating_sub(s.num_computed))
+            .sum()
+    }
+
+    /// Decides this step's work.
+    pub fn schedule(&mut self) -> Vec<ScheduledChunk> {
+        self.preempted_last_step.clear();
+        let mut budget = self.config.max_batched_tokens;
+        let mut chunks = Vec::new();
+
+        let mut i = 0;
+        while i < self.running.len() {
+            if budget == 0 {
+                break;
+            }
+            let id = self.running[i];
+            loop {
+                let cap = budget.min(self.config.max_prefill_chunk);
+                match self.grow(id, cap) {
+                    Grow::Ok(0) => break,
+                    Grow::Ok(n) => {
+                        let start = self.seqs.get(&id).map_or(0, |s| s.num_computed);
+                        chunks.push(ScheduledChunk {
+                            seq: id,
+                            start,
+                            len: n,
+                        });
+                        budget -= n;
+                        break;
+                    }
+                    Grow::NoBlocks => {
+                        // Evict the newest running sequence; it may be this one.
+                        let Some(victim) = self.running.last().copied() else {
+                            break;
+                        };
+                        self.preempt(victim);
+                        if victim == id {
+                            break;
+                        }
+                    }
+                }
+            }
+            if self.running.get(i) == Some(&id) {
+                i += 1;
+            }
+        }
+
+        while budget > 0 && self.running.len() < self.config.max_num_seqs {
+            let Some(&id) = self.waiting.front() else {
+                break;
+            };
+            self.admit_prefix(id);
+            let cap = budget.min(self.config.max_prefill_chunk);
+            match self.grow(id, cap) {
+                Grow::Ok(n) => {
+                    self.waiting.pop_front();
+                    if let Some(s) = self.seqs.get_mut(&id) {
+                        s.status = SeqStatus::Running;
+                    }
+                    self.running.push(id);
+                    if n > 0 {
+                        let start = self.seqs.get(&id).map_or(0, |s| s.num_computed);
+                        chunks.push(ScheduledChunk {
+                            seq: id,
+                            start,
+                            len: n,
+                        });
+                        budget -= n;
+                    }
+                }
+                Grow::NoBlocks => {
+                    self.release_blocks(id);
+                    break;
+                }
+            }
+        }
+        chunks
+    }
+
+    /// Records that a chunk's K/V are now computed: publishes the blocks it filled.
+    pub fn commit(&mut self, chunk: &ScheduledChunk) {
+        let bs = self.config.block_size;
+        let Some(seq) = self.seqs.get_mut(&chunk.seq) else {
+            return;
+        };
+        let end = chunk.start + chunk.len;
+        if chunk.start < seq.prompt_len {
+            seq.prompt_tokens_computed += end.min(seq.prompt_len) - chunk.start;
+        }
+        seq.num_computed = end;
+        for b in chunk.start / bs..end / bs {
+            let Some(&id) = seq.block_table.get(b) else {
+                continue;
+            };
+            if self.pool.is_ready(id) {
+                continue;
+            }
+            if self.pool.hash_of(id).is_some() {
+                self.pool.mark_ready(id);
+            } else if let Some(&h) = seq.hashes.get(b) {
+                if !self.pool.publish_ready(id, h, seq.parent_of(b)) {
+                    // Computed twice (published elsewhere meanwhile): keep ours private
+                    // but valid, so it is not recomputed.
+                    self.pool.mark_ready(id);
+                }
+            } else {
+                self.pool.mark_ready(id);
+            }
+        }
+    }
+
+    /// Removes a sequence from the queues, releasing its blocks.
+    pub fn remove(&mut self, id: RequestId) -> Option<Sequence> {
+        self.release_blocks(id);
+        self.running.retain(|r| *r != id);
+        self.waiting.retain(|r| *r != id);
+        self.seqs.remove(&id)
+    }
+
+    /// Releases a sequence's blocks tail-first and queues it for recomputation.
+    pub fn preempt(&mut self, id: RequestId) {
+        self.release_blocks(id);
+        self.running.retain(|r| *r != id);
+        if let Some(s) = self.seqs.get_mut(&id) {
+            s.status = SeqStatus::Waiting;
+            s.preemptions += 1;
+            let arrival = s.arrival;
+            let pos = self
+                .waiting
+                .iter()
+                .position(|w| self.seqs.get(w).is_some_and(|o| o.arrival > arrival))
+                .unwrap_or(self.waiting.len());
+            self.waiting.insert(pos, id);
+        }
+        self.preempted_last_step.push(id);
+    }
+
+    fn release_blocks(&mut self, id: RequestId) {
+        let Some(seq) = self.seqs.get_mut(&id) else {
+            return;
+        };
+        for b in seq.block_table.drain(..).rev() {
+            self.pool.release(b, id);
+        }
+        seq.num_computed = 0;
+    }
+
+    /// At admission: take the longest run of cached blocks (ready or in flight) that
+    /// starts the prompt, never including the block of the last token (its logits
+    /// must be computed).
+    fn admit_prefix(&mut self, id: RequestId) {
+        let bs = self.config.block_size;
+        let Some(seq) = self.seqs.get_mut(&id) else {
+            return;
+        };
+        if !seq.block_table.is_empty() {
+            return;
+        }
+        let max_blocks = (seq.tokens.len().saturating_sub(1) / bs).min(seq.hashes.len());
+        for i in 0..max_blocks {
+            match self.pool.acquire(seq.hashes[i]) {
+                Some(b) => seq.block_table.push(b),
+                None => break,
+            }
+        }
+        seq.num_computed = 0;
+    }
+
+    /// Moves `num_computed` past leading blocks that became ready (computed by others),
+    /// then secures blocks for up to `budget` more tokens. Stops early at a block
+    /// another sequence is still computing.
+    fn grow(&mut self, id: RequestId, budget: usize) -> Grow {
+        let bs = self.config.block_size;
+        let pool = &mut self.pool;
+        let Some(seq) = self.seqs.get_mut(&id) else {
+            return Grow::Ok(0);
+        };
+        let total = seq.tokens.len();
+        // Take every further block that others have cached or are computing now; the
+        // block holding the last token is always our own (its logits run here).
+        while seq.block_table.len() < seq.hashes.len() && (seq.block_table.len() + 1) * bs < total {
+            match pool.acquire(seq.hashes[seq.block_table.len()]) {
+                Some(blk) => seq.block_table.push(blk),
+                None => break,
+            }
+        }
+        // Skip blocks others computed for us.
+        while seq.num_computed % bs == 0 && seq.num_computed + bs < total {
+            match seq.block_table.get(seq.num_computed / bs) {
+                Some(&b) if pool.is_ready(b) => seq.num_computed += bs,
+                _ => break,
+            }
+        }
+        let start = seq.num_computed;
+        let mut end = (start + budget).min(total);
+        let mut b = start / bs;
+        while b * bs < end {
+            if b >= seq.block_table.len() {
+                let full_before_last = (b + 1) * bs < total;
+                let hash = seq.hashes.get(b).copied();
+                let shared = match hash {
+                    Some(h) if full_before_last => pool.acquire(h),
+                    _ => None,
+                };
+                match shared {
+                    Some(blk) => seq.block_table.push(blk),
+                    None => {
+                        let Some(blk) = pool.allocate() else {
+                            end = end.min(b * bs);
+                            if end <= start {
+                                return Grow::NoBlocks;
+                            }
+                            break;
+                        };
+                        if let Some(h) = hash {
+                            pool.publish_in_flight(blk, h, seq.parent_of(b), id);
+                        }
+                        seq.block_table.push(blk);
+                    }
+                }
+            }
+            let blk = seq.block_table[b];
+            let in_flight_elsewhere =
+                !pool.is_ready(blk) && pool.hash_of(blk).is_some() && !pool.claim(blk, id);
+            if in_flight_elsewhere {
+                end = end.min(b * bs).max(start);
+                break;
+            }
+            if pool.is_ready(blk) && b * bs > start {
+                // A block someone else computed lies ahead: stop before it, never
+                // write into a shared block; the next step skips over it.
+                end = b * bs;
+                break;
+            }
+            b += 1;
+        }
+        Grow::Ok(end - start)
+    }
+}

@@ -1,0 +1,119 @@
+//! One request's state inside the engine: its tokens, its block table and how far
+//! its K/V have been computed.
+
+use crate::block_pool::BlockId;
+use crate::sampling::{Sampler, SamplingParams};
+use crate::stop_matcher::StopMatcher;
+use kvfleet_core::tokenizer::StreamDecoder;
+use kvfleet_core::{chain_hash, BlockHash, TokenId};
+
+/// Caller-chosen id of a request (unique among the engine's unfinished requests).
+pub type RequestId = u64;
+
+/// Why a sequence stopped generating.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    /// An end-of-sequence token, a stop token or a stop string.
+    Stop,
+    /// `max_tokens` or the model's context length was reached.
+    Length,
+    /// The caller aborted it.
+    Aborted,
+    /// A prefill-only request (a fork parent) finished computing its prompt.
+    Prefilled,
+}
+
+/// Where a sequence is in its life.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SeqStatus {
+    /// Queued, holding no blocks.
+    Waiting,
+    /// Admitted: holds blocks and is scheduled every step it can make progress.
+    Running,
+    /// Done.
+    Finished(FinishReason),
+}
+
+/// A request as the engine tracks it.
+pub struct Sequence {
+    /// The request id (also the owner id of blocks it computes).
+    pub id: RequestId,
+    /// Order of arrival; lower runs first (FCFS).
+    pub arrival: u64,
+    /// Prompt followed by every generated token.
+    pub tokens: Vec<TokenId>,
+    /// Number of prompt tokens.
+    pub prompt_len: usize,
+    /// Blocks holding this sequence's K/V, in position order.
+    pub block_table: Vec<BlockId>,
+    /// Tokens whose K/V are in the cache (a prefix of `tokens`).
+    pub num_computed: usize,
+    /// Chained hashes of the full blocks of `tokens[..cacheable_len]`.
+    pub hashes: Vec<BlockHash>,
+    /// Namespace seed of this request's cache (model id + cache salt).
+    pub namespace: u64,
+    /// Tokens past this index never enter the shared prefix cache.
+    pub cacheable_len: usize,
+    /// Current status.
+    pub status: SeqStatus,
+    /// Sampling parameters.
+    pub params: SamplingParams,
+    /// The sequence's own random stream (kept across preemption).
+    pub sampler: Sampler,
+    /// Prompt tokens this sequence ran through the model itself, over all attempts.
+    pub prompt_tokens_computed: usize,
+    /// Whether the prompt's cached-token count has been fixed (first prefill done).
+    pub cached_tokens: Option<usize>,
+    /// Only compute the prompt; sample nothing (a fork parent).
+    pub prefill_only: bool,
+    /// How many times the scheduler evicted this sequence to recompute it later.
+    pub preemptions: u32,
+    /// Text decoder for generated tokens.
+    pub decoder: StreamDecoder,
+    /// Stop-string matcher over the decoded text.
+    pub stop: StopMatcher,
+    /// The block size hashes are computed with.
+    pub block_size: usize,
+}
+
+impl Sequence {
+    /// Number of generated tokens.
+    pub fn num_generated(&self) -> usize {
+        self.tokens.len() - self.prompt_len
+    }
+
+    /// Tokens still to be run through the model before the next sample.
+    pub fn remaining(&self) -> usize {
+        self.tokens.len() - self.num_computed
+    }
+
+    /// Generated token ids.
+    pub fn output_tokens(&self) -> &[TokenId] {
+        &self.tokens[self.prompt_len..]
+    }
+
+    /// Hashes every full block that is now complete and cacheable.
+    pub fn extend_hashes(&mut self) {
+        let limit = self.tokens.len().min(self.cacheable_len);
+        let full = limit / self.block_size;
+        while self.hashes.len() < full {
+            let i = self.hashes.len();
+            let parent = self.hashes.last().map_or(self.namespace, |h| h.0);
+            let h = chain_hash(
+                parent,
+                &self.tokens[i * self.block_size..(i + 1) * self.block_size],
+            );
+            self.hashes.push(h);
+        }
+    }
+
+    /// Parent hash of block `i` (None for the first block).
+    pub fn parent_of(&self, i: usize) -> Option<BlockHash> {
+        if i == 0 {
+            None
+        } else {
+            self.hashes.get(i - 1).copied()
+        }
+    }
+}

@@ -1,0 +1,401 @@
+//! End-to-end engine behaviour on the seeded `tiny` model: prefix-cache hits give the
+//! same logits as cold runs, concurrent identical prefixes are computed once, forks
+//! match solo runs, and preemption loses nothing.
+
+use kvfleet_engine::{
+    CpuBackend, Engine, EngineConfig, FinishReason, ForkChild, ForkRequest, KvEventKind,
+    LlamaModel, ModelConfig, RecordingSink, Request, SamplingParams,
+};
+use std::sync::Arc;
+
+const BS: usize = 16;
+
+fn model() -> Arc<LlamaModel> {
+    Arc::new(LlamaModel::seeded(ModelConfig::tiny(), 7).expect("seeded model"))
+}
+
+fn engine_with(
+    model: &Arc<LlamaModel>,
+    num_blocks: usize,
+    budget: usize,
+    max_seqs: usize,
+) -> Engine {
+    engine_chunked(model, num_blocks, budget, max_seqs, budget)
+}
+
+fn engine_chunked(
+    model: &Arc<LlamaModel>,
+    num_blocks: usize,
+    budget: usize,
+    max_seqs: usize,
+    chunk: usize,
+) -> Engine {
+    let backend = CpuBackend::new(model.clone(), num_blocks, BS);
+    Engine::new(
+        EngineConfig {
+            model_id: "tiny".into(),
+            block_size: BS,
+            max_num_seqs: max_seqs,
+            max_batched_tokens: budget,
+            max_prefill_chunk: chunk,
+        },
+        Box::new(backend),
+        None,
+    )
+    .expect("engine")
+}
+
+/// Deterministic pseudo-text token ids (bytes 0..256).
+fn prompt(seed: u32, len: usize) -> Vec<u32> {
+    let mut x = seed.wrapping_mul(2_654_435_761).wrapping_add(12345);
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            x % 256
+        })
+        .collect()
+}
+
+fn greedy(max_tokens: usize) -> SamplingParams {
+    SamplingParams {
+        max_tokens,
+        ignore_eos: true,
+        ..SamplingParams::default()
+    }
+}
+
+/// Runs one request and returns (logits of its first sampled token, cached tokens).
+fn first_logits(engine: &mut Engine, id: u64, tokens: &[u32]) -> (Vec<f32>, usize) {
+    engine.set_logits_capture(true);
+    engine
+        .add_request(Request::new(id, tokens.to_vec(), greedy(1)))
+        .expect("add");
+    let mut found = None;
+    while engine.has_unfinished() {
+        for o in engine.step().expect("step") {
+            if o.id != id {
+                continue;
+            }
+            if let Some(logits) = o.logits {
+                found = Some((logits, o.cached_tokens));
+            }
+        }
+    }
+    found.expect("logits")
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+#[test]
+fn prefix_cache_hits_give_the_cold_logits() {
+    let m = model();
+    // 8 full blocks + a partial one.
+    let p = prompt(1, 8 * BS + 5);
+    let (cold, cached_cold) = first_logits(&mut engine_with(&m, 64, 4096, 8), 1, &p);
+    assert_eq!(cached_cold, 0);
+
+    // Hits of one block, of many blocks, and of all but the last block.
+    for hit_blocks in [1usize, 5, 8] {
+        let mut e = engine_with(&m, 64, 4096, 8);
+        let (_, c) = first_logits(&mut e, 1, &p[..hit_blocks * BS + 1]);
+        assert_eq!(c, 0);
+        let (warm, cached) = first_logits(&mut e, 2, &p);
+        assert_eq!(cached, hit_blocks * BS, "hit of {hit_blocks} blocks");
+        let d = max_abs_diff(&cold, &warm);
+        assert!(
+            d <= 1e-5,
+            "hit of {hit_blocks} blocks: logits differ by {d}"
+        );
+    }
+
+    // A prompt that is an exact multiple of the block size: everything but the last
+    // block is reused and the last token is still computed.
+    let q = prompt(2, 6 * BS);
+    let (cold_q, _) = first_logits(&mut engine_with(&m, 64, 4096, 8), 1, &q);
+    let mut e = engine_with(&m, 64, 4096, 8);
+    first_logits(&mut e, 1, &q);
+    let (warm_q, cached) = first_logits(&mut e, 2, &q);
+    assert_eq!(cached, 5 * BS);
+    assert!(max_abs_diff(&cold_q, &warm_q) <= 1e-5);
+    e.check_invariants().unwrap();
+}
+
+#[test]
+fn chunked_prefill_gives_the_unchunked_logits() {
+    let m = model();
+    let p = prompt(3, 10 * BS + 3);
+    let (whole, _) = first_logits(&mut engine_with(&m, 64, 4096, 8), 1, &p);
+    let (chunked, _) = first_logits(&mut engine_with(&m, 64, 23, 8), 1, &p);
+    assert!(max_abs_diff(&whole, &chunked) <= 1e-5);
+}
+
+#[test]
+fn concurrent_identical_prefixes_are_computed_once() {
+    let m = model();
+    // A small per-sequence chunk makes the prefix take many steps while the siblings,
+    // admitted in the same steps, find its blocks still in flight.
+    let mut e = engine_chunked(&m, 256, 4096, 16, 32);
+    let prefix = prompt(4, 20 * BS);
+    let n = 5;
+    for i in 0..n {
+        let mut p = prefix.clone();
+        p.extend(prompt(100 + i, 9));
+        e.add_request(Request::new(i as u64 + 1, p, greedy(4)))
+            .unwrap();
+    }
+    let done = e.run_to_completion().unwrap();
+    assert_eq!(done.len(), n as usize);
+    let computed = e.stats().prompt_tokens_computed as usize;
+    // One prefix plus five tails of 9 tokens: nothing computed twice.
+    assert_eq!(
+        computed,
+        prefix.len() + 5 * 9,
+        "prompt tokens computed across the batch"
+    );
+    let mut cached: Vec<usize> = done.iter().map(|c| c.cached_tokens).collect();
+    cached.sort();
+    assert_eq!(cached, vec![0, 320, 320, 320, 320]);
+
+    // And each answer equals that request run alone.
+    for c in &done {
+        let mut p = prefix.clone();
+        p.extend(prompt(100 + (c.id as u32 - 1), 9));
+        let mut solo = engine_with(&m, 256, 4096, 16);
+        solo.add_request(Request::new(1, p, greedy(4))).unwrap();
+        let s = solo.run_to_completion().unwrap();
+        assert_eq!(s[0].tokens, c.tokens, "request {}", c.id);
+    }
+    e.check_invariants().unwrap();
+}
+
+#[test]
+fn fork_children_equal_solo_runs_and_share_the_prefix() {
+    let m = model();
+    let prefix = prompt(5, 7 * BS + 9); // ends in a partial block: copy-on-write
+    let children: Vec<ForkChild> = (0..4)
+        .map(|i| ForkChild {
+            id: 10 + i,
+            suffix: prompt(200 + i as u32, 11 + i as usize),
+            params: greedy(6),
+        })
+        .collect();
+    let mut e = engine_with(&m, 128, 4096, 16);
+    e.add_fork(ForkRequest {
+        id: 1,
+        prefix: prefix.clone(),
+        cache_salt: String::new(),
+        children: children.clone(),
+    })
+    .unwrap();
+    let done = e.run_to_completion().unwrap();
+    assert_eq!(done.len(), 5);
+    assert_eq!(done[0].finish, FinishReason::Prefilled);
+    let suffix_total: usize = children.iter().map(|c| c.suffix.len()).sum();
+    assert_eq!(
+        e.stats().prompt_tokens_computed as usize,
+        prefix.len() + suffix_total,
+        "the prefix is computed once for all children"
+    );
+    for (c, child) in done[1..].iter().zip(&children) {
+        assert_eq!(c.id, child.id);
+        assert_eq!(c.cached_tokens, prefix.len());
+        let mut p = prefix.clone();
+        p.extend(&child.suffix);
+        let mut solo = engine_with(&m, 128, 4096, 16);
+        solo.add_request(Request::new(1, p, greedy(6))).unwrap();
+        assert_eq!(
+            solo.run_to_completion().unwrap()[0].tokens,
+            c.tokens,
+            "child {}",
+            c.id
+        );
+    }
+    e.check_invariants().unwrap();
+}
+
+#[test]
+fn preemption_finishes_every_request_with_unconstrained_output() {
+    let m = model();
+    let reqs: Vec<Vec<u32>> = (0..6)
+        .map(|i| prompt(300 + i, 40 + 13 * i as usize))
+        .collect();
+    let run = |num_blocks: usize| {
+        let mut e = engine_with(&m, num_blocks, 64, 6);
+        for (i, p) in reqs.iter().enumerate() {
+            e.add_request(Request::new(i as u64, p.clone(), greedy(40)))
+                .unwrap();
+        }
+        let done = e.run_to_completion().unwrap();
+        e.check_invariants().unwrap();
+        (done, e.stats().preemptions)
+    };
+    let (free_run, p0) = run(512);
+    assert_eq!(p0, 0);
+    // Each request needs up to 10 blocks; 14 cannot hold six at once.
+    let (tight, preemptions) = run(14);
+    assert!(preemptions > 0, "the small pool must force preemption");
+    assert_eq!(tight.len(), reqs.len());
+    for (a, b) in free_run.iter().zip(&tight) {
+        assert_eq!(a.id, b.id);
+        assert_eq!(
+            a.tokens, b.tokens,
+            "request {} changed under preemption",
+            a.id
+        );
+        assert_eq!(b.tokens.len(), 40);
+        assert_eq!(b.finish, FinishReason::Length);
+    }
+}
+
+#[test]
+fn kv_events_describe_the_cache() {
+    let m = model();
+    let sink = RecordingSink::new();
+    let mut e = engine_with(&m, 8, 4096, 4);
+    e.set_event_sink(Arc::new(sink.clone()));
+    let p = prompt(6, 3 * BS + 2);
+    e.add_request(Request::new(1, p.clone(), greedy(1)))
+        .unwrap();
+    e.run_to_completion().unwrap();
+    let ev = sink.events();
+    let seqs: Vec<u64> = ev.iter().map(|x| x.seq).collect();
+    assert_eq!(
+        seqs,
+        (1..=ev.len() as u64).collect::<Vec<_>>(),
+        "gap-free sequence numbers"
+    );
+    let hashes = kvfleet_core::hash_blocks(e.namespace_seed(""), &p, BS);
+    assert_eq!(
+        ev[0].kind,
+        KvEventKind::Stored {
+            parent_hash: None,
+            block_hashes: hashes.clone()
+        }
+    );
+    let dump: Vec<_> = {
+        let mut d = e.cache_dump();
+        d.sort();
+        d
+    };
+    let mut want = vec![
+        (hashes[0], None),
+        (hashes[1], Some(hashes[0])),
+        (hashes[2], Some(hashes[1])),
+    ];
+    want.sort();
+    assert_eq!(dump, want);
+    // Another prompt needing all 8 blocks evicts the cached ones.
+    e.add_request(Request::new(2, prompt(7, 7 * BS + 3), greedy(1)))
+        .unwrap();
+    e.run_to_completion().unwrap();
+    let removed: Vec<_> = sink
+        .events()
+        .into_iter()
+        .filter_map(|x| match x.kind {
+            KvEventKind::Removed { block_hashes } => Some(block_hashes),
+            _ => None,
+        })
+        .flatten()
+        .collect();
+    for h in &hashes {
+        assert!(removed.contains(h), "evicted block {h} reported");
+    }
+    e.clear_cache();
+    assert_eq!(
+        sink.events().last().map(|x| x.kind.clone()),
+        Some(KvEventKind::Cleared)
+    );
+    assert!(e.cache_dump().is_empty());
+}
+
+#[test]
+fn tenants_with_different_salts_share_nothing() {
+    let m = model();
+    let mut e = engine_with(&m, 64, 4096, 4);
+    let p = prompt(8, 4 * BS + 1);
+    let mut a = Request::new(1, p.clone(), greedy(1));
+    a.cache_salt = "tenant-a".into();
+    e.add_request(a).unwrap();
+    e.run_to_completion().unwrap();
+    let mut b = Request::new(2, p.clone(), greedy(1));
+    b.cache_salt = "tenant-b".into();
+    e.add_request(b).unwrap();
+    assert_eq!(e.run_to_completion().unwrap()[0].cached_tokens, 0);
+    let mut a2 = Request::new(3, p, greedy(1));
+    a2.cache_salt = "tenant-a".into();
+    e.add_request(a2).unwrap();
+    assert_eq!(e.run_to_completion().unwrap()[0].cached_tokens, 4 * BS);
+}
+
+#[test]
+fn uncacheable_tail_never_enters_the_cache() {
+    let m = model();
+    let mut e = engine_with(&m, 64, 4096, 4);
+    let p = prompt(9, 6 * BS);
+    let mut r = Request::new(1, p.clone(), greedy(1));
+    r.cacheable_len = Some(2 * BS + 3);
+    e.add_request(r).unwrap();
+    e.run_to_completion().unwrap();
+    assert_eq!(
+        e.cache_dump().len(),
+        2,
+        "only blocks wholly before the tail are cached"
+    );
+    e.add_request(Request::new(2, p, greedy(1))).unwrap();
+    assert_eq!(e.run_to_completion().unwrap()[0].cached_tokens, 2 * BS);
+}
+
+#[test]
+fn bad_requests_are_refused_with_reasons() {
+    let m = model();
+    let mut e = engine_with(&m, 8, 4096, 4);
+    let err = |r: kvfleet_engine::Result<()>| r.unwrap_err().to_string();
+    assert!(err(e.add_request(Request::new(1, vec![], greedy(1)))).contains("empty"));
+    assert!(err(e.add_request(Request::new(1, vec![9999], greedy(1)))).contains("vocabulary"));
+    assert!(
+        err(e.add_request(Request::new(1, prompt(1, 9 * BS), greedy(1)))).contains("KV blocks")
+    );
+    let ctx = ModelConfig::tiny().max_position_embeddings;
+    let mut big = engine_with(&m, ctx / BS + 8, 4096, 4);
+    assert!(
+        err(big.add_request(Request::new(1, prompt(1, ctx), greedy(1)))).contains("context length")
+    );
+    assert!(err(e.add_request(Request::new(1, prompt(1, 4), greedy(0)))).contains("max_tokens"));
+    e.add_request(Request::new(1, prompt(1, 4), greedy(2)))
+        .unwrap();
+    assert!(err(e.add_request(Request::new(1, prompt(1, 4), greedy(2)))).contains("already in use"));
+    assert!(e.abort(1));
+    assert!(!e.has_unfinished());
+}
+
+#[test]
+fn stop_tokens_and_max_tokens_end_generation() {
+    let m = model();
+    let p = prompt(10, 20);
+    let mut e = engine_with(&m, 16, 4096, 4);
+    e.add_request(Request::new(1, p.clone(), greedy(8)))
+        .unwrap();
+    let free = e.run_to_completion().unwrap().remove(0);
+    assert_eq!(free.tokens.len(), 8);
+    assert_eq!(free.finish, FinishReason::Length);
+    // Stopping on the third generated token returns the two before it.
+    let mut params = greedy(8);
+    params.stop_token_ids = vec![free.tokens[2]];
+    e.add_request(Request::new(2, p, params)).unwrap();
+    let stopped = e.run_to_completion().unwrap().remove(0);
+    let first = free
+        .tokens
+        .iter()
+        .position(|t| *t == free.tokens[2])
+        .unwrap();
+    assert_eq!(stopped.tokens, free.tokens[..first].to_vec());
+    assert_eq!(stopped.finish, FinishReason::Stop);
+}
