@@ -1,0 +1,113 @@
+//! The messages between the gRPC handlers and the engine thread: the commands, their
+//! replies, and the handlers' end of the bounded command queue.
+
+use kvfleet_core::{BlockHash, TokenId};
+use kvfleet_engine::{EngineLoad, EngineStats, SamplingParams};
+use kvfleet_proto::v1 as pb;
+use std::sync::mpsc::{self, SyncSender};
+use std::time::Instant;
+use tokio::sync::{mpsc as tmpsc, oneshot};
+use tonic::Status;
+
+/// Where a `Generate` call's messages go.
+pub(crate) type StreamSender = tmpsc::Sender<Result<pb::GenerateResponse, Status>>;
+
+/// A validated `Generate` call, on its way to the engine.
+pub(crate) struct GenerateCommand {
+    /// The caller's request id (empty: the engine thread assigns one).
+    pub request_id: String,
+    /// Prompt token ids.
+    pub prompt: Vec<TokenId>,
+    /// The router's block hashes, checked against the worker's own.
+    pub block_hashes: Vec<u64>,
+    /// Sampling parameters.
+    pub params: SamplingParams,
+    /// Cache namespace salt.
+    pub cache_salt: String,
+    /// Where the uncacheable tail starts.
+    pub cacheable_len: Option<usize>,
+    /// Fork group, for metrics and logs.
+    pub fork_group: Option<String>,
+    /// When the gRPC handler received the call.
+    pub received_at: Instant,
+    /// The call's response stream.
+    pub stream: StreamSender,
+    /// Told whether the engine accepted the request.
+    pub accepted: oneshot::Sender<Result<(), Status>>,
+}
+
+/// The engine's load and totals, taken together.
+pub(crate) struct LoadSnapshot {
+    /// Current load.
+    pub load: EngineLoad,
+    /// Totals since start.
+    pub stats: EngineStats,
+}
+
+/// Every cached block and the last event sequence number the list reflects.
+pub(crate) struct CacheSnapshot {
+    /// Last KV event published before the snapshot.
+    pub seq: u64,
+    /// (hash, parent) of every ready cached block.
+    pub blocks: Vec<(BlockHash, Option<BlockHash>)>,
+}
+
+/// What the gRPC side asks of the engine thread.
+pub(crate) enum Command {
+    /// Start a request.
+    Generate(Box<GenerateCommand>),
+    /// Abort a request by its gRPC id; replies whether it was unfinished.
+    Abort {
+        request_id: String,
+        reply: oneshot::Sender<bool>,
+    },
+    /// Report load and totals.
+    Load {
+        reply: oneshot::Sender<LoadSnapshot>,
+    },
+    /// Report the cache contents.
+    Dump {
+        reply: oneshot::Sender<CacheSnapshot>,
+    },
+}
+
+/// The gRPC side's end of the command queue.
+#[derive(Clone)]
+pub(crate) struct EngineHandle {
+    tx: SyncSender<Command>,
+    capacity: usize,
+}
+
+impl EngineHandle {
+    /// A handle over the sending end of a queue of `capacity` commands.
+    pub(crate) fn new(tx: SyncSender<Command>, capacity: usize) -> Self {
+        EngineHandle { tx, capacity }
+    }
+
+    /// Queues a command without waiting: a full queue is RESOURCE_EXHAUSTED, a stopped
+    /// engine UNAVAILABLE.
+    pub(crate) fn send(&self, cmd: Command) -> Result<(), Status> {
+        match self.tx.try_send(cmd) {
+            Ok(()) => Ok(()),
+            Err(mpsc::TrySendError::Full(_)) => Err(Status::resource_exhausted(format!(
+                "the worker's engine queue is full ({} commands waiting); retry later or \
+                 on another worker",
+                self.capacity
+            ))),
+            Err(mpsc::TrySendError::Disconnected(_)) => {
+                Err(Status::unavailable("the worker's engine has stopped"))
+            }
+        }
+    }
+
+    /// Sends a command carrying a reply channel and awaits the reply.
+    pub(crate) async fn query<T>(
+        &self,
+        make: impl FnOnce(oneshot::Sender<T>) -> Command,
+    ) -> Result<T, Status> {
+        let (tx, rx) = oneshot::channel();
+        self.send(make(tx))?;
+        rx.await
+            .map_err(|_| Status::unavailable("the worker's engine stopped before answering"))
+    }
+}

@@ -1,0 +1,127 @@
+//! How a worker is set up: which model, how big its KV block pool is, how the engine
+//! batches, and how many KV events it keeps for late subscribers.
+
+use crate::error::WorkerError;
+use kvfleet_engine::{EngineConfig, LoadedModel};
+
+/// The model a worker serves.
+#[derive(Clone)]
+pub enum WorkerModel {
+    /// A `--model` argument (`tiny`, `small`, or a Hugging Face directory), loaded by
+    /// the worker's engine thread with [`kvfleet_engine::load_model`].
+    Spec(String),
+    /// A model already loaded; several in-process workers can share its weights.
+    Loaded(LoadedModel),
+}
+
+impl std::fmt::Debug for WorkerModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            WorkerModel::Spec(s) => f.debug_tuple("Spec").field(s).finish(),
+            WorkerModel::Loaded(m) => f.debug_tuple("Loaded").field(&m.id).finish(),
+        }
+    }
+}
+
+impl From<&str> for WorkerModel {
+    fn from(spec: &str) -> Self {
+        WorkerModel::Spec(spec.to_string())
+    }
+}
+
+impl From<String> for WorkerModel {
+    fn from(spec: String) -> Self {
+        WorkerModel::Spec(spec)
+    }
+}
+
+impl From<LoadedModel> for WorkerModel {
+    fn from(model: LoadedModel) -> Self {
+        WorkerModel::Loaded(model)
+    }
+}
+
+/// Everything a worker needs to start. Build it with [`WorkerConfig::new`] and adjust
+/// the public fields.
+#[derive(Clone, Debug)]
+pub struct WorkerConfig {
+    /// This worker's id: reported in `Info`, `Load`, every KV event batch, and as the
+    /// `worker` label of its metrics.
+    pub worker_id: String,
+    /// The model to serve.
+    pub model: WorkerModel,
+    /// KV blocks in the pool.
+    pub num_blocks: usize,
+    /// Tokens per KV block; routers must hash with the same size.
+    pub block_size: usize,
+    /// Most sequences the engine runs at once.
+    pub max_num_seqs: usize,
+    /// Most tokens per engine step (the chunked-prefill budget).
+    pub max_batched_tokens: usize,
+    /// Most prompt tokens one sequence runs per step.
+    pub max_prefill_chunk: usize,
+    /// KV events kept in memory for `KvEvents` replay; a subscriber asking for an
+    /// older event must resync with `CacheDump`.
+    pub event_ring_capacity: usize,
+    /// Live KV events buffered per subscriber before it counts as lagging (it then
+    /// continues from the ring, or is told to resync when the ring has moved on).
+    pub event_subscriber_buffer: usize,
+    /// Commands (new requests, aborts, load queries) queued for the engine thread;
+    /// beyond it `Generate` answers RESOURCE_EXHAUSTED.
+    pub command_queue_capacity: usize,
+    /// Messages buffered per `Generate` stream; a slower client gets its tokens
+    /// coalesced into fewer messages, never dropped.
+    pub stream_buffer: usize,
+}
+
+impl WorkerConfig {
+    /// A configuration with the engine's default batching, 2,048 blocks, and a ring
+    /// of 65,536 events.
+    pub fn new(worker_id: impl Into<String>, model: impl Into<WorkerModel>) -> Self {
+        let engine = EngineConfig::default();
+        WorkerConfig {
+            worker_id: worker_id.into(),
+            model: model.into(),
+            num_blocks: 2048,
+            block_size: engine.block_size,
+            max_num_seqs: engine.max_num_seqs,
+            max_batched_tokens: engine.max_batched_tokens,
+            max_prefill_chunk: engine.max_prefill_chunk,
+            event_ring_capacity: 65_536,
+            event_subscriber_buffer: 4096,
+            command_queue_capacity: 1024,
+            stream_buffer: 64,
+        }
+    }
+
+    /// Rejects sizes the worker cannot run with (the engine checks its own).
+    pub fn validate(&self) -> Result<(), WorkerError> {
+        let positive = [
+            ("num_blocks", self.num_blocks),
+            ("event_ring_capacity", self.event_ring_capacity),
+            ("event_subscriber_buffer", self.event_subscriber_buffer),
+            ("command_queue_capacity", self.command_queue_capacity),
+            ("stream_buffer", self.stream_buffer),
+        ];
+        for (name, v) in positive {
+            if v == 0 {
+                return Err(WorkerError::Config(format!("{name} must be positive")));
+            }
+        }
+        if self.worker_id.is_empty() {
+            return Err(WorkerError::Config("worker_id must not be empty".into()));
+        }
+        Ok(())
+    }
+
+    /// The engine configuration for `model_id`.
+    pub(crate) fn engine_config(&self, model_id: &str) -> EngineConfig {
+        EngineConfig {
+            model_id: model_id.to_string(),
+            block_size: self.block_size,
+            max_num_seqs: self.max_num_seqs,
+            max_batched_tokens: self.max_batched_tokens,
+            max_prefill_chunk: self.max_prefill_chunk,
+        }
+    }
+}

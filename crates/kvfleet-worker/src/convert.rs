@@ -1,0 +1,183 @@
+//! Conversions between the gRPC messages (`kvfleet_proto::v1`) and the engine's types,
+//! with the checks only the wire format needs (signed counts, unset fields).
+
+use kvfleet_engine::{EngineLoad, EngineStats, FinishReason, KvEvent, KvEventKind, SamplingParams};
+use kvfleet_proto::v1 as pb;
+use tonic::Status;
+
+/// Engine sampling parameters from the request's (absent: the engine's defaults).
+/// Range checks the engine also makes are left to it, so its messages are the ones
+/// clients see; only what cannot be represented on the engine side is checked here.
+pub fn sampling_params(p: Option<&pb::SamplingParams>) -> Result<SamplingParams, Status> {
+    let Some(p) = p else {
+        return Ok(SamplingParams::default());
+    };
+    if p.max_tokens <= 0 {
+        return Err(Status::invalid_argument(format!(
+            "max_tokens must be at least 1, got {}",
+            p.max_tokens
+        )));
+    }
+    Ok(SamplingParams {
+        temperature: p.temperature,
+        top_k: p.top_k as usize,
+        top_p: p.top_p.unwrap_or(1.0),
+        seed: p.seed,
+        max_tokens: p.max_tokens as usize,
+        stop: p.stop.clone(),
+        stop_token_ids: p.stop_token_ids.clone(),
+        ignore_eos: p.ignore_eos,
+    })
+}
+
+/// The wire value of an engine finish reason. `Prefilled` (a fork parent, never
+/// exposed as a `Generate` request) maps to `Stop`.
+pub fn finish_reason(f: FinishReason) -> pb::FinishReason {
+    match f {
+        FinishReason::Stop | FinishReason::Prefilled => pb::FinishReason::Stop,
+        FinishReason::Length => pb::FinishReason::Length,
+        FinishReason::Aborted => pb::FinishReason::Aborted,
+    }
+}
+
+/// Lower-case name of a finish reason, for metric labels and logs.
+pub fn finish_label(f: pb::FinishReason) -> &'static str {
+    match f {
+        pb::FinishReason::Unspecified => "unspecified",
+        pb::FinishReason::Stop => "stop",
+        pb::FinishReason::Length => "length",
+        pb::FinishReason::Aborted => "aborted",
+    }
+}
+
+/// The wire form of a KV event.
+pub fn kv_event(e: &KvEvent) -> pb::KvEvent {
+    use pb::kv_event::{Cleared, Kind, Removed, Stored};
+    let kind = match &e.kind {
+        KvEventKind::Stored {
+            parent_hash,
+            block_hashes,
+        } => Kind::Stored(Stored {
+            parent_hash: parent_hash.map(|h| h.0),
+            block_hashes: block_hashes.iter().map(|h| h.0).collect(),
+        }),
+        KvEventKind::Removed { block_hashes } => Kind::Removed(Removed {
+            block_hashes: block_hashes.iter().map(|h| h.0).collect(),
+        }),
+        KvEventKind::Cleared => Kind::Cleared(Cleared {}),
+    };
+    pb::KvEvent {
+        seq: e.seq,
+        kind: Some(kind),
+    }
+}
+
+/// Saturating `usize` → `u32` for counts sent on the wire.
+pub fn u32_of(n: usize) -> u32 {
+    u32::try_from(n).unwrap_or(u32::MAX)
+}
+
+/// The `Load` answer from an engine snapshot.
+pub fn load_response(worker_id: &str, load: &EngineLoad, stats: &EngineStats) -> pb::LoadResponse {
+    pb::LoadResponse {
+        worker_id: worker_id.to_string(),
+        running: u32_of(load.running),
+        waiting: u32_of(load.waiting),
+        free_blocks: u32_of(load.free_blocks),
+        cached_blocks: u32_of(load.cached_blocks),
+        total_blocks: u32_of(load.total_blocks),
+        queued_prefill_tokens: load.queued_prefill_tokens as u64,
+        prompt_tokens: stats.prompt_tokens,
+        prompt_tokens_computed: stats.prompt_tokens_computed,
+        cached_tokens: stats.cached_tokens,
+        generated_tokens: stats.generated_tokens,
+        preemptions: stats.preemptions,
+        steps: stats.steps,
+    }
+}
+
+/// Folds `next` into the not-yet-sent message `into`: tokens and text are appended,
+/// and the later usage, timings and finish reason win.
+pub fn merge_response(into: &mut pb::GenerateResponse, next: pb::GenerateResponse) {
+    into.token_ids.extend(next.token_ids);
+    into.text.push_str(&next.text);
+    if next.finish_reason != pb::FinishReason::Unspecified as i32 {
+        into.finish_reason = next.finish_reason;
+    }
+    if next.usage.is_some() {
+        into.usage = next.usage;
+    }
+    if next.timings.is_some() {
+        into.timings = next.timings;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvfleet_core::BlockHash;
+
+    #[test]
+    fn sampling_defaults_and_checks() {
+        assert_eq!(sampling_params(None).unwrap(), SamplingParams::default());
+        let mut p = pb::SamplingParams {
+            max_tokens: 5,
+            ..Default::default()
+        };
+        let s = sampling_params(Some(&p)).unwrap();
+        assert_eq!(s.top_p, 1.0);
+        assert_eq!(s.max_tokens, 5);
+        for bad in [0, -3] {
+            p.max_tokens = bad;
+            let e = sampling_params(Some(&p)).unwrap_err();
+            assert_eq!(e.code(), tonic::Code::InvalidArgument);
+            assert!(e.message().contains("max_tokens"));
+        }
+    }
+
+    #[test]
+    fn events_convert() {
+        let e = kv_event(&KvEvent {
+            seq: 7,
+            kind: KvEventKind::Stored {
+                parent_hash: Some(BlockHash(1)),
+                block_hashes: vec![BlockHash(2), BlockHash(3)],
+            },
+        });
+        assert_eq!(e.seq, 7);
+        match e.kind {
+            Some(pb::kv_event::Kind::Stored(s)) => {
+                assert_eq!(s.parent_hash, Some(1));
+                assert_eq!(s.block_hashes, vec![2, 3]);
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn merge_appends_and_keeps_the_last_finish() {
+        let mut a = pb::GenerateResponse {
+            token_ids: vec![1],
+            text: "a".into(),
+            usage: Some(pb::Usage {
+                prompt_tokens: 3,
+                cached_tokens: 0,
+                completion_tokens: 1,
+            }),
+            ..Default::default()
+        };
+        merge_response(
+            &mut a,
+            pb::GenerateResponse {
+                token_ids: vec![2],
+                text: "b".into(),
+                finish_reason: pb::FinishReason::Length as i32,
+                ..Default::default()
+            },
+        );
+        assert_eq!(a.token_ids, vec![1, 2]);
+        assert_eq!(a.text, "ab");
+        assert_eq!(a.finish_reason, pb::FinishReason::Length as i32);
+        assert_eq!(a.usage.map(|u| u.completion_tokens), Some(1));
+    }
+}

@@ -1,0 +1,572 @@
+//! The engine thread: one OS thread owns the (synchronous) engine and everything that
+//! touches it, and the gRPC handlers talk to it only through a bounded command queue.
+//!
+//! Each turn of the loop takes the commands that are waiting (blocking on the queue
+//! while the engine has nothing to do, so an idle worker uses no CPU), drops requests
+//! whose client went away, runs one engine step, and routes every step output to its
+//! request's stream. Streams are bounded tokio channels fed with `try_send`: a slow
+//! client's tokens are coalesced into one pending message instead of blocking the
+//! engine, and a closed stream aborts its request so no work is wasted.
+
+use crate::commands::{
+    CacheSnapshot, Command, EngineHandle, GenerateCommand, LoadSnapshot, StreamSender,
+};
+use crate::config::{WorkerConfig, WorkerModel};
+use crate::convert::{self, u32_of};
+use crate::engine_metrics::EngineMetrics;
+use crate::error::WorkerError;
+use crate::event_log::EventLog;
+use crate::outbox::{Delivery, Outbox};
+use kvfleet_core::{hash_blocks, TokenId};
+use kvfleet_engine::{
+    load_model, CpuBackend, Engine, EngineError, ModelBackend, Request, RequestId, StepOutput,
+};
+use kvfleet_proto::v1 as pb;
+use std::collections::HashMap;
+use std::panic::AssertUnwindSafe;
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, TryRecvError};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::{oneshot, watch};
+use tonic::Status;
+
+/// How long the loop waits for commands when it cannot make progress but still has
+/// something to retry (a stalled schedule, or output a slow client has not taken).
+const POLL: Duration = Duration::from_millis(2);
+
+/// Most commands taken between two engine steps, so a flood of requests cannot
+/// starve the requests already running.
+const MAX_COMMANDS_PER_TURN: usize = 256;
+
+/// A started engine thread.
+pub(crate) struct EngineThread {
+    /// Where to send commands.
+    pub handle: EngineHandle,
+    /// The worker's static facts once the model is loaded, or why it could not be.
+    pub ready: oneshot::Receiver<Result<pb::InfoResponse, WorkerError>>,
+    /// Its sender is dropped when the thread ends.
+    pub stopped: watch::Receiver<()>,
+}
+
+/// Starts the engine thread: it loads the model, builds the engine (publishing KV
+/// events into `events`), reports ready, then serves commands until every
+/// [`EngineHandle`] is dropped.
+pub(crate) fn spawn(
+    config: &WorkerConfig,
+    events: Arc<EventLog>,
+) -> Result<EngineThread, WorkerError> {
+    let (tx, rx) = mpsc::sync_channel(config.command_queue_capacity);
+    let (ready_tx, ready_rx) = oneshot::channel();
+    let (stopped_tx, stopped_rx) = watch::channel(());
+    let capacity = config.command_queue_capacity;
+    let config = config.clone();
+    std::thread::Builder::new()
+        .name(format!("kvfleet-engine-{}", config.worker_id))
+        .spawn(move || {
+            // Dropped when this thread ends, however it ends.
+            let _stopped = stopped_tx;
+            let (engine, info) = match build_engine(&config, events) {
+                Ok(built) => built,
+                Err(e) => {
+                    let _ = ready_tx.send(Err(e));
+                    return;
+                }
+            };
+            if ready_tx.send(Ok(info)).is_err() {
+                return;
+            }
+            EngineLoop::new(engine, rx, &config.worker_id).run();
+        })?;
+    Ok(EngineThread {
+        handle: EngineHandle::new(tx, capacity),
+        ready: ready_rx,
+        stopped: stopped_rx,
+    })
+}
+
+fn build_engine(
+    config: &WorkerConfig,
+    events: Arc<EventLog>,
+) -> Result<(Engine, pb::InfoResponse), WorkerError> {
+    let model = match &config.model {
+        WorkerModel::Spec(spec) => load_model(spec)?,
+        WorkerModel::Loaded(m) => m.clone(),
+    };
+    let backend = CpuBackend::new(
+        Arc::clone(&model.model),
+        config.num_blocks,
+        config.block_size,
+    );
+    let device = backend.device_name();
+    let mut engine = Engine::new(
+        config.engine_config(&model.id),
+        Box::new(backend),
+        Some(Arc::clone(&model.tokenizer)),
+    )?;
+    engine.set_event_sink(events);
+    let mc = engine.model_config();
+    let info = pb::InfoResponse {
+        worker_id: config.worker_id.clone(),
+        model_id: model.id.clone(),
+        block_size: u32_of(config.block_size),
+        num_blocks: u32_of(engine.load().total_blocks),
+        max_context: u32_of(mc.max_position_embeddings),
+        vocab_size: u32_of(mc.vocab_size),
+        device,
+        max_num_seqs: u32_of(config.max_num_seqs),
+    };
+    Ok((engine, info))
+}
+
+/// An unfinished request.
+struct Active {
+    name: String,
+    stream: StreamSender,
+    outbox: Outbox,
+    received_at: Instant,
+    admitted_at: Instant,
+    first_output_at: Option<Instant>,
+    prompt_tokens: usize,
+    cached_tokens: usize,
+    completion_tokens: usize,
+}
+
+impl Active {
+    fn usage(&self) -> pb::Usage {
+        pb::Usage {
+            prompt_tokens: u32_of(self.prompt_tokens),
+            cached_tokens: u32_of(self.cached_tokens),
+            completion_tokens: u32_of(self.completion_tokens),
+        }
+    }
+
+    fn timings(&self, now: Instant) -> pb::Timings {
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        pb::Timings {
+            queue_ms: ms(self.admitted_at - self.received_at),
+            ttft_ms: self
+                .first_output_at
+                .map_or(0.0, |t| ms(t - self.received_at)),
+            total_ms: ms(now - self.received_at),
+        }
+    }
+}
+
+/// A finished request whose last messages its client has not taken yet.
+struct Draining {
+    stream: StreamSender,
+    outbox: Outbox,
+}
+
+enum Wait {
+    /// Nothing to do until a command arrives.
+    Block,
+    /// Retry soon even without a command.
+    Poll,
+    /// Never wait: the engine has work, so only take commands already queued.
+    Never,
+}
+
+struct EngineLoop {
+    engine: Engine,
+    commands: Receiver<Command>,
+    worker_id: String,
+    active: HashMap<RequestId, Active>,
+    by_name: HashMap<String, RequestId>,
+    draining: Vec<Draining>,
+    next_id: RequestId,
+    /// The last step scheduled nothing although requests were unfinished.
+    stalled: bool,
+    metrics: EngineMetrics,
+}
+
+fn engine_status(e: EngineError) -> Status {
+    match e {
+        EngineError::InvalidRequest(m) => Status::invalid_argument(m),
+        EngineError::OutOfBlocks(m) => Status::resource_exhausted(m),
+        other => Status::internal(other.to_string()),
+    }
+}
+
+fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| (*s).to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "panic".to_string())
+}
+
+impl EngineLoop {
+    fn new(engine: Engine, commands: Receiver<Command>, worker_id: &str) -> Self {
+        EngineLoop {
+            engine,
+            commands,
+            worker_id: worker_id.to_string(),
+            active: HashMap::new(),
+            by_name: HashMap::new(),
+            draining: Vec::new(),
+            next_id: 1,
+            stalled: false,
+            metrics: EngineMetrics::new(worker_id),
+        }
+    }
+
+    /// Serves commands until the queue's senders are all gone (or the engine panics),
+    /// then ends every request still open.
+    fn run(mut self) {
+        let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| self.serve()));
+        match outcome {
+            Ok(()) => self.fail_active(Status::unavailable("the worker is shutting down"), true),
+            Err(p) => {
+                let msg = panic_message(p.as_ref());
+                tracing::error!(worker = %self.worker_id, panic = %msg, "engine thread panicked");
+                // The engine's state is suspect: end the streams without touching it.
+                let status = Status::internal(format!("the worker's engine failed: {msg}"));
+                self.fail_active(status, false);
+            }
+        }
+        for d in &mut self.draining {
+            d.outbox.flush(&d.stream);
+        }
+        tracing::debug!(worker = %self.worker_id, "engine thread stopped");
+    }
+
+    fn wait_mode(&self) -> Wait {
+        let busy = self.engine.has_unfinished();
+        if busy && !self.stalled {
+            Wait::Never
+        } else if busy || !self.draining.is_empty() {
+            Wait::Poll
+        } else {
+            Wait::Block
+        }
+    }
+
+    fn serve(&mut self) {
+        loop {
+            let first = match self.wait_mode() {
+                Wait::Block => match self.commands.recv() {
+                    Ok(c) => Some(c),
+                    Err(_) => return,
+                },
+                Wait::Poll => match self.commands.recv_timeout(POLL) {
+                    Ok(c) => Some(c),
+                    Err(RecvTimeoutError::Timeout) => None,
+                    Err(RecvTimeoutError::Disconnected) => return,
+                },
+                Wait::Never => match self.commands.try_recv() {
+                    Ok(c) => Some(c),
+                    Err(TryRecvError::Empty) => None,
+                    Err(TryRecvError::Disconnected) => return,
+                },
+            };
+            if let Some(c) = first {
+                self.handle(c);
+                for _ in 1..MAX_COMMANDS_PER_TURN {
+                    match self.commands.try_recv() {
+                        Ok(c) => self.handle(c),
+                        Err(_) => break,
+                    }
+                }
+            }
+            self.reap_disconnected();
+            self.flush_outboxes();
+            if self.engine.has_unfinished() {
+                self.step();
+            } else {
+                self.stalled = false;
+            }
+            self.metrics
+                .update(&self.engine.load(), self.engine.stats());
+        }
+    }
+
+    fn handle(&mut self, cmd: Command) {
+        match cmd {
+            Command::Generate(g) => self.start(*g),
+            Command::Abort { request_id, reply } => {
+                let found = self.abort_by_name(&request_id);
+                let _ = reply.send(found);
+            }
+            Command::Load { reply } => {
+                let _ = reply.send(LoadSnapshot {
+                    load: self.engine.load(),
+                    stats: self.engine.stats().clone(),
+                });
+            }
+            Command::Dump { reply } => {
+                // Between steps the pool has no unpublished events, so the dump and
+                // the sequence number describe the same state.
+                let _ = reply.send(CacheSnapshot {
+                    seq: self.engine.last_event_seq(),
+                    blocks: self.engine.cache_dump(),
+                });
+            }
+        }
+    }
+
+    /// Checks the router's block hashes against the worker's own hashing of the prompt.
+    fn verify_hashes(&self, prompt: &[TokenId], hashes: &[u64], salt: &str) -> Result<(), Status> {
+        if hashes.is_empty() {
+            return Ok(());
+        }
+        let bs = self.engine.config().block_size;
+        let full = prompt.len() / bs;
+        if hashes.len() > full {
+            return Err(Status::invalid_argument(format!(
+                "router/worker mismatch: {} block hashes were sent, but the prompt's {} tokens \
+                 make only {full} full blocks of {bs}",
+                hashes.len(),
+                prompt.len()
+            )));
+        }
+        let ours = hash_blocks(
+            self.engine.namespace_seed(salt),
+            &prompt[..hashes.len() * bs],
+            bs,
+        );
+        if let Some(i) = (0..hashes.len()).find(|&i| ours[i].0 != hashes[i]) {
+            return Err(Status::invalid_argument(format!(
+                "router/worker mismatch: block {i}'s hash is {:016x} from the router but \
+                 {} on this worker (model `{}`, block size {bs}); router and worker disagree \
+                 on the model id, cache salt, block size or tokens",
+                hashes[i],
+                ours[i],
+                self.engine.config().model_id
+            )));
+        }
+        Ok(())
+    }
+
+    fn start(&mut self, cmd: GenerateCommand) {
+        let GenerateCommand {
+            request_id,
+            prompt,
+            block_hashes,
+            params,
+            cache_salt,
+            cacheable_len,
+            fork_group,
+            received_at,
+            stream,
+            accepted,
+        } = cmd;
+        if stream.is_closed() {
+            let _ = accepted.send(Err(Status::cancelled("the client went away")));
+            return;
+        }
+        let name = if request_id.is_empty() {
+            format!("{}-{}", self.worker_id, self.next_id)
+        } else {
+            request_id
+        };
+        if self.by_name.contains_key(&name) {
+            let _ = accepted.send(Err(Status::already_exists(format!(
+                "request id `{name}` is already running on this worker"
+            ))));
+            return;
+        }
+        if let Err(s) = self.verify_hashes(&prompt, &block_hashes, &cache_salt) {
+            let _ = accepted.send(Err(s));
+            return;
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        let prompt_tokens = prompt.len();
+        let req = Request {
+            id,
+            prompt,
+            params,
+            cache_salt,
+            cacheable_len,
+        };
+        if let Err(e) = self.engine.add_request(req) {
+            let _ = accepted.send(Err(engine_status(e)));
+            return;
+        }
+        if accepted.send(Ok(())).is_err() {
+            // The call was cancelled while it waited in the queue.
+            self.engine.abort(id);
+            return;
+        }
+        let admitted_at = Instant::now();
+        self.metrics.accepted(
+            (admitted_at - received_at).as_secs_f64(),
+            fork_group.is_some(),
+        );
+        tracing::debug!(
+            worker = %self.worker_id,
+            request_id = %name,
+            engine_id = id,
+            prompt_tokens,
+            fork_group = fork_group.as_deref().unwrap_or(""),
+            "request accepted"
+        );
+        self.by_name.insert(name.clone(), id);
+        self.active.insert(
+            id,
+            Active {
+                name,
+                stream,
+                outbox: Outbox::default(),
+                received_at,
+                admitted_at,
+                first_output_at: None,
+                prompt_tokens,
+                cached_tokens: 0,
+                completion_tokens: 0,
+            },
+        );
+    }
+
+    /// Forgets a request that is no longer in the engine; a last message its client
+    /// has not taken yet is kept until it does.
+    fn retire(&mut self, id: RequestId, delivery: Delivery) {
+        if let Some(a) = self.active.remove(&id) {
+            self.by_name.remove(&a.name);
+            if delivery == Delivery::Buffered {
+                self.draining.push(Draining {
+                    stream: a.stream,
+                    outbox: a.outbox,
+                });
+            }
+        }
+    }
+
+    /// Aborts in the engine and forgets a request whose client went away.
+    fn drop_request(&mut self, id: RequestId) {
+        self.engine.abort(id);
+        if let Some(a) = self.active.get(&id) {
+            tracing::debug!(worker = %self.worker_id, request_id = %a.name, "client went away; request aborted");
+        }
+        self.metrics.finished("cancelled");
+        self.retire(id, Delivery::Closed);
+    }
+
+    fn abort_by_name(&mut self, name: &str) -> bool {
+        let Some(&id) = self.by_name.get(name) else {
+            return false;
+        };
+        self.engine.abort(id);
+        let now = Instant::now();
+        let delivery = match self.active.get_mut(&id) {
+            Some(a) => {
+                a.outbox.push(pb::GenerateResponse {
+                    finish_reason: pb::FinishReason::Aborted as i32,
+                    usage: Some(a.usage()),
+                    timings: Some(a.timings(now)),
+                    ..Default::default()
+                });
+                a.outbox.flush(&a.stream)
+            }
+            None => Delivery::Done,
+        };
+        self.metrics
+            .finished(convert::finish_label(pb::FinishReason::Aborted));
+        self.retire(id, delivery);
+        true
+    }
+
+    fn reap_disconnected(&mut self) {
+        let gone: Vec<RequestId> = self
+            .active
+            .iter()
+            .filter(|(_, a)| a.stream.is_closed())
+            .map(|(id, _)| *id)
+            .collect();
+        for id in gone {
+            self.drop_request(id);
+        }
+        self.draining.retain(|d| !d.stream.is_closed());
+    }
+
+    fn flush_outboxes(&mut self) {
+        let mut gone = Vec::new();
+        for (id, a) in &mut self.active {
+            if !a.outbox.is_empty() && a.outbox.flush(&a.stream) == Delivery::Closed {
+                gone.push(*id);
+            }
+        }
+        for id in gone {
+            self.drop_request(id);
+        }
+        self.draining
+            .retain_mut(|d| d.outbox.flush(&d.stream) == Delivery::Buffered);
+    }
+
+    fn step(&mut self) {
+        let before = self.engine.stats().steps;
+        match self.engine.step() {
+            Ok(outputs) => {
+                let now = Instant::now();
+                for o in outputs {
+                    self.route(o, now);
+                }
+            }
+            Err(e) => {
+                tracing::error!(worker = %self.worker_id, error = %e, "engine step failed; failing its requests");
+                self.fail_active(Status::internal(format!("engine step failed: {e}")), true);
+            }
+        }
+        self.stalled = self.engine.stats().steps == before;
+    }
+
+    fn route(&mut self, o: StepOutput, now: Instant) {
+        let Some(a) = self.active.get_mut(&o.id) else {
+            return;
+        };
+        a.prompt_tokens = o.prompt_tokens;
+        a.cached_tokens = o.cached_tokens;
+        let mut msg = pb::GenerateResponse {
+            token_ids: o.token.into_iter().collect(),
+            text: o.text,
+            ..Default::default()
+        };
+        if o.token.is_some() {
+            a.completion_tokens += 1;
+        }
+        if a.first_output_at.is_none() {
+            // The prompt is computed: tell the router its cached share right away.
+            a.first_output_at = Some(now);
+            self.metrics
+                .first_token((now - a.received_at).as_secs_f64());
+            msg.usage = Some(a.usage());
+        }
+        let finish = o.finish.map(convert::finish_reason);
+        if let Some(f) = finish {
+            msg.finish_reason = f as i32;
+            msg.usage = Some(a.usage());
+            msg.timings = Some(a.timings(now));
+        }
+        a.outbox.push(msg);
+        let delivery = a.outbox.flush(&a.stream);
+        match (finish, delivery) {
+            (Some(f), _) => {
+                // The engine already dropped the finished sequence.
+                self.metrics.finished(convert::finish_label(f));
+                self.retire(o.id, delivery);
+            }
+            (None, Delivery::Closed) => self.drop_request(o.id),
+            (None, _) => {}
+        }
+    }
+
+    /// Ends every unfinished request with `status`, aborting it in the engine too when
+    /// `abort` is set.
+    fn fail_active(&mut self, status: Status, abort: bool) {
+        let ids: Vec<RequestId> = self.active.keys().copied().collect();
+        for id in ids {
+            if abort {
+                self.engine.abort(id);
+            }
+            let delivery = match self.active.get_mut(&id) {
+                Some(a) => {
+                    a.outbox.error = Some(status.clone());
+                    a.outbox.flush(&a.stream)
+                }
+                None => Delivery::Done,
+            };
+            self.metrics.finished("error");
+            self.retire(id, delivery);
+        }
+    }
+}

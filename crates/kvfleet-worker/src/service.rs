@@ -1,0 +1,234 @@
+//! The tonic service: the `kvfleet.v1.Worker` RPCs, answered by the engine thread
+//! (`Generate`, `Abort`, `Load`, `CacheDump`), the event log (`KvEvents`) or the
+//! worker's static facts (`Info`). Handlers never block: they queue a command with
+//! `try_send` and await the engine thread's reply.
+
+use crate::commands::{Command, EngineHandle, GenerateCommand};
+use crate::config::WorkerConfig;
+use crate::convert;
+use crate::engine_loop;
+use crate::error::WorkerError;
+use crate::event_log::EventLog;
+use futures::Stream;
+use kvfleet_proto::v1 as pb;
+use kvfleet_proto::v1::worker_server::{Worker, WorkerServer};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Instant;
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status};
+
+/// The `KvEvents` response stream.
+pub type KvEventStream = Pin<Box<dyn Stream<Item = Result<pb::KvEventBatch, Status>> + Send>>;
+
+/// The `Generate` response stream.
+pub type GenerateStream = ReceiverStream<Result<pb::GenerateResponse, Status>>;
+
+/// One worker's gRPC service: an engine thread, its event log, and its static facts.
+/// Clones share the same engine. The engine thread stops once every clone (and every
+/// server holding one) is dropped.
+#[derive(Clone)]
+pub struct WorkerService {
+    engine: EngineHandle,
+    events: Arc<EventLog>,
+    info: Arc<pb::InfoResponse>,
+    stream_buffer: usize,
+    closing: Arc<watch::Sender<bool>>,
+    stopped: watch::Receiver<()>,
+}
+
+/// Ends the live `KvEvents` streams of a worker (with UNAVAILABLE), which would
+/// otherwise keep a graceful shutdown waiting forever. `Generate` streams are left to
+/// finish.
+#[derive(Clone)]
+pub struct EventStreamCloser(Arc<watch::Sender<bool>>);
+
+impl EventStreamCloser {
+    /// Ends every live `KvEvents` stream, now and for any subscriber still to come.
+    pub fn close(&self) {
+        self.0.send_replace(true);
+    }
+}
+
+impl WorkerService {
+    /// Starts the engine thread (which loads the model and builds the engine) and
+    /// returns once it is ready to serve.
+    pub async fn start(config: WorkerConfig) -> Result<Self, WorkerError> {
+        config.validate()?;
+        let events = Arc::new(EventLog::new(
+            config.worker_id.clone(),
+            config.event_ring_capacity,
+            config.event_subscriber_buffer,
+        ));
+        let thread = engine_loop::spawn(&config, Arc::clone(&events))?;
+        let info = thread
+            .ready
+            .await
+            .map_err(|_| WorkerError::Task("the engine thread exited while starting".into()))??;
+        tracing::info!(
+            worker = %info.worker_id,
+            model = %info.model_id,
+            blocks = info.num_blocks,
+            block_size = info.block_size,
+            device = %info.device,
+            "worker engine ready"
+        );
+        let (closing, _) = watch::channel(false);
+        Ok(WorkerService {
+            engine: thread.handle,
+            events,
+            info: Arc::new(info),
+            stream_buffer: config.stream_buffer,
+            closing: Arc::new(closing),
+            stopped: thread.stopped,
+        })
+    }
+
+    /// The worker's static facts (what `Info` answers).
+    pub fn info(&self) -> &pb::InfoResponse {
+        &self.info
+    }
+
+    /// The worker's KV event log.
+    pub fn event_log(&self) -> &Arc<EventLog> {
+        &self.events
+    }
+
+    /// A handle that ends this worker's live `KvEvents` streams; call it when a
+    /// graceful shutdown starts.
+    pub fn event_stream_closer(&self) -> EventStreamCloser {
+        EventStreamCloser(Arc::clone(&self.closing))
+    }
+
+    /// Resolves once the engine thread has ended (after every clone of this service
+    /// has been dropped).
+    pub fn engine_stopped(&self) -> impl Future<Output = ()> + Send + 'static {
+        let mut stopped = self.stopped.clone();
+        async move { while stopped.changed().await.is_ok() {} }
+    }
+
+    /// The service wrapped for `tonic::transport::Server::add_service`.
+    pub fn into_server(self) -> WorkerServer<Self> {
+        WorkerServer::new(self)
+    }
+
+    /// Checks what can be checked without the engine: model id and block size.
+    fn check_request(&self, req: &pb::GenerateRequest) -> Result<(), Status> {
+        let info = &self.info;
+        if !req.model.is_empty() && req.model != info.model_id {
+            return Err(Status::invalid_argument(format!(
+                "this worker serves model `{}`, not `{}`",
+                info.model_id, req.model
+            )));
+        }
+        let unset_ok = req.block_size == 0 && req.block_hashes.is_empty();
+        if req.block_size != info.block_size && !unset_ok {
+            return Err(Status::invalid_argument(format!(
+                "router/worker mismatch: the request's block size is {} but this worker's is {} \
+                 (block hashes are only comparable at equal block sizes)",
+                req.block_size, info.block_size
+            )));
+        }
+        Ok(())
+    }
+}
+
+#[tonic::async_trait]
+impl Worker for WorkerService {
+    type GenerateStream = GenerateStream;
+    type KvEventsStream = KvEventStream;
+
+    async fn generate(
+        &self,
+        request: Request<pb::GenerateRequest>,
+    ) -> Result<Response<Self::GenerateStream>, Status> {
+        let received_at = Instant::now();
+        let req = request.into_inner();
+        self.check_request(&req)?;
+        let params = convert::sampling_params(req.sampling.as_ref())?;
+        let (tx, rx) = mpsc::channel(self.stream_buffer);
+        let (accepted_tx, accepted_rx) = oneshot::channel();
+        self.engine
+            .send(Command::Generate(Box::new(GenerateCommand {
+                request_id: req.request_id,
+                prompt: req.token_ids,
+                block_hashes: req.block_hashes,
+                params,
+                cache_salt: req.cache_salt,
+                cacheable_len: req.cacheable_len.map(|n| n as usize),
+                fork_group: req.fork_group,
+                received_at,
+                stream: tx,
+                accepted: accepted_tx,
+            })))?;
+        match accepted_rx.await {
+            Ok(Ok(())) => Ok(Response::new(ReceiverStream::new(rx))),
+            Ok(Err(status)) => Err(status),
+            Err(_) => Err(Status::unavailable(
+                "the worker's engine stopped before accepting the request",
+            )),
+        }
+    }
+
+    async fn kv_events(
+        &self,
+        request: Request<pb::KvEventsRequest>,
+    ) -> Result<Response<Self::KvEventsStream>, Status> {
+        let from_seq = request.into_inner().from_seq;
+        let sub = self.events.subscribe(from_seq)?;
+        let stream = Arc::clone(&self.events).into_batches(sub, self.closing.subscribe());
+        Ok(Response::new(Box::pin(stream)))
+    }
+
+    async fn cache_dump(
+        &self,
+        _request: Request<pb::CacheDumpRequest>,
+    ) -> Result<Response<pb::CacheDumpResponse>, Status> {
+        let dump = self.engine.query(|reply| Command::Dump { reply }).await?;
+        Ok(Response::new(pb::CacheDumpResponse {
+            worker_id: self.info.worker_id.clone(),
+            seq: dump.seq,
+            blocks: dump
+                .blocks
+                .into_iter()
+                .map(|(hash, parent)| pb::CachedBlock {
+                    hash: hash.0,
+                    parent_hash: parent.map(|p| p.0),
+                })
+                .collect(),
+        }))
+    }
+
+    async fn load(
+        &self,
+        _request: Request<pb::LoadRequest>,
+    ) -> Result<Response<pb::LoadResponse>, Status> {
+        let snap = self.engine.query(|reply| Command::Load { reply }).await?;
+        Ok(Response::new(convert::load_response(
+            &self.info.worker_id,
+            &snap.load,
+            &snap.stats,
+        )))
+    }
+
+    async fn info(
+        &self,
+        _request: Request<pb::InfoRequest>,
+    ) -> Result<Response<pb::InfoResponse>, Status> {
+        Ok(Response::new(pb::InfoResponse::clone(&self.info)))
+    }
+
+    async fn abort(
+        &self,
+        request: Request<pb::AbortRequest>,
+    ) -> Result<Response<pb::AbortResponse>, Status> {
+        let request_id = request.into_inner().request_id;
+        let found = self
+            .engine
+            .query(|reply| Command::Abort { request_id, reply })
+            .await?;
+        Ok(Response::new(pb::AbortResponse { found }))
+    }
+}
