@@ -1,0 +1,195 @@
+//! Sending one request to a worker: route it, call the worker, and retry on another
+//! worker while it has not started (no message received yet).
+
+use crate::fleet::{DecisionRecord, Fleet};
+use crate::fleet_metrics as m;
+use crate::openai::error::ApiError;
+use crate::policy::PolicyKind;
+use kvfleet_core::BlockHash;
+use kvfleet_proto::v1 as pb;
+use std::sync::Arc;
+use std::time::Instant;
+use tonic::Code;
+
+/// What the router sends a worker for one request.
+#[derive(Clone, Debug)]
+pub struct GenerationSpec {
+    /// Request id (also used for Abort).
+    pub request_id: String,
+    /// Prompt ids.
+    pub token_ids: Vec<u32>,
+    /// Chained hashes of the prompt's full blocks.
+    pub hashes: Vec<BlockHash>,
+    /// Sampling parameters.
+    pub sampling: pb::SamplingParams,
+    /// Cache namespace salt.
+    pub cache_salt: String,
+    /// Where the uncacheable tail starts.
+    pub cacheable_len: Option<u32>,
+    /// Fork group, if the client named one.
+    pub fork_group: Option<String>,
+    /// Routing policy.
+    pub policy: PolicyKind,
+}
+
+/// A request the chosen worker accepted: its first message is in hand.
+pub struct Dispatched {
+    /// The serving worker.
+    pub worker: String,
+    /// The first message (usage of the prompt; maybe tokens).
+    pub first: pb::GenerateResponse,
+    /// The rest of the stream.
+    pub stream: tonic::Streaming<pb::GenerateResponse>,
+    /// Releases the router's in-flight bookkeeping when dropped.
+    pub guard: InflightGuard,
+    /// When the request reached the router.
+    pub started: Instant,
+}
+
+/// Keeps a request counted as in flight on its worker until dropped.
+pub struct InflightGuard {
+    fleet: Arc<Fleet>,
+    worker: String,
+    prefill_tokens: usize,
+    /// Cached tokens the router predicted.
+    pub predicted_cached_tokens: usize,
+    /// Policy that chose the worker.
+    pub policy: &'static str,
+}
+
+impl Drop for InflightGuard {
+    fn drop(&mut self) {
+        let _ = self
+            .fleet
+            .kv()
+            .request_finished(&self.worker, self.prefill_tokens);
+    }
+}
+
+/// Routes and starts `spec`, retrying elsewhere while no worker has started it.
+pub async fn dispatch(fleet: &Arc<Fleet>, spec: &GenerationSpec) -> Result<Dispatched, ApiError> {
+    let started = Instant::now();
+    let mut last_error = String::from("no worker is available");
+    for attempt in 0..fleet.config.max_attempts.max(1) {
+        if attempt > 0 {
+            m::retry();
+        }
+        let decision = {
+            let mut kv = fleet.kv();
+            kv.route(
+                &spec.hashes,
+                spec.token_ids.len(),
+                spec.policy,
+                fleet.now_ms(),
+            )
+        };
+        let decision = match decision {
+            Ok(d) => d,
+            Err(e) => {
+                last_error = e.to_string();
+                break;
+            }
+        };
+        m::decision_phase("index_lookup", decision.timings.index_lookup_ns);
+        m::decision_phase(
+            "scoring",
+            decision.timings.scoring_ns + decision.timings.reserve_ns,
+        );
+        let worker = decision.worker.to_string();
+        let guard = InflightGuard {
+            fleet: fleet.clone(),
+            worker: worker.clone(),
+            prefill_tokens: decision.prefill_tokens,
+            predicted_cached_tokens: decision.predicted_cached_tokens,
+            policy: decision.policy,
+        };
+        let give_up_on_worker = |why: String| {
+            if let Some(r) = decision.reservation {
+                fleet.kv().cancel_reservation(r);
+            }
+            fleet.worker_failed(&worker);
+            why
+        };
+        let Some(conn) = fleet.conn(&worker) else {
+            last_error = give_up_on_worker(format!("worker {worker} is not connected"));
+            continue;
+        };
+        let req = pb::GenerateRequest {
+            request_id: spec.request_id.clone(),
+            model: String::new(),
+            token_ids: spec.token_ids.clone(),
+            block_hashes: spec.hashes.iter().map(|h| h.0).collect(),
+            block_size: fleet.config.router.block_size as u32,
+            cache_salt: spec.cache_salt.clone(),
+            cacheable_len: spec.cacheable_len,
+            sampling: Some(spec.sampling.clone()),
+            fork_group: spec.fork_group.clone(),
+        };
+        let call = async {
+            let mut stream = conn.generate(req).await?;
+            let first = stream.message().await?;
+            Ok::<_, tonic::Status>((stream, first))
+        };
+        match tokio::time::timeout(fleet.config.first_message_timeout, call).await {
+            Ok(Ok((stream, Some(first)))) => {
+                m::routed(&worker, decision.policy);
+                fleet.record_decision(DecisionRecord {
+                    at_ms: fleet.now_ms(),
+                    worker: worker.clone(),
+                    policy: decision.policy,
+                    prompt_tokens: spec.token_ids.len(),
+                    predicted_cached_tokens: decision.predicted_cached_tokens,
+                    prefix_root: spec.hashes.first().map(|h| h.to_string()),
+                    fork_group: spec.fork_group.clone(),
+                });
+                return Ok(Dispatched {
+                    worker,
+                    first,
+                    stream,
+                    guard,
+                    started,
+                });
+            }
+            Ok(Ok((_, None))) => {
+                last_error = format!("worker {worker} closed the stream before answering");
+            }
+            Ok(Err(status)) => match status.code() {
+                Code::InvalidArgument | Code::OutOfRange | Code::FailedPrecondition => {
+                    if let Some(r) = decision.reservation {
+                        fleet.kv().cancel_reservation(r);
+                    }
+                    return Err(ApiError::invalid(status.message().to_string()));
+                }
+                Code::ResourceExhausted => {
+                    // Busy, not broken: try another worker without dropping this one.
+                    if let Some(r) = decision.reservation {
+                        fleet.kv().cancel_reservation(r);
+                    }
+                    last_error = format!("worker {worker} is overloaded: {}", status.message());
+                }
+                _ => {
+                    last_error =
+                        give_up_on_worker(format!("worker {worker} failed: {}", status.message()));
+                }
+            },
+            Err(_) => {
+                let _ = conn.abort(&spec.request_id).await;
+                last_error = give_up_on_worker(format!(
+                    "worker {worker} did not answer within {:?}",
+                    fleet.config.first_message_timeout
+                ));
+            }
+        }
+    }
+    Err(ApiError::unavailable(last_error))
+}
+
+/// OpenAI's name for a finish reason.
+pub fn finish_reason_name(f: i32) -> Option<&'static str> {
+    match pb::FinishReason::try_from(f).ok()? {
+        pb::FinishReason::Stop => Some("stop"),
+        pb::FinishReason::Length => Some("length"),
+        pb::FinishReason::Aborted => Some("abort"),
+        pb::FinishReason::Unspecified => None,
+    }
+}

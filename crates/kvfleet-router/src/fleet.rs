@@ -1,0 +1,566 @@
+//! The router's live view of its fleet: connections to workers, the pure [`KvRouter`]
+//! kept current by each worker's KV events and load reports, and the per-request
+//! bookkeeping around it.
+//!
+//! One supervisor task per worker connects, rebuilds the worker's part of the index
+//! from a `CacheDump`, then follows its `KvEvents` stream and polls `Load`. Any gap in
+//! event sequence numbers triggers another dump; a lost worker is dropped from the
+//! index (so nothing is routed to it) until it answers again.
+
+use crate::events::{RouterKvEvent, RouterKvEventKind};
+use crate::fleet_metrics as m;
+use crate::incremental_tokenizer::IncrementalTokenizer;
+use crate::kv_router::{KvRouter, RouterConfig};
+use crate::load::WorkerLoad;
+use crate::policy::PolicyKind;
+use crate::prefix_index::IndexError;
+use crate::prompt_model::PromptModel;
+use crate::worker_conn::{ConnError, WorkerConn};
+use futures::StreamExt;
+use kvfleet_core::BlockHash;
+use kvfleet_proto::v1 as pb;
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::time::{Duration, Instant};
+use tokio::task::JoinHandle;
+
+/// How the router runs.
+#[derive(Clone, Debug)]
+pub struct FleetConfig {
+    /// Model spec (`tiny`, `small` or a directory): the router loads its tokenizer and
+    /// chat template only.
+    pub model: String,
+    /// Routing core settings (block size, reservation TTL, policy weights).
+    pub router: RouterConfig,
+    /// Policy when a request names none.
+    pub default_policy: PolicyKind,
+    /// How often each worker's load is polled.
+    pub load_poll_interval: Duration,
+    /// How long to wait for a request's first message from a worker before trying
+    /// another one (the request has not started there, or is stuck).
+    pub first_message_timeout: Duration,
+    /// Most workers tried for one request.
+    pub max_attempts: usize,
+    /// Conversations remembered for incremental tokenization.
+    pub tokenizer_cache_entries: usize,
+}
+
+impl Default for FleetConfig {
+    fn default() -> Self {
+        FleetConfig {
+            model: "tiny".into(),
+            router: RouterConfig::default(),
+            default_policy: PolicyKind::CacheAware,
+            load_poll_interval: Duration::from_millis(100),
+            first_message_timeout: Duration::from_secs(120),
+            max_attempts: 3,
+            tokenizer_cache_entries: 4096,
+        }
+    }
+}
+
+/// A worker as the fleet tracks it.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct WorkerStatus {
+    /// Worker id.
+    pub id: String,
+    /// gRPC endpoint.
+    pub endpoint: String,
+    /// Whether it is in the routing index now.
+    pub healthy: bool,
+    /// Last load report.
+    pub load: Option<LoadReport>,
+}
+
+/// A worker's last `Load` answer.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct LoadReport {
+    /// Running sequences.
+    pub running: u32,
+    /// Queued sequences.
+    pub waiting: u32,
+    /// Free blocks.
+    pub free_blocks: u32,
+    /// Cached blocks.
+    pub cached_blocks: u32,
+    /// All blocks.
+    pub total_blocks: u32,
+    /// Prompt tokens not computed yet.
+    pub queued_prefill_tokens: u64,
+    /// Prompt tokens received since start.
+    pub prompt_tokens: u64,
+    /// Prompt tokens actually computed since start.
+    pub prompt_tokens_computed: u64,
+    /// Prompt tokens served from cache since start.
+    pub cached_tokens: u64,
+    /// Tokens generated since start.
+    pub generated_tokens: u64,
+    /// Preemptions since start.
+    pub preemptions: u64,
+}
+
+struct WorkerSlot {
+    conn: Option<WorkerConn>,
+    endpoint: String,
+    healthy: bool,
+    load: Option<LoadReport>,
+    task: Option<JoinHandle<()>>,
+}
+
+/// A routing decision as recorded for the dashboard.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct DecisionRecord {
+    /// Milliseconds since the router started.
+    pub at_ms: u64,
+    /// Chosen worker.
+    pub worker: String,
+    /// Policy that chose it.
+    pub policy: &'static str,
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Cached tokens the router predicted.
+    pub predicted_cached_tokens: usize,
+    /// First block hash of the prompt (the prefix root), hex.
+    pub prefix_root: Option<String>,
+    /// Fork group, if any.
+    pub fork_group: Option<String>,
+}
+
+/// The router's fleet: shared by every HTTP handler.
+pub struct Fleet {
+    /// Settings.
+    pub config: FleetConfig,
+    /// Tokenizer and chat template.
+    pub prompt: PromptModel,
+    kv: Mutex<KvRouter>,
+    workers: RwLock<BTreeMap<String, WorkerSlot>>,
+    model: RwLock<Option<(String, usize)>>,
+    tokenize_cache: Mutex<IncrementalTokenizer>,
+    fork_groups: Mutex<ForkGroups>,
+    decisions: Mutex<VecDeque<DecisionRecord>>,
+    started: Instant,
+}
+
+/// Recent routing decisions kept for the dashboard.
+const DECISIONS_KEPT: usize = 256;
+
+#[derive(Default)]
+struct ForkGroups {
+    first_worker: HashMap<String, String>,
+    order: VecDeque<String>,
+    colocated: u64,
+    total: u64,
+}
+
+const FORK_GROUPS_KEPT: usize = 65_536;
+
+/// Locks a mutex, recovering the data if a panicking thread poisoned it: every
+/// structure here stays consistent between calls.
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Fleet {
+    /// A fleet with no workers yet.
+    pub fn new(config: FleetConfig) -> Result<Arc<Self>, String> {
+        let prompt = PromptModel::load(&config.model)?;
+        let cache = IncrementalTokenizer::new(config.tokenizer_cache_entries);
+        Ok(Arc::new(Fleet {
+            kv: Mutex::new(KvRouter::new(config.router.clone())),
+            prompt,
+            config,
+            workers: RwLock::new(BTreeMap::new()),
+            model: RwLock::new(None),
+            tokenize_cache: Mutex::new(cache),
+            fork_groups: Mutex::new(ForkGroups::default()),
+            decisions: Mutex::new(VecDeque::new()),
+            started: Instant::now(),
+        }))
+    }
+
+    /// Milliseconds since the router started (the clock of reservations).
+    pub fn now_ms(&self) -> u64 {
+        self.started.elapsed().as_millis() as u64
+    }
+
+    /// The routing core (locked).
+    pub fn kv(&self) -> MutexGuard<'_, KvRouter> {
+        lock(&self.kv)
+    }
+
+    /// The incremental tokenizer (locked).
+    pub fn tokenize_cache(&self) -> MutexGuard<'_, IncrementalTokenizer> {
+        lock(&self.tokenize_cache)
+    }
+
+    /// The served model id and context length, once a worker has reported them.
+    pub fn model(&self) -> Option<(String, usize)> {
+        self.model.read().ok().and_then(|m| m.clone())
+    }
+
+    /// Connects to a worker, checks that it serves this fleet's model and block size,
+    /// indexes its cache and starts following it. Returns its id.
+    pub async fn add_worker(self: &Arc<Self>, endpoint: &str) -> Result<String, String> {
+        let conn = WorkerConn::connect(endpoint)
+            .await
+            .map_err(|e| e.to_string())?;
+        let id = conn.id().to_string();
+        self.check_model(&conn)?;
+        self.register(&conn).await?;
+        {
+            let mut workers = self
+                .workers
+                .write()
+                .map_err(|_| "worker table poisoned".to_string())?;
+            if let Some(old) = workers.insert(
+                id.clone(),
+                WorkerSlot {
+                    conn: Some(conn),
+                    endpoint: endpoint.to_string(),
+                    healthy: true,
+                    load: None,
+                    task: None,
+                },
+            ) {
+                if let Some(t) = old.task {
+                    t.abort();
+                }
+            }
+        }
+        // The slot exists before its supervisor starts, so the supervisor finds it.
+        let fleet = self.clone();
+        let (wid, ep) = (id.clone(), endpoint.to_string());
+        let task = tokio::spawn(async move { fleet.supervise(wid, ep).await });
+        if let Ok(mut workers) = self.workers.write() {
+            if let Some(slot) = workers.get_mut(&id) {
+                slot.task = Some(task);
+            }
+        }
+        Ok(id)
+    }
+
+    /// Stops following a worker and drops it from routing.
+    pub fn remove_worker(&self, id: &str) {
+        if let Ok(mut w) = self.workers.write() {
+            if let Some(slot) = w.remove(id) {
+                if let Some(t) = slot.task {
+                    t.abort();
+                }
+            }
+        }
+        self.kv().remove_worker(id);
+    }
+
+    /// The connection to a healthy worker.
+    pub fn conn(&self, id: &str) -> Option<WorkerConn> {
+        let w = self.workers.read().ok()?;
+        w.get(id).filter(|s| s.healthy).and_then(|s| s.conn.clone())
+    }
+
+    /// Every worker's status.
+    pub fn worker_statuses(&self) -> Vec<WorkerStatus> {
+        let Ok(w) = self.workers.read() else {
+            return Vec::new();
+        };
+        w.iter()
+            .map(|(id, s)| WorkerStatus {
+                id: id.clone(),
+                endpoint: s.endpoint.clone(),
+                healthy: s.healthy,
+                load: s.load.clone(),
+            })
+            .collect()
+    }
+
+    /// Number of healthy workers.
+    pub fn healthy_workers(&self) -> usize {
+        self.workers
+            .read()
+            .map(|w| w.values().filter(|s| s.healthy).count())
+            .unwrap_or(0)
+    }
+
+    /// Marks a worker failed after a request could not reach it: it leaves the index
+    /// until its supervisor reconnects.
+    pub fn worker_failed(&self, id: &str) {
+        if let Ok(mut w) = self.workers.write() {
+            if let Some(s) = w.get_mut(id) {
+                s.healthy = false;
+            }
+        }
+        self.kv().remove_worker(id);
+    }
+
+    /// Records a routing decision for the dashboard and fork-group co-location.
+    pub fn record_decision(&self, rec: DecisionRecord) {
+        if let Some(group) = &rec.fork_group {
+            let mut fg = lock(&self.fork_groups);
+            let first = match fg.first_worker.get(group) {
+                Some(w) => w.clone(),
+                None => {
+                    fg.first_worker.insert(group.clone(), rec.worker.clone());
+                    fg.order.push_back(group.clone());
+                    if fg.order.len() > FORK_GROUPS_KEPT {
+                        if let Some(old) = fg.order.pop_front() {
+                            fg.first_worker.remove(&old);
+                        }
+                    }
+                    rec.worker.clone()
+                }
+            };
+            let colocated = first == rec.worker;
+            fg.total += 1;
+            if colocated {
+                fg.colocated += 1;
+            }
+            m::fork_group(colocated, fg.colocated as f64 / fg.total as f64);
+        }
+        let mut d = lock(&self.decisions);
+        d.push_back(rec);
+        while d.len() > DECISIONS_KEPT {
+            d.pop_front();
+        }
+    }
+
+    /// The most recent routing decisions, oldest first.
+    pub fn recent_decisions(&self) -> Vec<DecisionRecord> {
+        lock(&self.decisions).iter().cloned().collect()
+    }
+
+    /// Fork-group requests served by their group's first worker / all of them.
+    pub fn fork_colocation(&self) -> (u64, u64) {
+        let fg = lock(&self.fork_groups);
+        (fg.colocated, fg.total)
+    }
+
+    fn check_model(&self, conn: &WorkerConn) -> Result<(), String> {
+        let info = &conn.info;
+        let bs = self.config.router.block_size;
+        if info.block_size as usize != bs {
+            return Err(format!(
+                "worker {} uses KV block size {}, this router uses {bs}: a router never mixes block sizes",
+                info.worker_id, info.block_size
+            ));
+        }
+        let mut model = self
+            .model
+            .write()
+            .map_err(|_| "model lock poisoned".to_string())?;
+        match &*model {
+            Some((id, _)) if *id != info.model_id => Err(format!(
+                "worker {} serves model {:?}, this fleet serves {id:?}",
+                info.worker_id, info.model_id
+            )),
+            Some(_) => Ok(()),
+            None => {
+                *model = Some((info.model_id.clone(), info.max_context as usize));
+                Ok(())
+            }
+        }
+    }
+
+    /// Adds the worker to the routing core and indexes its cache from a dump.
+    async fn register(&self, conn: &WorkerConn) -> Result<u64, String> {
+        let id = conn.id().to_string();
+        self.kv()
+            .add_worker(&id, conn.info.block_size as usize)
+            .map_err(|e| e.to_string())?;
+        self.resync(conn).await.map_err(|e| e.to_string())
+    }
+
+    /// Rebuilds a worker's part of the index from its dump; returns the dump's seq.
+    async fn resync(&self, conn: &WorkerConn) -> Result<u64, ConnError> {
+        let dump = conn.cache_dump().await?;
+        let blocks: Vec<(BlockHash, Option<BlockHash>)> = dump
+            .blocks
+            .iter()
+            .map(|b| (BlockHash(b.hash), b.parent_hash.map(BlockHash)))
+            .collect();
+        m::resync(conn.id());
+        if let Err(e) = self.kv().rebuild_worker(conn.id(), &blocks, dump.seq) {
+            tracing::warn!(worker = conn.id(), "rebuild failed: {e}");
+        }
+        Ok(dump.seq)
+    }
+
+    /// Follows one worker for as long as it is in the table.
+    async fn supervise(self: Arc<Self>, id: String, endpoint: String) {
+        let mut backoff = Duration::from_millis(100);
+        loop {
+            let conn = match self.conn_for(&id) {
+                Some(c) => Ok(c),
+                None => self.reconnect(&id, &endpoint).await,
+            };
+            match conn {
+                Ok(conn) => {
+                    backoff = Duration::from_millis(100);
+                    let err = self.follow(&conn).await;
+                    tracing::warn!(worker = %id, "lost worker: {err}");
+                }
+                Err(e) => tracing::debug!(worker = %id, "reconnect failed: {e}"),
+            }
+            self.worker_failed(&id);
+            if let Ok(mut w) = self.workers.write() {
+                match w.get_mut(&id) {
+                    Some(s) => s.conn = None,
+                    None => return,
+                }
+            }
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(Duration::from_secs(2));
+        }
+    }
+
+    fn conn_for(&self, id: &str) -> Option<WorkerConn> {
+        let w = self.workers.read().ok()?;
+        w.get(id).and_then(|s| s.conn.clone())
+    }
+
+    async fn reconnect(&self, id: &str, endpoint: &str) -> Result<WorkerConn, String> {
+        let conn = WorkerConn::connect(endpoint)
+            .await
+            .map_err(|e| e.to_string())?;
+        if conn.id() != id {
+            return Err(format!("{endpoint} is now worker {}, not {id}", conn.id()));
+        }
+        self.check_model(&conn)?;
+        self.register(&conn).await?;
+        if let Ok(mut w) = self.workers.write() {
+            if let Some(s) = w.get_mut(id) {
+                s.conn = Some(conn.clone());
+                s.healthy = true;
+            }
+        }
+        Ok(conn)
+    }
+
+    /// Applies the worker's events and polls its load until something fails.
+    async fn follow(&self, conn: &WorkerConn) -> String {
+        let id = conn.id().to_string();
+        let mut poll = tokio::time::interval(self.config.load_poll_interval);
+        poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        'subscribe: loop {
+            let from = self.kv().last_seq(&id).unwrap_or(0) + 1;
+            let mut stream = match conn.kv_events(from).await {
+                Ok(s) => s,
+                Err(ConnError::Status(s)) if s.code() == tonic::Code::OutOfRange => {
+                    if let Err(e) = self.resync(conn).await {
+                        return e.to_string();
+                    }
+                    continue 'subscribe;
+                }
+                Err(e) => return e.to_string(),
+            };
+            loop {
+                tokio::select! {
+                    batch = stream.next() => match batch {
+                        Some(Ok(batch)) => {
+                            if let Err(e) = self.apply_batch(&id, &batch) {
+                                tracing::info!(worker = %id, "event gap ({e}); resyncing from a dump");
+                                if let Err(e) = self.resync(conn).await {
+                                    return e.to_string();
+                                }
+                                continue 'subscribe;
+                            }
+                        }
+                        Some(Err(s)) if s.code() == tonic::Code::OutOfRange => {
+                            if let Err(e) = self.resync(conn).await {
+                                return e.to_string();
+                            }
+                            continue 'subscribe;
+                        }
+                        Some(Err(s)) => return format!("event stream failed: {s}"),
+                        None => return "event stream ended".to_string(),
+                    },
+                    _ = poll.tick() => {
+                        if let Err(e) = self.poll_load(conn).await {
+                            return e.to_string();
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    fn apply_batch(&self, id: &str, batch: &pb::KvEventBatch) -> Result<(), IndexError> {
+        let mut kv = self.kv();
+        for e in &batch.events {
+            kv.apply_event(id, &router_event(e))?;
+        }
+        Ok(())
+    }
+
+    async fn poll_load(&self, conn: &WorkerConn) -> Result<(), ConnError> {
+        let l = conn.load().await?;
+        let report = WorkerLoad {
+            running: l.running as usize,
+            waiting: l.waiting as usize,
+            queued_prefill_tokens: l.queued_prefill_tokens as usize,
+            free_blocks: l.free_blocks as usize,
+            total_blocks: l.total_blocks as usize,
+            ..WorkerLoad::default()
+        };
+        let _ = self.kv().update_load(conn.id(), report);
+        m::worker_load(
+            conn.id(),
+            l.running.into(),
+            l.waiting.into(),
+            l.free_blocks.into(),
+            l.cached_blocks.into(),
+            l.queued_prefill_tokens,
+        );
+        if let Ok(mut w) = self.workers.write() {
+            if let Some(s) = w.get_mut(conn.id()) {
+                s.load = Some(LoadReport {
+                    running: l.running,
+                    waiting: l.waiting,
+                    free_blocks: l.free_blocks,
+                    cached_blocks: l.cached_blocks,
+                    total_blocks: l.total_blocks,
+                    queued_prefill_tokens: l.queued_prefill_tokens,
+                    prompt_tokens: l.prompt_tokens,
+                    prompt_tokens_computed: l.prompt_tokens_computed,
+                    cached_tokens: l.cached_tokens,
+                    generated_tokens: l.generated_tokens,
+                    preemptions: l.preemptions,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Polls every healthy worker's load now (tests and `/fleet` want fresh counters).
+    pub async fn refresh_loads(&self) {
+        let conns: Vec<WorkerConn> = self
+            .workers
+            .read()
+            .map(|w| {
+                w.values()
+                    .filter(|s| s.healthy)
+                    .filter_map(|s| s.conn.clone())
+                    .collect()
+            })
+            .unwrap_or_default();
+        for c in conns {
+            let _ = self.poll_load(&c).await;
+        }
+    }
+}
+
+/// Converts a wire event into the router's own type.
+pub fn router_event(e: &pb::KvEvent) -> RouterKvEvent {
+    use pb::kv_event::Kind;
+    let kind = match &e.kind {
+        Some(Kind::Stored(s)) => RouterKvEventKind::Stored {
+            parent_hash: s.parent_hash.map(BlockHash),
+            block_hashes: s.block_hashes.iter().map(|h| BlockHash(*h)).collect(),
+        },
+        Some(Kind::Removed(r)) => RouterKvEventKind::Removed {
+            block_hashes: r.block_hashes.iter().map(|h| BlockHash(*h)).collect(),
+        },
+        // A kind this router does not know: treat as losing track of the worker's
+        // cache, the safe reading.
+        Some(Kind::Cleared(_)) | None => RouterKvEventKind::Cleared,
+    };
+    RouterKvEvent { seq: e.seq, kind }
+}

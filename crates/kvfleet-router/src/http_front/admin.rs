@@ -1,0 +1,83 @@
+//! Fleet-facing endpoints: models, health, Prometheus metrics and the JSON fleet state.
+
+use crate::fleet::Fleet;
+use crate::fleet_metrics;
+use crate::openai::error::ApiError;
+use crate::openai::types::{ModelCard, ModelList};
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use std::sync::Arc;
+
+/// `GET /v1/models`.
+pub async fn models(State(fleet): State<Arc<Fleet>>) -> Json<ModelList> {
+    let data = fleet
+        .model()
+        .map(|(id, ctx)| ModelCard {
+            id,
+            object: "model",
+            created: 0,
+            owned_by: "kvfleet",
+            max_model_len: ctx,
+        })
+        .into_iter()
+        .collect();
+    Json(ModelList {
+        object: "list",
+        data,
+    })
+}
+
+/// `GET /health`: 200 while at least one worker can be routed to, 503 otherwise.
+pub async fn health(State(fleet): State<Arc<Fleet>>) -> Response {
+    let healthy = fleet.healthy_workers();
+    let body = serde_json::json!({
+        "status": if healthy > 0 { "ok" } else { "no_workers" },
+        "healthy_workers": healthy,
+        "workers": fleet.worker_statuses().len(),
+    });
+    let status = if healthy > 0 {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (status, Json(body)).into_response()
+}
+
+/// `GET /metrics`: Prometheus text exposition.
+pub async fn metrics() -> Response {
+    match fleet_metrics::prometheus_handle() {
+        Some(h) => (
+            [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+            h.render(),
+        )
+            .into_response(),
+        None => ApiError::internal("metrics recorder unavailable").into_response(),
+    }
+}
+
+/// `GET /fleet`: workers, their load and counters, the index, recent decisions.
+pub async fn fleet_state(State(fleet): State<Arc<Fleet>>) -> Json<serde_json::Value> {
+    fleet.refresh_loads().await;
+    let snapshot = fleet.kv().snapshot();
+    let (colocated, fork_requests) = fleet.fork_colocation();
+    Json(serde_json::json!({
+        "model": fleet.model().map(|m| m.0),
+        "workers": fleet.worker_statuses(),
+        "router": snapshot,
+        "fork_groups": { "colocated": colocated, "requests": fork_requests },
+        "recent_decisions": fleet.recent_decisions(),
+    }))
+}
+
+/// Anything else: an OpenAI-style 404.
+pub async fn not_found() -> ApiError {
+    ApiError {
+        status: StatusCode::NOT_FOUND,
+        message: "no such endpoint".into(),
+        kind: "invalid_request_error",
+        param: None,
+        code: Some("not_found"),
+    }
+}

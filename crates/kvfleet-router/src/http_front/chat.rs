@@ -1,0 +1,238 @@
+//! `POST /v1/chat/completions`.
+
+use super::relay::{collect, relay_sse, ChunkWriter};
+use super::{parse_body, prepare, request_id, sse_response, unix_now, Prepared, RequestMeta};
+use crate::fleet::Fleet;
+use crate::openai::error::ApiError;
+use crate::openai::tool_call_parser::{has_open, parse_tool_calls, partial_open_len};
+use crate::openai::types::{
+    AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest,
+    ChunkChoice, ChunkDelta, ToolCallDelta, Usage,
+};
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::HeaderMap;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use std::sync::Arc;
+
+/// Handles a chat completion, streamed or not.
+pub async fn chat_completions(
+    State(fleet): State<Arc<Fleet>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let req: ChatCompletionRequest = parse_body(&body)?;
+    if req.messages.is_empty() {
+        return Err(ApiError::invalid_param(
+            "messages",
+            "messages must not be empty",
+        ));
+    }
+    let meta = RequestMeta::from_headers(
+        &fleet,
+        &headers,
+        &req.model,
+        req.sampling.cache_salt.as_deref(),
+    )?;
+    let tools = match req.tool_choice.as_ref().and_then(|c| c.as_str()) {
+        Some("none") => Vec::new(),
+        _ => req.tools.clone().unwrap_or_default(),
+    };
+    let prompt = {
+        let scope = format!("{}\u{0}{}", meta.model_id, meta.cache_salt);
+        let mut cache = fleet.tokenize_cache();
+        cache
+            .tokenize(
+                &scope,
+                &fleet.prompt.chat_template,
+                fleet.prompt.tokenizer.as_ref(),
+                &req.messages,
+                &tools,
+            )
+            .map_err(|e| ApiError::invalid_param("messages", e.to_string()))?
+    };
+    let Prepared {
+        dispatched,
+        worker_header,
+    } = prepare(&fleet, &meta, prompt.ids, &req.sampling).await?;
+    let id = format!("chatcmpl-{}", request_id());
+    let created = unix_now();
+    let model = meta.model_id.clone();
+    let want_tools = !tools.is_empty();
+    if req.sampling.stream {
+        let include_usage = req
+            .sampling
+            .stream_options
+            .as_ref()
+            .is_some_and(|o| o.include_usage);
+        let writer = ChatChunks {
+            id,
+            created,
+            model,
+            want_tools,
+            held: String::new(),
+            in_tool_call: false,
+        };
+        return Ok(sse_response(worker_header, move |tx| {
+            relay_sse(fleet, dispatched, writer, include_usage, tx)
+        }));
+    }
+    let (out, _) = collect(&fleet, dispatched).await?;
+    let (content, tool_calls) = if want_tools {
+        parse_tool_calls(&out.text, &id)
+    } else {
+        (out.text, Vec::new())
+    };
+    let finish = if tool_calls.is_empty() {
+        out.finish
+    } else {
+        Some("tool_calls")
+    };
+    let body = ChatCompletion {
+        id,
+        object: "chat.completion",
+        created,
+        model,
+        choices: vec![ChatChoice {
+            index: 0,
+            message: AssistantMessage {
+                role: "assistant",
+                content: if content.is_empty() && !tool_calls.is_empty() {
+                    None
+                } else {
+                    Some(content)
+                },
+                tool_calls,
+            },
+            finish_reason: finish,
+            logprobs: None,
+        }],
+        usage: out.usage,
+    };
+    Ok((worker_header, Json(body)).into_response())
+}
+
+/// SSE chunks of a chat completion. With tools, text from a `<tool_call>` tag on is
+/// held back and sent as `tool_calls` once complete.
+struct ChatChunks {
+    id: String,
+    created: u64,
+    model: String,
+    want_tools: bool,
+    held: String,
+    in_tool_call: bool,
+}
+
+impl ChatChunks {
+    fn chunk(
+        &self,
+        delta: ChunkDelta,
+        finish: Option<&'static str>,
+        usage: Option<Usage>,
+        choice: bool,
+    ) -> String {
+        let c = ChatCompletionChunk {
+            id: self.id.clone(),
+            object: "chat.completion.chunk",
+            created: self.created,
+            model: self.model.clone(),
+            choices: if choice {
+                vec![ChunkChoice {
+                    index: 0,
+                    delta,
+                    finish_reason: finish,
+                    logprobs: None,
+                }]
+            } else {
+                Vec::new()
+            },
+            usage,
+        };
+        serde_json::to_string(&c).unwrap_or_default()
+    }
+
+    fn content(&self, text: String) -> String {
+        self.chunk(
+            ChunkDelta {
+                content: Some(text),
+                ..ChunkDelta::default()
+            },
+            None,
+            None,
+            true,
+        )
+    }
+}
+
+impl ChunkWriter for ChatChunks {
+    fn start(&mut self) -> Vec<String> {
+        vec![self.chunk(
+            ChunkDelta {
+                role: Some("assistant"),
+                content: Some(String::new()),
+                ..ChunkDelta::default()
+            },
+            None,
+            None,
+            true,
+        )]
+    }
+
+    fn text(&mut self, delta: &str) -> Vec<String> {
+        if !self.want_tools {
+            return vec![self.content(delta.to_string())];
+        }
+        self.held.push_str(delta);
+        if self.in_tool_call || has_open(&self.held) {
+            self.in_tool_call = true;
+            return Vec::new();
+        }
+        let keep = partial_open_len(&self.held);
+        let send: String = self.held.drain(..self.held.len() - keep).collect();
+        if send.is_empty() {
+            Vec::new()
+        } else {
+            vec![self.content(send)]
+        }
+    }
+
+    fn finish(&mut self, reason: &'static str, usage: Option<&Usage>) -> Vec<String> {
+        let mut out = Vec::new();
+        let mut reason = reason;
+        let held = std::mem::take(&mut self.held);
+        if self.want_tools && !held.is_empty() {
+            let (content, calls) = parse_tool_calls(&held, &self.id);
+            if !content.is_empty() {
+                out.push(self.content(content));
+            }
+            if !calls.is_empty() {
+                reason = "tool_calls";
+                let deltas = calls
+                    .into_iter()
+                    .enumerate()
+                    .map(|(index, c)| ToolCallDelta {
+                        index,
+                        id: c.id,
+                        kind: c.kind,
+                        function: c.function,
+                    })
+                    .collect();
+                out.push(self.chunk(
+                    ChunkDelta {
+                        tool_calls: Some(deltas),
+                        ..ChunkDelta::default()
+                    },
+                    None,
+                    None,
+                    true,
+                ));
+            }
+        }
+        out.push(self.chunk(ChunkDelta::default(), Some(reason), None, true));
+        if let Some(u) = usage {
+            out.push(self.chunk(ChunkDelta::default(), None, Some(u.clone()), false));
+        }
+        out
+    }
+}

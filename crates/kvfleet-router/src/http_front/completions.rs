@@ -1,0 +1,155 @@
+//! `POST /v1/completions`: a prompt given as text or as token ids.
+
+use super::relay::{collect, relay_sse, ChunkWriter};
+use super::{parse_body, prepare, request_id, sse_response, unix_now, Prepared, RequestMeta};
+use crate::fleet::Fleet;
+use crate::openai::error::ApiError;
+use crate::openai::types::{Completion, CompletionChoice, CompletionRequest, PromptInput, Usage};
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::HeaderMap;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use std::sync::Arc;
+
+/// Handles a text completion, streamed or not.
+pub async fn completions(
+    State(fleet): State<Arc<Fleet>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let req: CompletionRequest = parse_body(&body)?;
+    if req.echo {
+        return Err(ApiError::invalid_param("echo", "echo is not supported"));
+    }
+    let meta = RequestMeta::from_headers(
+        &fleet,
+        &headers,
+        &req.model,
+        req.sampling.cache_salt.as_deref(),
+    )?;
+    let vocab = fleet.prompt.tokenizer.vocab_size();
+    let ids = match req.prompt {
+        PromptInput::Text(t) => encode(&fleet, &t)?,
+        PromptInput::Texts(mut v) if v.len() == 1 => encode(&fleet, &v.remove(0))?,
+        PromptInput::Tokens(ids) => token_ids(&ids, vocab)?,
+        PromptInput::TokenLists(mut v) if v.len() == 1 => token_ids(&v.remove(0), vocab)?,
+        _ => {
+            return Err(ApiError::invalid_param(
+                "prompt",
+                "exactly one prompt per request is served",
+            ))
+        }
+    };
+    if ids.is_empty() {
+        return Err(ApiError::invalid_param("prompt", "the prompt is empty"));
+    }
+    let Prepared {
+        dispatched,
+        worker_header,
+    } = prepare(&fleet, &meta, ids, &req.sampling).await?;
+    let id = format!("cmpl-{}", request_id());
+    let created = unix_now();
+    let model = meta.model_id.clone();
+    if req.sampling.stream {
+        let include_usage = req
+            .sampling
+            .stream_options
+            .as_ref()
+            .is_some_and(|o| o.include_usage);
+        let writer = TextChunks { id, created, model };
+        return Ok(sse_response(worker_header, move |tx| {
+            relay_sse(fleet, dispatched, writer, include_usage, tx)
+        }));
+    }
+    let (out, _) = collect(&fleet, dispatched).await?;
+    let body = Completion {
+        id,
+        object: "text_completion",
+        created,
+        model,
+        choices: vec![CompletionChoice {
+            index: 0,
+            text: out.text,
+            finish_reason: out.finish,
+            logprobs: None,
+        }],
+        usage: Some(out.usage),
+    };
+    Ok((worker_header, Json(body)).into_response())
+}
+
+fn encode(fleet: &Fleet, text: &str) -> Result<Vec<u32>, ApiError> {
+    fleet
+        .prompt
+        .tokenizer
+        .encode(text)
+        .map_err(|e| ApiError::invalid_param("prompt", e.to_string()))
+}
+
+fn token_ids(ids: &[i64], vocab: usize) -> Result<Vec<u32>, ApiError> {
+    ids.iter()
+        .map(|&t| {
+            u32::try_from(t)
+                .ok()
+                .filter(|t| (*t as usize) < vocab)
+                .ok_or_else(|| {
+                    ApiError::invalid_param(
+                        "prompt",
+                        format!("token id {t} is outside the vocabulary (size {vocab})"),
+                    )
+                })
+        })
+        .collect()
+}
+
+struct TextChunks {
+    id: String,
+    created: u64,
+    model: String,
+}
+
+impl TextChunks {
+    fn chunk(
+        &self,
+        text: String,
+        finish: Option<&'static str>,
+        usage: Option<Usage>,
+        choice: bool,
+    ) -> String {
+        let c = Completion {
+            id: self.id.clone(),
+            object: "text_completion",
+            created: self.created,
+            model: self.model.clone(),
+            choices: if choice {
+                vec![CompletionChoice {
+                    index: 0,
+                    text,
+                    finish_reason: finish,
+                    logprobs: None,
+                }]
+            } else {
+                Vec::new()
+            },
+            usage,
+        };
+        serde_json::to_string(&c).unwrap_or_default()
+    }
+}
+
+impl ChunkWriter for TextChunks {
+    fn start(&mut self) -> Vec<String> {
+        Vec::new()
+    }
+    fn text(&mut self, delta: &str) -> Vec<String> {
+        vec![self.chunk(delta.to_string(), None, None, true)]
+    }
+    fn finish(&mut self, reason: &'static str, usage: Option<&Usage>) -> Vec<String> {
+        let mut out = vec![self.chunk(String::new(), Some(reason), None, true)];
+        if let Some(u) = usage {
+            out.push(self.chunk(String::new(), None, Some(u.clone()), false));
+        }
+        out
+    }
+}

@@ -1,0 +1,189 @@
+//! The OpenAI-compatible HTTP front (axum): `/v1/chat/completions`, `/v1/completions`,
+//! `/v1/models`, plus `/health`, `/metrics` (Prometheus) and `/fleet` (JSON state).
+//!
+//! Every handler ends in either a response or an [`ApiError`] with an OpenAI error
+//! body; nothing on a request path panics.
+
+mod admin;
+mod chat;
+mod completions;
+mod relay;
+
+use crate::dispatch::{dispatch, Dispatched, GenerationSpec};
+use crate::fleet::Fleet;
+use crate::fleet_metrics as m;
+use crate::openai::error::ApiError;
+use crate::openai::params::sampling_params;
+use crate::openai::types::SamplingFields;
+use crate::policy::PolicyKind;
+use axum::extract::DefaultBodyLimit;
+use axum::http::{HeaderMap, HeaderName, HeaderValue};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use std::convert::Infallible;
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+
+/// Header naming the worker that served a response.
+pub const WORKER_HEADER: &str = "x-kvfleet-worker";
+/// Header choosing a routing policy for one request.
+pub const POLICY_HEADER: &str = "x-kvfleet-policy";
+/// Header naming the fork group a request belongs to.
+pub const FORK_GROUP_HEADER: &str = "x-kvfleet-fork-group";
+
+/// Largest request body accepted (long agent prompts run to hundreds of KB).
+pub const MAX_BODY_BYTES: usize = 32 << 20;
+
+/// The router's HTTP application.
+pub fn app(fleet: Arc<Fleet>) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(chat::chat_completions))
+        .route("/v1/completions", post(completions::completions))
+        .route("/v1/models", get(admin::models))
+        .route("/health", get(admin::health))
+        .route("/metrics", get(admin::metrics))
+        .route("/fleet", get(admin::fleet_state))
+        .fallback(admin::not_found)
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(fleet)
+}
+
+/// Parses a JSON body into `T`, as a 400 with serde's message on failure.
+fn parse_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    serde_json::from_slice(body).map_err(|e| ApiError::invalid(format!("invalid JSON body: {e}")))
+}
+
+/// Request facts every endpoint needs.
+struct RequestMeta {
+    model_id: String,
+    context: usize,
+    policy: PolicyKind,
+    fork_group: Option<String>,
+    cache_salt: String,
+}
+
+impl RequestMeta {
+    fn from_headers(
+        fleet: &Fleet,
+        headers: &HeaderMap,
+        model: &str,
+        salt: Option<&str>,
+    ) -> Result<Self, ApiError> {
+        let Some((model_id, context)) = fleet.model() else {
+            return Err(ApiError::unavailable("no worker has joined the fleet yet"));
+        };
+        if model != model_id {
+            return Err(ApiError::model_not_found(model));
+        }
+        let policy = match headers.get(POLICY_HEADER) {
+            None => fleet.config.default_policy,
+            Some(v) => v
+                .to_str()
+                .map_err(|_| ApiError::invalid(format!("{POLICY_HEADER} is not text")))?
+                .parse::<PolicyKind>()
+                .map_err(|e| ApiError::invalid(e.to_string()))?,
+        };
+        let fork_group = headers
+            .get(FORK_GROUP_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string);
+        Ok(RequestMeta {
+            model_id,
+            context,
+            policy,
+            fork_group,
+            cache_salt: salt.unwrap_or_default().to_string(),
+        })
+    }
+}
+
+struct Prepared {
+    dispatched: Dispatched,
+    worker_header: HeaderMap,
+}
+
+/// Validates sampling, hashes the prompt, routes and starts it.
+async fn prepare(
+    fleet: &Arc<Fleet>,
+    meta: &RequestMeta,
+    ids: Vec<u32>,
+    sampling: &SamplingFields,
+) -> Result<Prepared, ApiError> {
+    let params = sampling_params(sampling, ids.len(), meta.context)?;
+    let t = Instant::now();
+    let seed = kvfleet_core::namespace_seed(&meta.model_id, &meta.cache_salt);
+    let hashes = kvfleet_core::hash_blocks(seed, &ids, fleet.config.router.block_size);
+    m::decision_phase("hashing", t.elapsed().as_nanos() as u64);
+    let spec = GenerationSpec {
+        request_id: request_id(),
+        token_ids: ids,
+        hashes,
+        sampling: params,
+        cache_salt: meta.cache_salt.clone(),
+        cacheable_len: None,
+        fork_group: meta.fork_group.clone(),
+        policy: meta.policy,
+    };
+    let dispatched = match dispatch(fleet, &spec).await {
+        Ok(d) => d,
+        Err(e) => {
+            m::request_done(
+                meta.policy.as_str(),
+                if e.status.is_client_error() {
+                    "client_error"
+                } else {
+                    "unavailable"
+                },
+            );
+            return Err(e);
+        }
+    };
+    let mut worker_header = HeaderMap::new();
+    if let Ok(v) = HeaderValue::from_str(&dispatched.worker) {
+        worker_header.insert(HeaderName::from_static(WORKER_HEADER), v);
+    }
+    Ok(Prepared {
+        dispatched,
+        worker_header,
+    })
+}
+
+/// A process-unique request id.
+fn request_id() -> String {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_micros() as u64)
+        .unwrap_or(0);
+    format!("{:x}{:06x}", t, n & 0xff_ffff)
+}
+
+fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// An SSE response fed by `produce` through a bounded channel; a client that goes
+/// away closes the channel, which `produce` sees on its next send.
+fn sse_response<F, Fut>(headers: HeaderMap, produce: F) -> Response
+where
+    F: FnOnce(mpsc::Sender<Result<Event, Infallible>>) -> Fut,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    let (tx, rx) = mpsc::channel(64);
+    tokio::spawn(produce(tx));
+    (
+        headers,
+        Sse::new(ReceiverStream::new(rx)).keep_alive(KeepAlive::default()),
+    )
+        .into_response()
+}

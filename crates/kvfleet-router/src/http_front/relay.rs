@@ -1,0 +1,218 @@
+//! Relaying a worker's Generate stream to an HTTP client: collected into one JSON
+//! body, or re-encoded as server-sent events chunk by chunk.
+
+use crate::dispatch::{finish_reason_name, Dispatched};
+use crate::fleet::Fleet;
+use crate::fleet_metrics as m;
+use crate::openai::error::ApiError;
+use crate::openai::types::{PromptTokensDetails, Usage};
+use axum::response::sse::Event;
+use kvfleet_proto::v1 as pb;
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Instant;
+use tokio::sync::mpsc;
+
+/// Everything a worker produced for one request.
+#[derive(Debug, Default)]
+pub struct Collected {
+    /// Generated text.
+    pub text: String,
+    /// Finish reason, OpenAI's name.
+    pub finish: Option<&'static str>,
+    /// Token accounting.
+    pub usage: Usage,
+}
+
+/// Builds the SSE chunks of one endpoint's response format.
+pub trait ChunkWriter: Send + 'static {
+    /// Chunks sent before any text (the chat role chunk).
+    fn start(&mut self) -> Vec<String>;
+    /// Chunks for newly generated text.
+    fn text(&mut self, delta: &str) -> Vec<String>;
+    /// Chunks closing the answer; `usage` is set when the client asked for it.
+    fn finish(&mut self, reason: &'static str, usage: Option<&Usage>) -> Vec<String>;
+}
+
+fn usage_of(u: Option<&pb::Usage>, completion: usize) -> Usage {
+    let u = u.copied().unwrap_or_default();
+    let prompt = u.prompt_tokens as usize;
+    let completion = (u.completion_tokens as usize).max(completion);
+    Usage {
+        prompt_tokens: prompt,
+        completion_tokens: completion,
+        total_tokens: prompt + completion,
+        prompt_tokens_details: PromptTokensDetails {
+            cached_tokens: u.cached_tokens as usize,
+        },
+    }
+}
+
+/// Per-request timing and accounting, recorded once when the request ends.
+struct Tally {
+    started: Instant,
+    first_token: Option<Instant>,
+    last_token: Option<Instant>,
+    tokens: usize,
+    usage: Option<pb::Usage>,
+}
+
+impl Tally {
+    fn new(started: Instant) -> Self {
+        Tally {
+            started,
+            first_token: None,
+            last_token: None,
+            tokens: 0,
+            usage: None,
+        }
+    }
+
+    fn message(&mut self, msg: &pb::GenerateResponse) {
+        if let Some(u) = &msg.usage {
+            self.usage = Some(*u);
+        }
+        if msg.token_ids.is_empty() {
+            return;
+        }
+        let now = Instant::now();
+        match self.last_token {
+            None => m::ttft(now.duration_since(self.started).as_secs_f64()),
+            Some(prev) => {
+                // Tokens that arrive together share the gap.
+                let gap = now.duration_since(prev).as_secs_f64() / msg.token_ids.len() as f64;
+                for _ in 0..msg.token_ids.len() {
+                    m::itl(gap);
+                }
+            }
+        }
+        self.first_token.get_or_insert(now);
+        self.last_token = Some(now);
+        self.tokens += msg.token_ids.len();
+    }
+
+    fn close(&self, fleet: &Fleet, d: &Dispatched, outcome: &'static str) -> Usage {
+        let usage = usage_of(self.usage.as_ref(), self.tokens);
+        m::request_done(d.guard.policy, outcome);
+        m::request_seconds(self.started.elapsed().as_secs_f64());
+        m::tokens(
+            usage.prompt_tokens,
+            usage.prompt_tokens_details.cached_tokens,
+            usage.completion_tokens,
+        );
+        m::cache_prediction(
+            &d.worker,
+            d.guard.predicted_cached_tokens,
+            usage.prompt_tokens_details.cached_tokens,
+        );
+        fleet.kv().record_outcome(
+            d.guard.predicted_cached_tokens,
+            usage.prompt_tokens_details.cached_tokens,
+        );
+        usage
+    }
+}
+
+/// Reads the whole stream.
+pub async fn collect(fleet: &Fleet, mut d: Dispatched) -> Result<(Collected, String), ApiError> {
+    let mut tally = Tally::new(d.started);
+    let mut out = Collected::default();
+    let mut msg = Some(std::mem::take(&mut d.first));
+    while let Some(cur) = msg.take() {
+        tally.message(&cur);
+        out.text.push_str(&cur.text);
+        if let Some(f) = finish_reason_name(cur.finish_reason) {
+            out.finish = Some(f);
+            break;
+        }
+        match d.stream.message().await {
+            Ok(next) => msg = next,
+            Err(s) => {
+                tally.close(fleet, &d, "worker_error");
+                return Err(ApiError::internal(format!(
+                    "worker {} failed mid-generation: {}",
+                    d.worker,
+                    s.message()
+                )));
+            }
+        }
+    }
+    let outcome = if out.finish.is_some() {
+        "ok"
+    } else {
+        "worker_error"
+    };
+    out.usage = tally.close(fleet, &d, outcome);
+    if out.finish.is_none() {
+        return Err(ApiError::internal(format!(
+            "worker {} ended the stream early",
+            d.worker
+        )));
+    }
+    Ok((out, d.worker))
+}
+
+/// Relays the stream as SSE events into `tx` until it ends or the client goes away
+/// (then the worker call is dropped, which aborts the request there).
+pub async fn relay_sse(
+    fleet: Arc<Fleet>,
+    mut d: Dispatched,
+    mut writer: impl ChunkWriter,
+    include_usage: bool,
+    tx: mpsc::Sender<Result<Event, Infallible>>,
+) {
+    let mut tally = Tally::new(d.started);
+    let send = |chunks: Vec<String>| {
+        let tx = tx.clone();
+        async move {
+            for c in chunks {
+                if tx.send(Ok(Event::default().data(c))).await.is_err() {
+                    return false;
+                }
+            }
+            true
+        }
+    };
+    if !send(writer.start()).await {
+        tally.close(&fleet, &d, "client_gone");
+        return;
+    }
+    let mut msg = Some(std::mem::take(&mut d.first));
+    loop {
+        let Some(cur) = msg.take() else {
+            tally.close(&fleet, &d, "worker_error");
+            let _ = send(vec![error_chunk("the worker ended the stream early")]).await;
+            return;
+        };
+        tally.message(&cur);
+        if !cur.text.is_empty() && !send(writer.text(&cur.text)).await {
+            tally.close(&fleet, &d, "client_gone");
+            return;
+        }
+        if let Some(reason) = finish_reason_name(cur.finish_reason) {
+            let usage = tally.close(&fleet, &d, "ok");
+            let mut chunks = writer.finish(reason, include_usage.then_some(&usage));
+            chunks.push("[DONE]".to_string());
+            send(chunks).await;
+            return;
+        }
+        match d.stream.message().await {
+            Ok(next) => msg = next,
+            Err(s) => {
+                tally.close(&fleet, &d, "worker_error");
+                let _ = send(vec![error_chunk(&format!(
+                    "worker {} failed mid-generation: {}",
+                    d.worker,
+                    s.message()
+                ))])
+                .await;
+                return;
+            }
+        }
+    }
+}
+
+/// An OpenAI-style error object sent as an SSE event (what OpenAI clients raise on).
+fn error_chunk(message: &str) -> String {
+    ApiError::internal(message).body().to_string()
+}

@@ -1,0 +1,256 @@
+//! Incremental tokenization: a conversation that grows by appending turns is tokenized
+//! only in its new tail.
+//!
+//! Each turn re-sends the whole conversation. The router renders it (cheap) and looks up
+//! what it tokenized for the same conversation last time: if that rendered text is a
+//! byte prefix of the new one and the cut falls right before a special token (where
+//! tokenizers split anyway, so ids cannot merge across it), the old ids are reused and
+//! only the tail is tokenized. Anything else falls back to tokenizing from scratch, so
+//! the ids are always exactly those of a full tokenization.
+
+use kvfleet_core::chat::{ChatError, ChatMessage, ChatTemplate, ToolDefinition};
+use kvfleet_core::tokenizer::{Tokenizer, TokenizerError};
+use kvfleet_core::TokenId;
+use std::collections::{HashMap, VecDeque};
+use xxhash_rust::xxh3::Xxh3;
+
+/// Why a conversation could not be turned into ids.
+#[derive(Debug, thiserror::Error)]
+pub enum PromptError {
+    /// The chat template failed.
+    #[error(transparent)]
+    Chat(#[from] ChatError),
+    /// The tokenizer failed.
+    #[error(transparent)]
+    Tokenizer(#[from] TokenizerError),
+}
+
+/// A rendered, tokenized prompt.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TokenizedPrompt {
+    /// Prompt token ids (the generation prompt included).
+    pub ids: Vec<TokenId>,
+    /// Leading ids reused from the conversation's previous turn.
+    pub reused: usize,
+}
+
+struct Entry {
+    /// Rendered history (no generation prompt) as of the last turn.
+    text: String,
+    ids: Vec<TokenId>,
+}
+
+/// Per-conversation memo of rendered text → token ids, bounded in entries (LRU-ish:
+/// the oldest inserted conversation goes first).
+pub struct IncrementalTokenizer {
+    entries: HashMap<u64, Entry>,
+    order: VecDeque<u64>,
+    capacity: usize,
+}
+
+impl IncrementalTokenizer {
+    /// A memo for at most `capacity` conversations.
+    pub fn new(capacity: usize) -> Self {
+        IncrementalTokenizer {
+            entries: HashMap::new(),
+            order: VecDeque::new(),
+            capacity: capacity.max(1),
+        }
+    }
+
+    /// Conversations remembered.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Whether nothing is remembered.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// Renders and tokenizes `messages`, reusing the ids of an earlier turn of the same
+    /// conversation where that is exact. `scope` separates models and tenants.
+    pub fn tokenize(
+        &mut self,
+        scope: &str,
+        template: &ChatTemplate,
+        tokenizer: &dyn Tokenizer,
+        messages: &[ChatMessage],
+        tools: &[ToolDefinition],
+    ) -> Result<TokenizedPrompt, PromptError> {
+        let history = template.render(messages, tools, false)?;
+        let full = template.render(messages, tools, true)?;
+
+        // The previous turn is usually the conversation minus its last one or two
+        // messages; try the few most recent cut points, longest first.
+        let mut reused = 0;
+        let mut history_ids = None;
+        for k in (1..messages.len()).rev().take(MAX_CUTS_TRIED) {
+            let earlier = template.render(&messages[..k], tools, false)?;
+            let Some(e) = self.entries.get(&text_key(scope, &earlier)) else {
+                continue;
+            };
+            if e.text == earlier
+                && history.starts_with(&earlier)
+                && safe_split(tokenizer, &history, earlier.len())
+            {
+                let mut ids = e.ids.clone();
+                ids.extend(tokenizer.encode(&history[earlier.len()..])?);
+                reused = e.ids.len();
+                history_ids = Some(ids);
+                break;
+            }
+        }
+        let history_ids = match history_ids {
+            Some(ids) => ids,
+            None => tokenizer.encode(&history)?,
+        };
+        let ids = if full.starts_with(&history) && safe_split(tokenizer, &full, history.len()) {
+            let mut ids = history_ids.clone();
+            ids.extend(tokenizer.encode(&full[history.len()..])?);
+            ids
+        } else {
+            // The template does not extend the history with the generation prompt at a
+            // special token: tokenize the prompt whole.
+            tokenizer.encode(&full)?
+        };
+        self.remember(text_key(scope, &history), history, history_ids);
+        Ok(TokenizedPrompt { ids, reused })
+    }
+
+    fn remember(&mut self, key: u64, text: String, ids: Vec<TokenId>) {
+        if self.entries.insert(key, Entry { text, ids }).is_none() {
+            self.order.push_back(key);
+            while self.entries.len() > self.capacity {
+                match self.order.pop_front() {
+                    Some(old) => {
+                        self.entries.remove(&old);
+                    }
+                    None => break,
+                }
+            }
+        }
+    }
+}
+
+/// How many earlier cut points a lookup renders and tries.
+const MAX_CUTS_TRIED: usize = 4;
+
+/// Entries are keyed by the rendered text itself, so conversations that share a
+/// system prompt but diverge later never overwrite each other.
+fn text_key(scope: &str, text: &str) -> u64 {
+    let mut h = Xxh3::new();
+    h.update(scope.as_bytes());
+    h.update(&[0]);
+    h.update(text.as_bytes());
+    h.digest()
+}
+
+/// Whether ids of `text[..at]` followed by ids of `text[at..]` equal ids of `text`:
+/// true at the ends, and where `text[at..]` starts with a special token (tokenizers
+/// split on special tokens before anything else).
+fn safe_split(tokenizer: &dyn Tokenizer, text: &str, at: usize) -> bool {
+    if at == 0 || at == text.len() {
+        return true;
+    }
+    let tail = &text[at..];
+    if !tail.starts_with('<') {
+        return false;
+    }
+    match tail[..tail.len().min(64)].find('>') {
+        Some(end) => tokenizer.token_id(&tail[..=end]).is_some(),
+        None => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvfleet_core::tokenizer::ByteTokenizer;
+
+    fn conversation(turns: usize) -> Vec<ChatMessage> {
+        let mut m = vec![ChatMessage::system("You are a careful agent. ".repeat(50))];
+        for i in 0..turns {
+            m.push(ChatMessage::user(format!(
+                "question {i}: {}",
+                "why? ".repeat(i + 1)
+            )));
+            m.push(ChatMessage::assistant(format!("answer {i}")));
+        }
+        m.push(ChatMessage::user("and now?"));
+        m
+    }
+
+    #[test]
+    fn incremental_ids_equal_a_render_from_scratch() {
+        let tok = ByteTokenizer::new();
+        let tpl = ChatTemplate::ChatMl;
+        let mut inc = IncrementalTokenizer::new(16);
+        // Each turn is the previous one plus the assistant's answer and a new question.
+        let mut msgs = conversation(0);
+        for turns in 0..6 {
+            if turns > 0 {
+                msgs.push(ChatMessage::assistant(format!("answer {turns}")));
+                msgs.push(ChatMessage::user(format!("question {turns}")));
+            }
+            let got = inc.tokenize("tiny", &tpl, &tok, &msgs, &[]).unwrap();
+            let scratch = tok.encode(&tpl.render(&msgs, &[], true).unwrap()).unwrap();
+            assert_eq!(got.ids, scratch, "turn {turns}");
+            if turns > 0 {
+                assert!(
+                    got.reused > 0,
+                    "turn {turns} reused the previous turn's ids"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn conversations_sharing_a_system_prompt_do_not_evict_each_other() {
+        let tok = ByteTokenizer::new();
+        let tpl = ChatTemplate::ChatMl;
+        let mut inc = IncrementalTokenizer::new(16);
+        let a = conversation(1);
+        let mut b = conversation(1);
+        b[1] = ChatMessage::user("a different first question");
+        inc.tokenize("m", &tpl, &tok, &a, &[]).unwrap();
+        inc.tokenize("m", &tpl, &tok, &b, &[]).unwrap();
+        let mut a2 = a.clone();
+        a2.push(ChatMessage::assistant("ok"));
+        a2.push(ChatMessage::user("next"));
+        let got = inc.tokenize("m", &tpl, &tok, &a2, &[]).unwrap();
+        assert!(got.reused > 0);
+        assert_eq!(
+            got.ids,
+            tok.encode(&tpl.render(&a2, &[], true).unwrap()).unwrap()
+        );
+    }
+
+    #[test]
+    fn edited_history_falls_back_to_scratch() {
+        let tok = ByteTokenizer::new();
+        let tpl = ChatTemplate::ChatMl;
+        let mut inc = IncrementalTokenizer::new(16);
+        let mut msgs = conversation(2);
+        inc.tokenize("tiny", &tpl, &tok, &msgs, &[]).unwrap();
+        msgs[1] = ChatMessage::user("an edited question");
+        let got = inc.tokenize("tiny", &tpl, &tok, &msgs, &[]).unwrap();
+        assert_eq!(got.reused, 0);
+        assert_eq!(
+            got.ids,
+            tok.encode(&tpl.render(&msgs, &[], true).unwrap()).unwrap()
+        );
+    }
+
+    #[test]
+    fn capacity_bounds_memory() {
+        let tok = ByteTokenizer::new();
+        let mut inc = IncrementalTokenizer::new(2);
+        for i in 0..5 {
+            let msgs = vec![ChatMessage::system(format!("s{i}")), ChatMessage::user("u")];
+            inc.tokenize("m", &ChatTemplate::ChatMl, &tok, &msgs, &[])
+                .unwrap();
+        }
+        assert_eq!(inc.len(), 2);
+    }
+}

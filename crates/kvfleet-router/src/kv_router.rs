@@ -1,0 +1,595 @@
+//! [`KvRouter`]: the pure routing core — registry, prefix index, pending reservations,
+//! load bookkeeping and policies behind one facade.
+//!
+//! It does no I/O and reads no clock for its decisions: the caller feeds it membership
+//! changes, KV events, load reports and the current time in milliseconds, and asks it
+//! where to send each request. The HTTP and gRPC layers of this crate wrap it.
+//!
+//! A request's life: [`KvRouter::route`] looks the prompt's block hashes up in the
+//! index and in the pending reservations, lets the chosen policy pick a worker,
+//! reserves the prompt's chain for that worker (so siblings that arrive before its KV
+//! events follow it) and counts the request as in flight there. When the request ends,
+//! the caller calls [`KvRouter::request_finished`] with the decision's
+//! `prefill_tokens`, and, once the worker reports how many tokens it actually served
+//! from cache, [`KvRouter::record_outcome`] to track prediction accuracy.
+
+use crate::events::{CacheDump, RouterKvEvent, RouterKvEventKind};
+use crate::load::WorkerLoad;
+use crate::policy::{
+    stable_str_hash, CacheAware, CacheAwareConfig, Candidate, ConsistentHash, ConsistentHashConfig,
+    LeastLoaded, PolicyKind, RandomPolicy, RoundRobin, RouteContext, RoutingPolicy,
+};
+use crate::prefix_index::{IndexError, Matches, PrefixIndex};
+use crate::registry::{WorkerIdx, WorkerRegistry};
+use crate::reservations::{ReservationId, Reservations};
+use kvfleet_core::{BlockHash, DEFAULT_BLOCK_SIZE};
+use serde::{Deserialize, Serialize};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Router settings.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct RouterConfig {
+    /// Tokens per KV block for the whole fleet (default 16). Workers with another
+    /// block size are refused.
+    pub block_size: usize,
+    /// How long a reservation counts if the worker's events never confirm it
+    /// (default 30 s: longer than a long prompt's queueing plus prefill).
+    pub reservation_ttl_ms: u64,
+    /// Weights of the `cache-aware` policy.
+    pub cache_aware: CacheAwareConfig,
+    /// Ring shape of the `consistent-hash` policy.
+    pub consistent_hash: ConsistentHashConfig,
+    /// Seed of the `random` policy.
+    pub random_seed: u64,
+}
+
+impl Default for RouterConfig {
+    fn default() -> Self {
+        Self {
+            block_size: DEFAULT_BLOCK_SIZE,
+            reservation_ttl_ms: 30_000,
+            cache_aware: CacheAwareConfig::default(),
+            consistent_hash: ConsistentHashConfig::default(),
+            random_seed: 0x6b76_666c_6565_7421,
+        }
+    }
+}
+
+/// Why a worker could not be added.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum RegisterError {
+    /// The worker's block size differs from the fleet's: its block hashes could never
+    /// match the router's, so every request sent to it would miss the cache.
+    #[error("worker {worker:?} uses KV block size {block_size}, but this router's fleet uses {fleet_block_size}; a router never mixes block sizes (hashes of different block sizes never match) — configure the worker with block size {fleet_block_size} or give it its own router")]
+    BlockSizeMismatch {
+        /// The worker's id.
+        worker: String,
+        /// The worker's block size.
+        block_size: usize,
+        /// The router's block size.
+        fleet_block_size: usize,
+    },
+    /// The worker id is empty.
+    #[error("worker id must not be empty")]
+    EmptyId,
+}
+
+/// Why a request could not be routed.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum RouteError {
+    /// No worker is registered.
+    #[error("no workers are available to route to")]
+    NoWorkers,
+}
+
+/// An operation named a worker the router does not know.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("unknown worker {0:?}")]
+pub struct UnknownWorker(pub String);
+
+/// Wall time spent in the phases of one [`KvRouter::route`] call, for histograms.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct RouteTimings {
+    /// Index plus reservation lookup.
+    pub index_lookup_ns: u64,
+    /// Building candidates and running the policy.
+    pub scoring_ns: u64,
+    /// Recording the reservation and in-flight work.
+    pub reserve_ns: u64,
+}
+
+/// Where to send one request, and what the router expects to happen there.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RouteDecision {
+    /// The chosen worker's id.
+    pub worker: Arc<str>,
+    /// The chosen worker's index in this router.
+    pub worker_idx: WorkerIdx,
+    /// Name of the policy that chose it.
+    pub policy: &'static str,
+    /// Prompt blocks the worker holds or will hold, capped at the reusable blocks.
+    pub matched_blocks: usize,
+    /// Deepest match over the fleet, in blocks (uncapped).
+    pub deepest_match_blocks: usize,
+    /// Prompt tokens the router expects the worker to serve from cache:
+    /// `matched_blocks × block_size`, at most `prompt_tokens - 1` rounded down to a
+    /// whole block (a worker always computes at least one prompt token).
+    pub predicted_cached_tokens: usize,
+    /// `prompt_tokens - predicted_cached_tokens`: the prefill recorded as in flight;
+    /// pass it back to [`KvRouter::request_finished`].
+    pub prefill_tokens: usize,
+    /// The worker the policy preferred but skipped as overloaded, if any.
+    pub spilled_from: Option<Arc<str>>,
+    /// The reservation made for the prompt's chain (none for prompts shorter than one
+    /// block, or when the worker already holds the whole chain); release it with
+    /// [`KvRouter::cancel_reservation`] if the request never reaches the worker.
+    pub reservation: Option<ReservationId>,
+    /// Time spent per phase.
+    pub timings: RouteTimings,
+}
+
+/// Predicted versus actual cached tokens, summed over decisions and outcomes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct PredictionStats {
+    /// Requests routed.
+    pub decisions: u64,
+    /// Prompt tokens of those requests.
+    pub prompt_tokens: u64,
+    /// Cached tokens predicted for those requests.
+    pub predicted_cached_tokens: u64,
+    /// Outcomes reported through [`KvRouter::record_outcome`].
+    pub outcomes: u64,
+    /// Predicted cached tokens of the reported outcomes.
+    pub outcome_predicted_tokens: u64,
+    /// Actual cached tokens of the reported outcomes.
+    pub outcome_actual_tokens: u64,
+    /// Outcomes where the worker cached fewer tokens than predicted.
+    pub overestimates: u64,
+    /// Outcomes where the worker cached more tokens than predicted.
+    pub underestimates: u64,
+    /// Sum of |predicted − actual| over outcomes.
+    pub abs_error_tokens: u64,
+}
+
+/// One worker as the dashboard sees it.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct WorkerSnapshot {
+    /// The worker's id.
+    pub id: String,
+    /// Its index in this router.
+    pub index: u32,
+    /// Blocks the index says it holds.
+    pub cached_blocks: usize,
+    /// Its live reservations.
+    pub reservations: usize,
+    /// Sequence number of its last applied KV event.
+    pub last_event_seq: u64,
+    /// Its load, including this router's in-flight work.
+    pub load: WorkerLoad,
+}
+
+/// The router's state for a dashboard.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct RouterSnapshot {
+    /// Tokens per block.
+    pub block_size: usize,
+    /// Distinct blocks cached anywhere.
+    pub indexed_blocks: usize,
+    /// Live reservations.
+    pub reservations: usize,
+    /// Workers in index order.
+    pub workers: Vec<WorkerSnapshot>,
+    /// Prediction accuracy so far.
+    pub predictions: PredictionStats,
+}
+
+#[derive(Clone, Debug)]
+struct WorkerEntry {
+    id: Arc<str>,
+    id_hash: u64,
+    load: WorkerLoad,
+}
+
+/// The pure routing core; see the module docs.
+#[derive(Debug)]
+pub struct KvRouter {
+    config: RouterConfig,
+    registry: WorkerRegistry,
+    index: PrefixIndex,
+    reservations: Reservations,
+    workers: Vec<Option<WorkerEntry>>,
+    cache_aware: CacheAware,
+    round_robin: RoundRobin,
+    least_loaded: LeastLoaded,
+    consistent_hash: ConsistentHash,
+    random: RandomPolicy,
+    predictions: PredictionStats,
+    // Scratch buffers reused by every route.
+    matches: Matches,
+    candidates: Vec<Candidate>,
+}
+
+impl Default for KvRouter {
+    fn default() -> Self {
+        Self::new(RouterConfig::default())
+    }
+}
+
+impl KvRouter {
+    /// A router with no workers.
+    pub fn new(config: RouterConfig) -> Self {
+        Self {
+            registry: WorkerRegistry::new(),
+            index: PrefixIndex::new(),
+            reservations: Reservations::new(config.reservation_ttl_ms),
+            workers: Vec::new(),
+            cache_aware: CacheAware::new(config.cache_aware.clone()),
+            round_robin: RoundRobin::new(),
+            least_loaded: LeastLoaded,
+            consistent_hash: ConsistentHash::new(config.consistent_hash.clone()),
+            random: RandomPolicy::new(config.random_seed),
+            predictions: PredictionStats::default(),
+            matches: Matches::new(),
+            candidates: Vec::new(),
+            config,
+        }
+    }
+
+    /// The router's settings.
+    pub fn config(&self) -> &RouterConfig {
+        &self.config
+    }
+
+    /// Tokens per block of the fleet.
+    pub fn block_size(&self) -> usize {
+        self.config.block_size
+    }
+
+    /// Number of registered workers.
+    pub fn worker_count(&self) -> usize {
+        self.registry.len()
+    }
+
+    /// The index of worker `id`, if registered.
+    pub fn worker_index(&self, id: &str) -> Option<WorkerIdx> {
+        self.registry.get(id)
+    }
+
+    /// The prefix index (read-only).
+    pub fn index(&self) -> &PrefixIndex {
+        &self.index
+    }
+
+    /// The pending reservations (read-only).
+    pub fn reservations(&self) -> &Reservations {
+        &self.reservations
+    }
+
+    /// Worker `id`'s current load, including this router's in-flight work.
+    pub fn load(&self, id: &str) -> Option<WorkerLoad> {
+        self.entry(id).ok().map(|(_, e)| e.load)
+    }
+
+    /// Sequence number of worker `id`'s last applied KV event (0 before any).
+    pub fn last_seq(&self, id: &str) -> Option<u64> {
+        self.registry.get(id).map(|w| self.index.last_seq(w))
+    }
+
+    /// Adds worker `id` whose KV blocks hold `block_size` tokens. Refuses a block size
+    /// other than the fleet's. Adding a registered worker again is a no-op that returns
+    /// its index; to reset a restarted worker, remove it first or rebuild it.
+    pub fn add_worker(&mut self, id: &str, block_size: usize) -> Result<WorkerIdx, RegisterError> {
+        if id.is_empty() {
+            return Err(RegisterError::EmptyId);
+        }
+        if block_size != self.config.block_size {
+            return Err(RegisterError::BlockSizeMismatch {
+                worker: id.to_owned(),
+                block_size,
+                fleet_block_size: self.config.block_size,
+            });
+        }
+        let (idx, _) = self.registry.insert(id);
+        if idx.index() >= self.workers.len() {
+            self.workers.resize_with(idx.index() + 1, || None);
+        }
+        let slot = &mut self.workers[idx.index()];
+        if slot.is_none() {
+            *slot = Some(WorkerEntry {
+                id: Arc::from(id),
+                id_hash: stable_str_hash(id),
+                load: WorkerLoad::default(),
+            });
+        }
+        Ok(idx)
+    }
+
+    /// Removes worker `id` with its cached blocks and reservations. Returns whether it
+    /// was registered.
+    pub fn remove_worker(&mut self, id: &str) -> bool {
+        let Some(idx) = self.registry.remove(id) else {
+            return false;
+        };
+        self.index.remove_worker(idx);
+        self.reservations.remove_worker(idx);
+        if let Some(slot) = self.workers.get_mut(idx.index()) {
+            *slot = None;
+        }
+        true
+    }
+
+    /// Takes a load report of worker `id` (its polled fields; the router keeps its own
+    /// in-flight counters).
+    pub fn update_load(&mut self, id: &str, report: WorkerLoad) -> Result<(), UnknownWorker> {
+        let (_, e) = self.entry_mut(id)?;
+        e.load.apply_report(&report);
+        Ok(())
+    }
+
+    /// Applies one KV event of worker `id`. A gap is returned (and the event not
+    /// applied) so the caller can fetch a dump and call
+    /// [`rebuild_worker`](Self::rebuild_worker). `Stored` events confirm the worker's
+    /// reservations whose chains are now cached.
+    pub fn apply_event(&mut self, id: &str, event: &RouterKvEvent) -> Result<(), IndexError> {
+        let idx = self
+            .registry
+            .get(id)
+            .ok_or_else(|| IndexError::UnknownWorker(id.to_owned()))?;
+        self.index.apply(idx, event)?;
+        if matches!(event.kind, RouterKvEventKind::Stored { .. }) {
+            self.confirm(idx);
+        }
+        Ok(())
+    }
+
+    /// Replaces worker `id`'s blocks with a cache dump reflecting its events up to
+    /// `seq`.
+    pub fn rebuild_worker(
+        &mut self,
+        id: &str,
+        dump: &CacheDump,
+        seq: u64,
+    ) -> Result<(), IndexError> {
+        let idx = self
+            .registry
+            .get(id)
+            .ok_or_else(|| IndexError::UnknownWorker(id.to_owned()))?;
+        self.index.rebuild_worker(idx, dump, seq);
+        self.confirm(idx);
+        Ok(())
+    }
+
+    /// Records a request sent to worker `id` without [`route`](Self::route) (which
+    /// records its own), with the prompt tokens it must compute.
+    pub fn request_started(
+        &mut self,
+        id: &str,
+        prefill_tokens: usize,
+    ) -> Result<(), UnknownWorker> {
+        let (_, e) = self.entry_mut(id)?;
+        e.load.start_request(prefill_tokens);
+        Ok(())
+    }
+
+    /// Records the end (success or failure) of a request sent to worker `id`, with the
+    /// `prefill_tokens` it was started with.
+    pub fn request_finished(
+        &mut self,
+        id: &str,
+        prefill_tokens: usize,
+    ) -> Result<(), UnknownWorker> {
+        let (_, e) = self.entry_mut(id)?;
+        e.load.finish_request(prefill_tokens);
+        Ok(())
+    }
+
+    /// Ends a reservation early, e.g. when the request never reached the worker.
+    /// Returns whether it was still live.
+    pub fn cancel_reservation(&mut self, id: ReservationId) -> bool {
+        self.reservations.release(id)
+    }
+
+    /// Ends every reservation whose TTL has passed at `now_ms`; [`route`](Self::route)
+    /// and [`matches`](Self::matches) do this themselves.
+    pub fn expire_reservations(&mut self, now_ms: u64) -> usize {
+        self.reservations.expire(now_ms)
+    }
+
+    /// Records how many prompt tokens a worker actually served from cache for a
+    /// request predicted to get `predicted_cached_tokens`.
+    pub fn record_outcome(&mut self, predicted_cached_tokens: usize, actual_cached_tokens: usize) {
+        let p = &mut self.predictions;
+        let (pred, act) = (predicted_cached_tokens as u64, actual_cached_tokens as u64);
+        p.outcomes += 1;
+        p.outcome_predicted_tokens += pred;
+        p.outcome_actual_tokens += act;
+        p.abs_error_tokens += pred.abs_diff(act);
+        match act.cmp(&pred) {
+            std::cmp::Ordering::Less => p.overestimates += 1,
+            std::cmp::Ordering::Greater => p.underestimates += 1,
+            std::cmp::Ordering::Equal => {}
+        }
+    }
+
+    /// Every worker's matched depth for `hashes`, counting the index and live
+    /// reservations at `now_ms`.
+    pub fn matches(&mut self, hashes: &[BlockHash], now_ms: u64) -> Matches {
+        self.reservations.expire(now_ms);
+        let mut m = Matches::new();
+        self.index.find_matches_into(hashes, &mut m);
+        self.reservations.pending_into(hashes, &mut m);
+        m
+    }
+
+    /// Routes a request whose prompt has `prompt_tokens` tokens and full-block chained
+    /// hashes `hashes`, with `policy`, at time `now_ms`. Reserves the chain for the
+    /// chosen worker and records the request as in flight there.
+    pub fn route(
+        &mut self,
+        hashes: &[BlockHash],
+        prompt_tokens: usize,
+        policy: PolicyKind,
+        now_ms: u64,
+    ) -> Result<RouteDecision, RouteError> {
+        self.reservations.expire(now_ms);
+        if self.registry.is_empty() {
+            return Err(RouteError::NoWorkers);
+        }
+        let bs = self.config.block_size;
+        let t0 = Instant::now();
+        let mut matches = std::mem::take(&mut self.matches);
+        self.index.find_matches_into(hashes, &mut matches);
+        self.reservations.pending_into(hashes, &mut matches);
+        let t1 = Instant::now();
+
+        // The worker must compute at least one prompt token, so at most
+        // (prompt_tokens - 1) / bs whole blocks can come from cache.
+        let reusable = hashes.len().min(prompt_tokens.saturating_sub(1) / bs);
+        let mut candidates = std::mem::take(&mut self.candidates);
+        candidates.clear();
+        let mut found = matches.as_slice().iter().peekable();
+        for (i, entry) in self.workers.iter().enumerate() {
+            let Some(e) = entry else { continue };
+            let worker = WorkerIdx(i as u32);
+            // Both lists are sorted by index: merge instead of searching.
+            while found.next_if(|m| m.worker < worker).is_some() {}
+            let depth = found.next_if(|m| m.worker == worker).map_or(0, |m| m.depth);
+            candidates.push(Candidate {
+                worker,
+                id_hash: e.id_hash,
+                load: e.load,
+                matched_blocks: depth.min(reusable),
+            });
+        }
+        let ctx = RouteContext {
+            hashes,
+            prompt_tokens,
+            block_size: bs,
+            candidates: &candidates,
+        };
+        let policy_impl: &mut dyn RoutingPolicy = match policy {
+            PolicyKind::CacheAware => &mut self.cache_aware,
+            PolicyKind::RoundRobin => &mut self.round_robin,
+            PolicyKind::LeastLoaded => &mut self.least_loaded,
+            PolicyKind::ConsistentHash => &mut self.consistent_hash,
+            PolicyKind::Random => &mut self.random,
+        };
+        let selection = policy_impl.select(&ctx);
+        let policy_name = policy_impl.name();
+        let chosen = selection.and_then(|s| {
+            candidates
+                .binary_search_by_key(&s.worker, |c| c.worker)
+                .ok()
+                .map(|i| (s, candidates[i]))
+        });
+        let deepest = matches.deepest();
+        self.matches = matches;
+        self.candidates = candidates;
+        let (selection, chosen) = chosen.ok_or(RouteError::NoWorkers)?;
+        let t2 = Instant::now();
+
+        let worker = selection.worker;
+        let matched_blocks = chosen.matched_blocks;
+        let predicted_cached_tokens = matched_blocks * bs;
+        let prefill_tokens = prompt_tokens.saturating_sub(predicted_cached_tokens);
+        let id_of = |w: WorkerIdx| {
+            self.workers
+                .get(w.index())
+                .and_then(Option::as_ref)
+                .map(|e| e.id.clone())
+        };
+        let worker_id = id_of(worker).ok_or(RouteError::NoWorkers)?;
+        let spilled_from = selection.spilled_from.and_then(id_of);
+        // No reservation is needed when the worker's own events already cover the chain.
+        let reservation = match hashes.last() {
+            Some(&last) if !self.index.holds(worker, last) => {
+                self.reservations.reserve(worker, hashes, now_ms)
+            }
+            _ => None,
+        };
+        if let Some(Some(e)) = self.workers.get_mut(worker.index()) {
+            e.load.start_request(prefill_tokens);
+        }
+        let p = &mut self.predictions;
+        p.decisions += 1;
+        p.prompt_tokens += prompt_tokens as u64;
+        p.predicted_cached_tokens += predicted_cached_tokens as u64;
+        let t3 = Instant::now();
+
+        Ok(RouteDecision {
+            worker: worker_id,
+            worker_idx: worker,
+            policy: policy_name,
+            matched_blocks,
+            deepest_match_blocks: deepest,
+            predicted_cached_tokens,
+            prefill_tokens,
+            spilled_from,
+            reservation,
+            timings: RouteTimings {
+                index_lookup_ns: nanos(t1 - t0),
+                scoring_ns: nanos(t2 - t1),
+                reserve_ns: nanos(t3 - t2),
+            },
+        })
+    }
+
+    /// The router's state for a dashboard.
+    pub fn snapshot(&self) -> RouterSnapshot {
+        let workers = self
+            .workers
+            .iter()
+            .enumerate()
+            .filter_map(|(i, e)| {
+                let e = e.as_ref()?;
+                let w = WorkerIdx(i as u32);
+                Some(WorkerSnapshot {
+                    id: e.id.to_string(),
+                    index: w.0,
+                    cached_blocks: self.index.worker_block_count(w),
+                    reservations: self.reservations.worker_len(w),
+                    last_event_seq: self.index.last_seq(w),
+                    load: e.load,
+                })
+            })
+            .collect();
+        RouterSnapshot {
+            block_size: self.config.block_size,
+            indexed_blocks: self.index.num_blocks(),
+            reservations: self.reservations.len(),
+            workers,
+            predictions: self.predictions,
+        }
+    }
+
+    // --- internals -------------------------------------------------------------
+
+    fn confirm(&mut self, idx: WorkerIdx) {
+        if self.reservations.worker_len(idx) > 0 {
+            let index = &self.index;
+            self.reservations.confirm(idx, |h| index.holds(idx, h));
+        }
+    }
+
+    fn entry(&self, id: &str) -> Result<(WorkerIdx, &WorkerEntry), UnknownWorker> {
+        self.registry
+            .get(id)
+            .and_then(|w| Some((w, self.workers.get(w.index())?.as_ref()?)))
+            .ok_or_else(|| UnknownWorker(id.to_owned()))
+    }
+
+    fn entry_mut(&mut self, id: &str) -> Result<(WorkerIdx, &mut WorkerEntry), UnknownWorker> {
+        let w = self.registry.get(id);
+        w.and_then(|w| Some((w, self.workers.get_mut(w.index())?.as_mut()?)))
+            .ok_or_else(|| UnknownWorker(id.to_owned()))
+    }
+}
+
+fn nanos(d: std::time::Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+}
+
+#[cfg(test)]
+mod tests;

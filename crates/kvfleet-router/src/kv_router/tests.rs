@@ -1,0 +1,522 @@
+//! Behaviour of the routing facade: fork siblings, spills, balance, policies.
+
+use super::*;
+use kvfleet_core::{hash_blocks, namespace_seed};
+
+const BS: usize = 16;
+
+/// Deterministic pseudo-random tokens for prompt `id`.
+fn tokens(id: u64, n: usize) -> Vec<u32> {
+    let mut x = id.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % 50_000) as u32
+        })
+        .collect()
+}
+
+fn hashes(toks: &[u32]) -> Vec<BlockHash> {
+    hash_blocks(namespace_seed("test-model", ""), toks, BS)
+}
+
+fn router(workers: usize) -> KvRouter {
+    let mut r = KvRouter::default();
+    for i in 0..workers {
+        r.add_worker(&format!("w{i}"), BS).unwrap();
+    }
+    r
+}
+
+/// A fork family: one shared prefix, then a different tail per child.
+fn fork_children(
+    prefix_tokens: usize,
+    tail_tokens: usize,
+    n: usize,
+) -> Vec<(Vec<BlockHash>, usize)> {
+    let prefix = tokens(1, prefix_tokens);
+    (0..n)
+        .map(|i| {
+            let mut t = prefix.clone();
+            t.extend(tokens(100 + i as u64, tail_tokens));
+            (hashes(&t), t.len())
+        })
+        .collect()
+}
+
+#[test]
+fn fork_siblings_follow_the_first_under_cache_aware() {
+    let mut r = router(5);
+    let kids = fork_children(48_496, 200, 5);
+    let mut chosen = Vec::new();
+    for (i, (h, n)) in kids.iter().enumerate() {
+        // Back to back: no KV event arrives in between.
+        let d = r.route(h, *n, PolicyKind::CacheAware, i as u64).unwrap();
+        if i > 0 {
+            assert_eq!(
+                d.predicted_cached_tokens, 48_496,
+                "sibling {i} sees the pending prefix"
+            );
+        }
+        assert!(d.reservation.is_some());
+        chosen.push(d.worker.to_string());
+    }
+    assert!(chosen.iter().all(|w| *w == chosen[0]), "{chosen:?}");
+    assert_eq!(r.reservations().len(), 5);
+    let d = r.load(&chosen[0]).unwrap();
+    assert_eq!(d.inflight_requests, 5);
+}
+
+#[test]
+fn round_robin_spreads_fork_siblings() {
+    let mut r = router(5);
+    let kids = fork_children(4_000, 200, 5);
+    let mut chosen: Vec<String> = kids
+        .iter()
+        .map(|(h, n)| {
+            r.route(h, *n, PolicyKind::RoundRobin, 0)
+                .unwrap()
+                .worker
+                .to_string()
+        })
+        .collect();
+    chosen.sort();
+    chosen.dedup();
+    assert_eq!(chosen.len(), 5);
+}
+
+#[test]
+fn reservations_expire_and_events_confirm_them() {
+    let mut r = router(3);
+    let ttl = r.config().reservation_ttl_ms;
+    let kids = fork_children(1_600, 40, 3);
+    let (h0, n0) = &kids[0];
+    let d0 = r.route(h0, *n0, PolicyKind::CacheAware, 1_000).unwrap();
+    let w0 = d0.worker.to_string();
+    assert_eq!(r.matches(&kids[1].0, 1_000).depth(d0.worker_idx), 100);
+    // Just before the TTL the reservation still counts; at the TTL it is gone.
+    assert_eq!(
+        r.matches(&kids[1].0, 1_000 + ttl - 1).depth(d0.worker_idx),
+        100
+    );
+    assert_eq!(r.matches(&kids[1].0, 1_000 + ttl).depth(d0.worker_idx), 0);
+    assert!(r.reservations().is_empty());
+    assert!(!r.cancel_reservation(d0.reservation.unwrap()));
+
+    // With the reservation expired and w0 busy with the first request's prefill, the
+    // next sibling goes elsewhere.
+    let d1 = r
+        .route(&kids[1].0, kids[1].1, PolicyKind::CacheAware, 1_000 + ttl)
+        .unwrap();
+    assert_ne!(d1.worker.to_string(), w0);
+    assert_eq!(d1.predicted_cached_tokens, 0);
+
+    // The worker's Stored events confirm a reservation: it ends, and the index takes
+    // over.
+    let (h2, n2) = &kids[2];
+    let d2 = r
+        .route(h2, *n2, PolicyKind::CacheAware, 1_000 + ttl)
+        .unwrap();
+    assert_eq!(d2.worker, d1.worker, "follows the pending sibling");
+    assert_eq!(r.reservations().worker_len(d1.worker_idx), 2);
+    let half = h2.len() / 2;
+    r.apply_event(
+        &d1.worker,
+        &RouterKvEvent::stored(1, None, h2[..half].to_vec()),
+    )
+    .unwrap();
+    assert_eq!(
+        r.reservations().worker_len(d1.worker_idx),
+        2,
+        "not yet complete"
+    );
+    r.apply_event(
+        &d1.worker,
+        &RouterKvEvent::stored(2, Some(h2[half - 1]), h2[half..].to_vec()),
+    )
+    .unwrap();
+    assert_eq!(
+        r.reservations().worker_len(d1.worker_idx),
+        1,
+        "kids[2] confirmed"
+    );
+    assert_eq!(r.matches(h2, 1_000 + ttl).depth(d1.worker_idx), h2.len());
+}
+
+#[test]
+fn cancelled_reservations_stop_attracting_siblings() {
+    let mut r = router(2);
+    let kids = fork_children(800, 40, 2);
+    let d = r
+        .route(&kids[0].0, kids[0].1, PolicyKind::CacheAware, 0)
+        .unwrap();
+    assert!(r.cancel_reservation(d.reservation.unwrap()));
+    r.request_finished(&d.worker, d.prefill_tokens).unwrap();
+    assert_eq!(r.matches(&kids[1].0, 0).deepest(), 0);
+}
+
+#[test]
+fn hot_prefix_spills_when_its_holder_is_swamped_by_prefill() {
+    let mut r = router(4);
+    let kids = fork_children(8_000, 160, 3);
+    let (h, n) = &kids[0];
+    // w2 caches the shared prefix.
+    r.apply_event("w2", &RouterKvEvent::stored(1, None, h[..500].to_vec()))
+        .unwrap();
+    let d = r
+        .route(&kids[1].0, kids[1].1, PolicyKind::CacheAware, 0)
+        .unwrap();
+    assert_eq!(&*d.worker, "w2");
+    assert_eq!(d.predicted_cached_tokens, 8_000);
+    r.request_finished(&d.worker, d.prefill_tokens).unwrap();
+    // Now w2 reports a huge prefill queue: recomputing the prefix elsewhere is cheaper.
+    r.update_load(
+        "w2",
+        WorkerLoad {
+            queued_prefill_tokens: 1_000_000,
+            ..WorkerLoad::default()
+        },
+    )
+    .unwrap();
+    let d = r.route(h, *n, PolicyKind::CacheAware, 1).unwrap();
+    assert_ne!(&*d.worker, "w2");
+    assert_eq!(d.predicted_cached_tokens, 0);
+    assert_eq!(d.deepest_match_blocks, 500);
+}
+
+#[test]
+fn bounded_load_guard_spills_and_the_spill_target_warms_a_copy() {
+    let mut r = router(4);
+    let kids = fork_children(48_000, 160, 4);
+    r.apply_event(
+        "w1",
+        &RouterKvEvent::stored(1, None, kids[0].0[..3_000].to_vec()),
+    )
+    .unwrap();
+    // w1 holds the prefix but already decodes 100 sequences; the others are idle.
+    // By cost alone w1 still wins (100 × 16 ≪ 2 × 48,000): the guard must step in.
+    r.update_load(
+        "w1",
+        WorkerLoad {
+            running: 100,
+            ..WorkerLoad::default()
+        },
+    )
+    .unwrap();
+    let d = r
+        .route(&kids[0].0, kids[0].1, PolicyKind::CacheAware, 0)
+        .unwrap();
+    assert_ne!(&*d.worker, "w1");
+    assert_eq!(d.spilled_from.as_deref(), Some("w1"));
+    let spill = d.worker.clone();
+    // The spill target now (pending) holds a second copy: the next sibling follows it
+    // and is predicted to hit the prefix there.
+    let d2 = r
+        .route(&kids[1].0, kids[1].1, PolicyKind::CacheAware, 1)
+        .unwrap();
+    assert_eq!(d2.worker, spill);
+    assert_eq!(d2.predicted_cached_tokens, 48_000);
+    assert_eq!(d2.spilled_from.as_deref(), Some("w1"));
+}
+
+#[test]
+fn absolute_prefill_cap_spills() {
+    let mut cfg = RouterConfig::default();
+    cfg.cache_aware.max_prefill_backlog_tokens = Some(6_000);
+    let mut r = KvRouter::new(cfg);
+    for i in 0..2 {
+        r.add_worker(&format!("w{i}"), BS).unwrap();
+    }
+    let kids = fork_children(3_200, 160, 2);
+    r.apply_event(
+        "w0",
+        &RouterKvEvent::stored(1, None, kids[0].0[..200].to_vec()),
+    )
+    .unwrap();
+    r.update_load(
+        "w0",
+        WorkerLoad {
+            queued_prefill_tokens: 5_900,
+            ..WorkerLoad::default()
+        },
+    )
+    .unwrap();
+    // Cost favours w0 (5,900 + 2×160 < 2×3,360), but 5,900 + 160 is over the cap.
+    let d = r
+        .route(&kids[0].0, kids[0].1, PolicyKind::CacheAware, 0)
+        .unwrap();
+    assert_eq!(&*d.worker, "w1");
+    assert_eq!(d.spilled_from.as_deref(), Some("w0"));
+}
+
+#[test]
+fn unrelated_sessions_balance_and_turns_stick() {
+    let mut r = router(4);
+    let mut counts = std::collections::BTreeMap::<String, usize>::new();
+    let mut first_turn = Vec::new();
+    for s in 0..64u64 {
+        let t = tokens(1_000 + s, 1_000 + (s as usize * 37) % 3_000);
+        let d = r
+            .route(&hashes(&t), t.len(), PolicyKind::CacheAware, s)
+            .unwrap();
+        *counts.entry(d.worker.to_string()).or_default() += 1;
+        first_turn.push((t, d.worker.clone()));
+    }
+    let mean = 64.0 / 4.0;
+    for (w, c) in &counts {
+        assert!(*c as f64 <= 1.5 * mean, "{w} got {c}: {counts:?}");
+    }
+    assert_eq!(counts.len(), 4);
+    // Second turns extend the first: each goes back to its session's worker.
+    for (s, (t, w)) in first_turn.iter().enumerate() {
+        let mut t2 = t.clone();
+        t2.extend(tokens(5_000 + s as u64, 300));
+        let d = r
+            .route(&hashes(&t2), t2.len(), PolicyKind::CacheAware, 100)
+            .unwrap();
+        assert_eq!(&d.worker, w, "session {s}");
+        assert_eq!(d.predicted_cached_tokens, t.len() / BS * BS);
+    }
+}
+
+#[test]
+fn consistent_hash_is_sticky_and_bounded() {
+    let mut r = router(4);
+    let kids = fork_children(640, 48, 40);
+    // With requests finishing in between, the same prefix always maps to one worker.
+    let mut home = None;
+    for (h, n) in &kids[..10] {
+        let d = r.route(h, *n, PolicyKind::ConsistentHash, 0).unwrap();
+        assert_eq!(*home.get_or_insert(d.worker.clone()), d.worker);
+        assert_eq!(d.spilled_from, None);
+        r.request_finished(&d.worker, d.prefill_tokens).unwrap();
+    }
+    // A second router replica with the same workers (added in another order) agrees.
+    let mut other = KvRouter::default();
+    for i in (0..4).rev() {
+        other.add_worker(&format!("w{i}"), BS).unwrap();
+    }
+    let d = other
+        .route(&kids[0].0, kids[0].1, PolicyKind::ConsistentHash, 0)
+        .unwrap();
+    assert_eq!(Some(d.worker), home);
+    // Without finishing, load bounds spread the hot key: no worker exceeds
+    // ⌈1.25 × (m + 1) / 4⌉ at any point.
+    let mut r = router(4);
+    let mut counts = [0usize; 4];
+    for (m, (h, n)) in kids.iter().enumerate() {
+        let d = r.route(h, *n, PolicyKind::ConsistentHash, 0).unwrap();
+        counts[d.worker_idx.index()] += 1;
+        let cap = (1.25 * (m + 1) as f64 / 4.0).ceil() as usize;
+        assert!(counts.iter().all(|c| *c <= cap), "{counts:?} cap {cap}");
+    }
+}
+
+#[test]
+fn least_loaded_and_random() {
+    let mut r = router(3);
+    r.update_load(
+        "w0",
+        WorkerLoad {
+            running: 5,
+            ..WorkerLoad::default()
+        },
+    )
+    .unwrap();
+    r.update_load(
+        "w1",
+        WorkerLoad {
+            running: 2,
+            ..WorkerLoad::default()
+        },
+    )
+    .unwrap();
+    r.update_load(
+        "w2",
+        WorkerLoad {
+            running: 2,
+            queued_prefill_tokens: 10,
+            ..WorkerLoad::default()
+        },
+    )
+    .unwrap();
+    let d = r.route(&[], 10, PolicyKind::LeastLoaded, 0).unwrap();
+    assert_eq!(&*d.worker, "w1");
+    assert_eq!(d.policy, "least-loaded");
+    assert_eq!(d.reservation, None, "nothing to reserve below one block");
+
+    let pick = |seed| {
+        let mut r = KvRouter::new(RouterConfig {
+            random_seed: seed,
+            ..RouterConfig::default()
+        });
+        for i in 0..4 {
+            r.add_worker(&format!("w{i}"), BS).unwrap();
+        }
+        (0..200)
+            .map(|_| {
+                r.route(&[], 10, PolicyKind::Random, 0)
+                    .unwrap()
+                    .worker_idx
+                    .index()
+            })
+            .collect::<Vec<_>>()
+    };
+    let a = pick(7);
+    assert_eq!(a, pick(7), "seeded: reproducible");
+    assert_ne!(a, pick(8));
+    for w in 0..4 {
+        let c = a.iter().filter(|x| **x == w).count();
+        assert!((25..=75).contains(&c), "worker {w} picked {c} of 200");
+    }
+}
+
+#[test]
+fn predicted_cached_tokens_leave_one_token_to_compute() {
+    let mut r = router(1);
+    let t = tokens(9, 64);
+    let h = hashes(&t);
+    r.apply_event("w0", &RouterKvEvent::stored(1, None, h.clone()))
+        .unwrap();
+    // 64 tokens, all 4 blocks cached: the last token must be computed, so 3 blocks.
+    let d = r.route(&h, 64, PolicyKind::CacheAware, 0).unwrap();
+    assert_eq!(d.matched_blocks, 3);
+    assert_eq!(d.predicted_cached_tokens, 48);
+    assert_eq!(d.prefill_tokens, 16);
+    assert_eq!(d.deepest_match_blocks, 4);
+    assert_eq!(d.reservation, None, "already cached: nothing to reserve");
+    let d = r.route(&h, 65, PolicyKind::CacheAware, 0).unwrap();
+    assert_eq!(d.predicted_cached_tokens, 64);
+    r.record_outcome(64, 48);
+    r.record_outcome(16, 32);
+    let p = r.snapshot().predictions;
+    assert_eq!(
+        (p.decisions, p.outcomes, p.overestimates, p.underestimates),
+        (2, 2, 1, 1)
+    );
+    assert_eq!(p.abs_error_tokens, 32);
+    assert_eq!(p.predicted_cached_tokens, 48 + 64);
+}
+
+#[test]
+fn block_size_mismatch_is_refused() {
+    let mut r = router(1);
+    let err = r.add_worker("big", 32).unwrap_err();
+    assert_eq!(
+        err,
+        RegisterError::BlockSizeMismatch {
+            worker: "big".into(),
+            block_size: 32,
+            fleet_block_size: 16
+        }
+    );
+    let msg = err.to_string();
+    assert!(
+        msg.contains("32") && msg.contains("16") && msg.contains("never mixes"),
+        "{msg}"
+    );
+    assert_eq!(r.worker_count(), 1);
+    assert_eq!(r.add_worker("", 16), Err(RegisterError::EmptyId));
+}
+
+#[test]
+fn errors_for_no_workers_unknown_workers_and_gaps() {
+    let mut r = KvRouter::default();
+    assert_eq!(
+        r.route(&[], 5, PolicyKind::CacheAware, 0),
+        Err(RouteError::NoWorkers)
+    );
+    assert_eq!(
+        r.apply_event("ghost", &RouterKvEvent::cleared(1)),
+        Err(IndexError::UnknownWorker("ghost".into()))
+    );
+    assert_eq!(
+        r.update_load("ghost", WorkerLoad::default()),
+        Err(UnknownWorker("ghost".into()))
+    );
+    r.add_worker("w0", BS).unwrap();
+    let h = hashes(&tokens(3, 64));
+    r.apply_event("w0", &RouterKvEvent::stored(1, None, h[..2].to_vec()))
+        .unwrap();
+    let gap = r.apply_event("w0", &RouterKvEvent::stored(3, Some(h[2]), h[3..].to_vec()));
+    assert!(matches!(
+        gap,
+        Err(IndexError::Gap {
+            expected: 2,
+            got: 3,
+            ..
+        })
+    ));
+    // Resync from a dump, then the stream continues after the dump's seq.
+    let dump: Vec<_> = (0..4)
+        .map(|i| (h[i], i.checked_sub(1).map(|p| h[p])))
+        .collect();
+    r.rebuild_worker("w0", &dump, 3).unwrap();
+    assert_eq!(r.last_seq("w0"), Some(3));
+    r.apply_event("w0", &RouterKvEvent::removed(4, vec![h[3]]))
+        .unwrap();
+    assert_eq!(r.matches(&h, 0).depth(WorkerIdx(0)), 3);
+}
+
+#[test]
+fn removing_a_worker_drops_its_blocks_and_reservations() {
+    let mut r = router(2);
+    let kids = fork_children(320, 32, 2);
+    r.apply_event(
+        "w1",
+        &RouterKvEvent::stored(1, None, kids[0].0[..20].to_vec()),
+    )
+    .unwrap();
+    let d = r
+        .route(&kids[1].0, kids[1].1, PolicyKind::CacheAware, 0)
+        .unwrap();
+    assert_eq!(&*d.worker, "w1");
+    assert!(r.remove_worker("w1"));
+    assert!(!r.remove_worker("w1"));
+    assert_eq!(r.index().num_blocks(), 0);
+    assert!(r.reservations().is_empty());
+    // The recycled slot starts clean.
+    let idx = r.add_worker("w9", BS).unwrap();
+    assert_eq!(idx, d.worker_idx);
+    assert_eq!(r.last_seq("w9"), Some(0));
+    assert_eq!(r.load("w9"), Some(WorkerLoad::default()));
+    assert!(r.request_finished("w1", 1).is_err());
+    let snap = r.snapshot();
+    assert_eq!(snap.workers.len(), 2);
+    assert_eq!(snap.workers[1].id, "w9");
+    assert_eq!(snap.indexed_blocks, 0);
+    assert!(serde_json::to_string(&snap).is_ok());
+}
+
+#[test]
+fn snapshot_reports_blocks_load_and_inflight() {
+    let mut r = router(2);
+    let h = hashes(&tokens(4, 160));
+    r.apply_event("w0", &RouterKvEvent::stored(1, None, h.clone()))
+        .unwrap();
+    r.request_started("w1", 500).unwrap();
+    r.update_load(
+        "w1",
+        WorkerLoad {
+            running: 3,
+            free_blocks: 10,
+            total_blocks: 20,
+            ..WorkerLoad::default()
+        },
+    )
+    .unwrap();
+    let snap = r.snapshot();
+    assert_eq!(snap.block_size, BS);
+    assert_eq!(snap.indexed_blocks, 10);
+    assert_eq!(snap.workers[0].cached_blocks, 10);
+    assert_eq!(snap.workers[0].last_event_seq, 1);
+    let w1 = &snap.workers[1];
+    assert_eq!(
+        (w1.load.inflight_requests, w1.load.inflight_prefill_tokens),
+        (1, 500)
+    );
+    assert_eq!(w1.load.running, 3);
+    assert_eq!(w1.load.prefill_tokens_since_poll, 0, "the report covers it");
+}

@@ -1,0 +1,139 @@
+//! Worker load as the router sees it: the worker's last polled report plus the work
+//! this router has sent it since.
+//!
+//! Load reports arrive every few hundred milliseconds, while requests arrive every few
+//! microseconds. Between two reports the router adds what it sent itself
+//! (`*_since_poll`), so a burst of requests does not all land on the worker that looked
+//! idle at the last poll. A new report replaces the polled fields and zeroes the
+//! since-poll counters, because the report now includes that work.
+
+use serde::{Deserialize, Serialize};
+
+/// One worker's load snapshot, as used by routing policies.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct WorkerLoad {
+    /// Sequences the worker is running (polled).
+    pub running: usize,
+    /// Sequences queued on the worker, not yet admitted (polled).
+    pub waiting: usize,
+    /// Prompt tokens the worker has yet to compute (polled).
+    pub queued_prefill_tokens: usize,
+    /// KV blocks free for allocation (polled).
+    pub free_blocks: usize,
+    /// All KV blocks of the worker (polled).
+    pub total_blocks: usize,
+    /// Requests this router has in flight to the worker (started, not finished).
+    /// Maintained by the router; ignored in load reports.
+    pub inflight_requests: usize,
+    /// Prefill tokens (uncached prompt tokens) of those requests. Maintained by the
+    /// router; ignored in load reports.
+    pub inflight_prefill_tokens: usize,
+    /// Requests this router sent since the last load report. Maintained by the router.
+    pub requests_since_poll: usize,
+    /// Prefill tokens this router sent since the last load report. Maintained by the
+    /// router.
+    pub prefill_tokens_since_poll: usize,
+}
+
+impl WorkerLoad {
+    /// Prompt tokens the worker must compute before a new request's own prefill:
+    /// the polled backlog plus what this router sent since.
+    pub fn prefill_backlog_tokens(&self) -> usize {
+        self.queued_prefill_tokens
+            .saturating_add(self.prefill_tokens_since_poll)
+    }
+
+    /// Sequences the worker is (or soon will be) serving. Taking the larger of the
+    /// polled count and this router's own in-flight count keeps the estimate sane
+    /// when no load report has arrived yet.
+    pub fn active_sequences(&self) -> usize {
+        self.running
+            .saturating_add(self.waiting)
+            .saturating_add(self.requests_since_poll)
+            .max(self.inflight_requests)
+    }
+
+    /// Fraction of KV blocks in use, in `[0, 1]` (0 when unknown).
+    pub fn kv_usage(&self) -> f64 {
+        if self.total_blocks == 0 {
+            0.0
+        } else {
+            1.0 - (self.free_blocks.min(self.total_blocks) as f64 / self.total_blocks as f64)
+        }
+    }
+
+    /// Takes the polled fields of `report`, keeps this router's in-flight counters and
+    /// zeroes the since-poll counters (the report now reflects that work).
+    pub fn apply_report(&mut self, report: &WorkerLoad) {
+        self.running = report.running;
+        self.waiting = report.waiting;
+        self.queued_prefill_tokens = report.queued_prefill_tokens;
+        self.free_blocks = report.free_blocks;
+        self.total_blocks = report.total_blocks;
+        self.requests_since_poll = 0;
+        self.prefill_tokens_since_poll = 0;
+    }
+
+    /// Records a request this router sent, with its expected prefill tokens.
+    pub fn start_request(&mut self, prefill_tokens: usize) {
+        self.inflight_requests += 1;
+        self.inflight_prefill_tokens = self.inflight_prefill_tokens.saturating_add(prefill_tokens);
+        self.requests_since_poll += 1;
+        self.prefill_tokens_since_poll = self
+            .prefill_tokens_since_poll
+            .saturating_add(prefill_tokens);
+    }
+
+    /// Records the end of a request started with [`start_request`](Self::start_request).
+    /// The since-poll counters shrink too (saturating): without load reports they then
+    /// track in-flight work; with reports, a request that started before the last
+    /// report may shrink them early, an underestimate that lasts until the next report.
+    pub fn finish_request(&mut self, prefill_tokens: usize) {
+        self.inflight_requests = self.inflight_requests.saturating_sub(1);
+        self.inflight_prefill_tokens = self.inflight_prefill_tokens.saturating_sub(prefill_tokens);
+        self.requests_since_poll = self.requests_since_poll.saturating_sub(1);
+        self.prefill_tokens_since_poll = self
+            .prefill_tokens_since_poll
+            .saturating_sub(prefill_tokens);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reports_and_router_work_combine() {
+        let mut l = WorkerLoad::default();
+        l.start_request(1_000);
+        l.start_request(500);
+        assert_eq!(l.prefill_backlog_tokens(), 1_500);
+        assert_eq!(l.active_sequences(), 2);
+        l.apply_report(&WorkerLoad {
+            running: 1,
+            waiting: 1,
+            queued_prefill_tokens: 400,
+            free_blocks: 30,
+            total_blocks: 40,
+            inflight_requests: 99,
+            ..WorkerLoad::default()
+        });
+        assert_eq!(
+            l.inflight_requests, 2,
+            "in-flight is the router's own count"
+        );
+        assert_eq!(l.prefill_backlog_tokens(), 400);
+        assert_eq!(l.active_sequences(), 2);
+        assert!((l.kv_usage() - 0.25).abs() < 1e-9);
+        l.start_request(100);
+        assert_eq!(l.prefill_backlog_tokens(), 500);
+        assert_eq!(l.active_sequences(), 3);
+        l.finish_request(100);
+        l.finish_request(1_000);
+        l.finish_request(500);
+        l.finish_request(500);
+        assert_eq!(l.inflight_requests, 0);
+        assert_eq!(l.inflight_prefill_tokens, 0);
+    }
+}

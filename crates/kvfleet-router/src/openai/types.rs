@@ -1,0 +1,293 @@
+//! Request and response bodies of the OpenAI API subset kvfleet serves:
+//! `/v1/chat/completions`, `/v1/completions`, `/v1/models`.
+//!
+//! Unknown request fields are ignored, as OpenAI-compatible servers do. Numbers that
+//! must be positive are parsed as signed so a negative value gets a clear 400 instead
+//! of a generic parse error.
+
+use kvfleet_core::chat::{ChatMessage, ToolCall, ToolDefinition};
+use serde::{Deserialize, Serialize};
+
+/// `stop`: one string or several.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(untagged)]
+pub enum StopSpec {
+    /// A single stop string.
+    One(String),
+    /// Several stop strings.
+    Many(Vec<String>),
+}
+
+impl StopSpec {
+    /// The stop strings as a list.
+    pub fn into_vec(self) -> Vec<String> {
+        match self {
+            StopSpec::One(s) => vec![s],
+            StopSpec::Many(v) => v,
+        }
+    }
+}
+
+/// `stream_options`.
+#[derive(Clone, Debug, Default, Deserialize)]
+pub struct StreamOptions {
+    /// Send a last chunk carrying `usage`.
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// Sampling fields shared by both completion endpoints.
+#[derive(Clone, Debug, Default, Deserialize)]
+pub struct SamplingFields {
+    /// Most tokens to generate (legacy name).
+    pub max_tokens: Option<i64>,
+    /// Most tokens to generate.
+    pub max_completion_tokens: Option<i64>,
+    /// Sampling temperature.
+    pub temperature: Option<f32>,
+    /// Nucleus sampling mass.
+    pub top_p: Option<f32>,
+    /// Top-k (an extension vLLM also accepts).
+    pub top_k: Option<i64>,
+    /// Sampling seed.
+    pub seed: Option<i64>,
+    /// Stop strings.
+    pub stop: Option<StopSpec>,
+    /// Number of choices; only 1 is served.
+    pub n: Option<i64>,
+    /// Keep generating past end-of-sequence (an extension).
+    #[serde(default)]
+    pub ignore_eos: bool,
+    /// Stream the answer as server-sent events.
+    #[serde(default)]
+    pub stream: bool,
+    /// Streaming options.
+    pub stream_options: Option<StreamOptions>,
+    /// Cache namespace (an extension): requests share cached prefixes only within one salt.
+    pub cache_salt: Option<String>,
+    /// Client-chosen end-user id (passed through to usage records).
+    pub user: Option<String>,
+}
+
+/// `POST /v1/chat/completions`.
+#[derive(Clone, Debug, Deserialize)]
+pub struct ChatCompletionRequest {
+    /// Model id.
+    pub model: String,
+    /// The conversation.
+    pub messages: Vec<ChatMessage>,
+    /// Tools the model may call.
+    #[serde(default)]
+    pub tools: Option<Vec<ToolDefinition>>,
+    /// `none` hides the tools from the model; anything else leaves them.
+    #[serde(default)]
+    pub tool_choice: Option<serde_json::Value>,
+    /// Sampling and streaming.
+    #[serde(flatten)]
+    pub sampling: SamplingFields,
+}
+
+/// The prompt of `/v1/completions`: text or token ids, one or a batch of one.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(untagged)]
+pub enum PromptInput {
+    /// Text.
+    Text(String),
+    /// Token ids.
+    Tokens(Vec<i64>),
+    /// A batch of texts (only one is served).
+    Texts(Vec<String>),
+    /// A batch of token lists (only one is served).
+    TokenLists(Vec<Vec<i64>>),
+}
+
+/// `POST /v1/completions`.
+#[derive(Clone, Debug, Deserialize)]
+pub struct CompletionRequest {
+    /// Model id.
+    pub model: String,
+    /// The prompt.
+    pub prompt: PromptInput,
+    /// Echo the prompt (not supported).
+    #[serde(default)]
+    pub echo: bool,
+    /// Sampling and streaming.
+    #[serde(flatten)]
+    pub sampling: SamplingFields,
+}
+
+/// `usage.prompt_tokens_details`.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct PromptTokensDetails {
+    /// Prompt tokens served from the prefix cache.
+    pub cached_tokens: usize,
+}
+
+/// Token accounting of a response.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Usage {
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Generated tokens.
+    pub completion_tokens: usize,
+    /// Their sum.
+    pub total_tokens: usize,
+    /// Cached prompt tokens.
+    pub prompt_tokens_details: PromptTokensDetails,
+}
+
+/// The assistant message of a chat choice.
+#[derive(Clone, Debug, Serialize)]
+pub struct AssistantMessage {
+    /// Always `assistant`.
+    pub role: &'static str,
+    /// Text, or null when the answer is only tool calls.
+    pub content: Option<String>,
+    /// Tool calls the model made.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCall>,
+}
+
+/// One choice of a chat completion.
+#[derive(Clone, Debug, Serialize)]
+pub struct ChatChoice {
+    /// Always 0 (n = 1).
+    pub index: usize,
+    /// The answer.
+    pub message: AssistantMessage,
+    /// `stop`, `length` or `tool_calls`.
+    pub finish_reason: Option<&'static str>,
+    /// Not served: always null.
+    pub logprobs: Option<()>,
+}
+
+/// A non-streamed chat completion.
+#[derive(Clone, Debug, Serialize)]
+pub struct ChatCompletion {
+    /// `chatcmpl-…`.
+    pub id: String,
+    /// `chat.completion`.
+    pub object: &'static str,
+    /// Unix seconds.
+    pub created: u64,
+    /// Model id.
+    pub model: String,
+    /// The choices.
+    pub choices: Vec<ChatChoice>,
+    /// Token accounting.
+    pub usage: Usage,
+}
+
+/// The delta of a streamed chat chunk.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct ChunkDelta {
+    /// Set on the first chunk.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub role: Option<&'static str>,
+    /// New text.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub content: Option<String>,
+    /// Tool calls, sent whole once parsed (with their index).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCallDelta>>,
+}
+
+/// A streamed tool call.
+#[derive(Clone, Debug, Serialize)]
+pub struct ToolCallDelta {
+    /// Position of the call in the message.
+    pub index: usize,
+    /// Call id.
+    pub id: String,
+    /// `function`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// Name and arguments.
+    pub function: kvfleet_core::chat::FunctionCall,
+}
+
+/// One choice of a streamed chat chunk.
+#[derive(Clone, Debug, Serialize)]
+pub struct ChunkChoice {
+    /// Always 0.
+    pub index: usize,
+    /// What is new.
+    pub delta: ChunkDelta,
+    /// Set on the last content chunk.
+    pub finish_reason: Option<&'static str>,
+    /// Not served: always null.
+    pub logprobs: Option<()>,
+}
+
+/// A streamed chat chunk.
+#[derive(Clone, Debug, Serialize)]
+pub struct ChatCompletionChunk {
+    /// Same id on every chunk of a response.
+    pub id: String,
+    /// `chat.completion.chunk`.
+    pub object: &'static str,
+    /// Unix seconds.
+    pub created: u64,
+    /// Model id.
+    pub model: String,
+    /// Zero or one choice (zero on the usage-only chunk).
+    pub choices: Vec<ChunkChoice>,
+    /// Only on the final chunk, when `stream_options.include_usage` is set.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
+}
+
+/// One choice of a text completion.
+#[derive(Clone, Debug, Serialize)]
+pub struct CompletionChoice {
+    /// Always 0.
+    pub index: usize,
+    /// Generated text (new text only, when streamed).
+    pub text: String,
+    /// `stop` or `length`; null on intermediate stream chunks.
+    pub finish_reason: Option<&'static str>,
+    /// Not served: always null.
+    pub logprobs: Option<()>,
+}
+
+/// A text completion (or one streamed chunk of it).
+#[derive(Clone, Debug, Serialize)]
+pub struct Completion {
+    /// `cmpl-…`.
+    pub id: String,
+    /// `text_completion`.
+    pub object: &'static str,
+    /// Unix seconds.
+    pub created: u64,
+    /// Model id.
+    pub model: String,
+    /// The choices.
+    pub choices: Vec<CompletionChoice>,
+    /// Token accounting (on the final chunk when streamed with include_usage).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
+}
+
+/// An entry of `/v1/models`.
+#[derive(Clone, Debug, Serialize)]
+pub struct ModelCard {
+    /// Model id.
+    pub id: String,
+    /// `model`.
+    pub object: &'static str,
+    /// Unix seconds.
+    pub created: u64,
+    /// `kvfleet`.
+    pub owned_by: &'static str,
+    /// Context length.
+    pub max_model_len: usize,
+}
+
+/// `/v1/models`.
+#[derive(Clone, Debug, Serialize)]
+pub struct ModelList {
+    /// `list`.
+    pub object: &'static str,
+    /// The models.
+    pub data: Vec<ModelCard>,
+}

@@ -1,0 +1,226 @@
+//! Routing policies: given a request's prefix matches and every candidate's load,
+//! pick a worker.
+//!
+//! All policies implement [`RoutingPolicy`] and see the same [`RouteContext`]; the
+//! router holds one instance of each and picks one per request by [`PolicyKind`]
+//! (per deployment, or per request through the `x-kvfleet-policy` header).
+//!
+//! - [`CacheAware`] (`cache-aware`, ours): lowest estimated cost of uncached prefill,
+//!   prefill backlog and decode load, with a bounded-load guard.
+//! - [`RoundRobin`] (`round-robin`), [`LeastLoaded`] (`least-loaded`),
+//!   [`ConsistentHash`] (`consistent-hash`, with bounded loads), [`RandomPolicy`]
+//!   (`random`, seeded): baselines, also useful when cache affinity does not matter.
+
+mod cache_aware;
+mod consistent_hash;
+mod least_loaded;
+mod random;
+mod round_robin;
+
+pub use cache_aware::{CacheAware, CacheAwareConfig};
+pub use consistent_hash::{ConsistentHash, ConsistentHashConfig};
+pub use least_loaded::LeastLoaded;
+pub use random::RandomPolicy;
+pub use round_robin::RoundRobin;
+
+use crate::load::WorkerLoad;
+use crate::registry::WorkerIdx;
+use kvfleet_core::BlockHash;
+use serde::{Deserialize, Serialize};
+
+/// One worker a request may go to.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Candidate {
+    /// The worker.
+    pub worker: WorkerIdx,
+    /// A hash of the worker's string id, identical in every router replica (used by
+    /// consistent hashing, where indices would differ between replicas).
+    pub id_hash: u64,
+    /// The worker's load, including this router's in-flight work.
+    pub load: WorkerLoad,
+    /// Blocks of the request's prompt the worker holds or will hold (index plus pending
+    /// reservations), already capped at the blocks a request can reuse.
+    pub matched_blocks: usize,
+}
+
+/// Everything a policy may look at to route one request.
+#[derive(Clone, Copy, Debug)]
+pub struct RouteContext<'a> {
+    /// Chained hashes of the prompt's full blocks.
+    pub hashes: &'a [BlockHash],
+    /// Prompt length in tokens.
+    pub prompt_tokens: usize,
+    /// Tokens per block.
+    pub block_size: usize,
+    /// The workers to choose from, sorted by index; never empty when a policy runs.
+    pub candidates: &'a [Candidate],
+}
+
+impl RouteContext<'_> {
+    /// Prompt tokens `c` would serve from cache.
+    pub fn cached_tokens(&self, c: &Candidate) -> usize {
+        c.matched_blocks
+            .saturating_mul(self.block_size)
+            .min(self.prompt_tokens)
+    }
+
+    /// Prompt tokens `c` would have to compute.
+    pub fn uncached_tokens(&self, c: &Candidate) -> usize {
+        self.prompt_tokens - self.cached_tokens(c)
+    }
+}
+
+/// A policy's choice.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Selection {
+    /// The chosen worker.
+    pub worker: WorkerIdx,
+    /// The worker the policy preferred but skipped because it was over its load
+    /// bound (a "spill"), if any.
+    pub spilled_from: Option<WorkerIdx>,
+}
+
+impl Selection {
+    /// A plain choice, without a spill.
+    pub fn to(worker: WorkerIdx) -> Self {
+        Self {
+            worker,
+            spilled_from: None,
+        }
+    }
+}
+
+/// A routing policy.
+pub trait RoutingPolicy {
+    /// The policy's name, as accepted by [`PolicyKind`]'s `FromStr`.
+    fn name(&self) -> &'static str;
+
+    /// Picks a worker among `ctx.candidates`; `None` only when there is none.
+    fn select(&mut self, ctx: &RouteContext<'_>) -> Option<Selection>;
+}
+
+/// The policies a router offers, by name.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PolicyKind {
+    /// Prefix-cache-aware cost minimisation with bounded load (the default).
+    #[default]
+    CacheAware,
+    /// Each worker in turn.
+    RoundRobin,
+    /// Fewest active sequences, then smallest prefill backlog.
+    LeastLoaded,
+    /// Hash of the prompt's first blocks on a ring, with bounded loads.
+    ConsistentHash,
+    /// Uniformly random (seeded, reproducible).
+    Random,
+}
+
+impl PolicyKind {
+    /// Every policy, in documentation order.
+    pub const ALL: [PolicyKind; 5] = [
+        PolicyKind::CacheAware,
+        PolicyKind::RoundRobin,
+        PolicyKind::LeastLoaded,
+        PolicyKind::ConsistentHash,
+        PolicyKind::Random,
+    ];
+
+    /// The policy's name: `cache-aware`, `round-robin`, `least-loaded`,
+    /// `consistent-hash` or `random`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PolicyKind::CacheAware => "cache-aware",
+            PolicyKind::RoundRobin => "round-robin",
+            PolicyKind::LeastLoaded => "least-loaded",
+            PolicyKind::ConsistentHash => "consistent-hash",
+            PolicyKind::Random => "random",
+        }
+    }
+}
+
+impl std::fmt::Display for PolicyKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A policy name that is not one of [`PolicyKind::ALL`].
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("unknown routing policy {given:?}; valid policies: cache-aware, round-robin, least-loaded, consistent-hash, random")]
+pub struct ParsePolicyError {
+    /// The name that was given.
+    pub given: String,
+}
+
+impl std::str::FromStr for PolicyKind {
+    type Err = ParsePolicyError;
+
+    /// Parses a policy name, ignoring ASCII case, surrounding spaces, and `_` for `-`.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let norm = s.trim().to_ascii_lowercase().replace('_', "-");
+        PolicyKind::ALL
+            .into_iter()
+            .find(|k| k.as_str() == norm)
+            .ok_or_else(|| ParsePolicyError {
+                given: s.to_owned(),
+            })
+    }
+}
+
+/// A 64-bit hash of a string that every router replica computes identically
+/// (FNV-1a, then a SplitMix64 finaliser for avalanche).
+pub fn stable_str_hash(s: &str) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in s.as_bytes() {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    mix64(h)
+}
+
+/// SplitMix64's finaliser: a bijective avalanche mix of a 64-bit value.
+pub fn mix64(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// Total sequences over `candidates`, used by the bounded-load rules.
+fn total_active(candidates: &[Candidate]) -> usize {
+    candidates.iter().map(|c| c.load.active_sequences()).sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn policy_names_parse_and_print() {
+        for k in PolicyKind::ALL {
+            assert_eq!(k.as_str().parse::<PolicyKind>(), Ok(k));
+            assert_eq!(k.to_string(), k.as_str());
+            let json = serde_json::to_string(&k).unwrap();
+            assert_eq!(json, format!("\"{}\"", k.as_str()));
+        }
+        assert_eq!(
+            " Cache_Aware ".parse::<PolicyKind>(),
+            Ok(PolicyKind::CacheAware)
+        );
+        let err = "fastest".parse::<PolicyKind>().unwrap_err();
+        let msg = err.to_string();
+        assert!(msg.contains("\"fastest\""), "{msg}");
+        for k in PolicyKind::ALL {
+            assert!(msg.contains(k.as_str()), "{msg}");
+        }
+        assert_eq!(PolicyKind::default(), PolicyKind::CacheAware);
+    }
+
+    #[test]
+    fn stable_hash_is_stable() {
+        // Pinned: replicas and releases must agree on ring positions.
+        assert_eq!(stable_str_hash("worker-0"), stable_str_hash("worker-0"));
+        assert_ne!(stable_str_hash("worker-0"), stable_str_hash("worker-1"));
+        assert_eq!(mix64(0), 0);
+    }
+}

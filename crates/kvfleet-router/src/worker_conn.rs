@@ -1,0 +1,133 @@
+//! One gRPC connection from the router to a worker, with a deadline on every unary call.
+
+use kvfleet_proto::v1 as pb;
+use kvfleet_proto::v1::worker_client::WorkerClient;
+use std::time::Duration;
+use tonic::transport::{Channel, Endpoint};
+
+/// How long a connection attempt may take.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// Deadline of unary calls (Info, Load, CacheDump, Abort).
+pub const UNARY_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A connected worker.
+#[derive(Clone, Debug)]
+pub struct WorkerConn {
+    /// The worker's gRPC endpoint (`http://host:port`).
+    pub endpoint: String,
+    /// What the worker said about itself.
+    pub info: pb::InfoResponse,
+    client: WorkerClient<Channel>,
+}
+
+/// Why talking to a worker failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ConnError {
+    /// The address is not a valid endpoint.
+    #[error("bad worker endpoint {0}: {1}")]
+    Endpoint(String, String),
+    /// Could not connect.
+    #[error("cannot connect to worker at {0}: {1}")]
+    Connect(String, String),
+    /// The call failed.
+    #[error("worker call failed: {0}")]
+    Status(#[from] tonic::Status),
+}
+
+impl WorkerConn {
+    /// Connects to `endpoint` (`host:port` or `http://host:port`) and asks for its Info.
+    pub async fn connect(endpoint: &str) -> Result<Self, ConnError> {
+        let uri = if endpoint.contains("://") {
+            endpoint.to_string()
+        } else {
+            format!("http://{endpoint}")
+        };
+        let ep = Endpoint::from_shared(uri.clone())
+            .map_err(|e| ConnError::Endpoint(uri.clone(), e.to_string()))?
+            .connect_timeout(CONNECT_TIMEOUT)
+            .tcp_nodelay(true)
+            .http2_keep_alive_interval(Duration::from_secs(10))
+            .keep_alive_timeout(Duration::from_secs(5));
+        let channel = ep
+            .connect()
+            .await
+            .map_err(|e| ConnError::Connect(uri.clone(), e.to_string()))?;
+        let mut client = WorkerClient::new(channel)
+            .max_decoding_message_size(256 << 20)
+            .max_encoding_message_size(256 << 20);
+        let info = client
+            .info(with_deadline(pb::InfoRequest {}))
+            .await?
+            .into_inner();
+        Ok(WorkerConn {
+            endpoint: uri,
+            info,
+            client,
+        })
+    }
+
+    /// The worker's id.
+    pub fn id(&self) -> &str {
+        &self.info.worker_id
+    }
+
+    /// Current load.
+    pub async fn load(&self) -> Result<pb::LoadResponse, ConnError> {
+        Ok(self
+            .client
+            .clone()
+            .load(with_deadline(pb::LoadRequest {}))
+            .await?
+            .into_inner())
+    }
+
+    /// Every cached block and the event seq it reflects.
+    pub async fn cache_dump(&self) -> Result<pb::CacheDumpResponse, ConnError> {
+        Ok(self
+            .client
+            .clone()
+            .cache_dump(with_deadline(pb::CacheDumpRequest {}))
+            .await?
+            .into_inner())
+    }
+
+    /// KV events from `from_seq` on (replay, then live).
+    pub async fn kv_events(
+        &self,
+        from_seq: u64,
+    ) -> Result<tonic::Streaming<pb::KvEventBatch>, ConnError> {
+        Ok(self
+            .client
+            .clone()
+            .kv_events(pb::KvEventsRequest { from_seq })
+            .await?
+            .into_inner())
+    }
+
+    /// Starts a generation; the stream yields its messages.
+    pub async fn generate(
+        &self,
+        req: pb::GenerateRequest,
+    ) -> Result<tonic::Streaming<pb::GenerateResponse>, tonic::Status> {
+        Ok(self.client.clone().generate(req).await?.into_inner())
+    }
+
+    /// Aborts a request by id.
+    pub async fn abort(&self, request_id: &str) -> Result<bool, ConnError> {
+        Ok(self
+            .client
+            .clone()
+            .abort(with_deadline(pb::AbortRequest {
+                request_id: request_id.to_string(),
+            }))
+            .await?
+            .into_inner()
+            .found)
+    }
+}
+
+fn with_deadline<T>(msg: T) -> tonic::Request<T> {
+    let mut r = tonic::Request::new(msg);
+    r.set_timeout(UNARY_TIMEOUT);
+    r
+}
