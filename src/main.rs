@@ -1,0 +1,43 @@
+//! The `kvfleet` command line.
+
+mod generate;
+mod router_cmd;
+mod serve_args;
+mod up;
+mod worker_cmd;
+
+use clap::{Parser, Subcommand};
+
+/// kvfleet: LLM serving that computes each shared prompt prefix once per fleet.
+#[derive(Parser)]
+#[command(name = "kvfleet", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the embedded cluster: a router and N workers on 127.0.0.1.
+    Up(up::UpArgs),
+    /// Run one worker (gRPC).
+    Worker(worker_cmd::WorkerArgs),
+    /// Run one router (OpenAI HTTP API) in front of worker processes.
+    Router(router_cmd::RouterArgs),
+    /// Generate a completion for one prompt on a local engine.
+    Generate(generate::GenerateArgs),
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Up(args) => up::run(args),
+        Command::Worker(args) => worker_cmd::run(args),
+        Command::Router(args) => router_cmd::run(args),
+        Command::Generate(args) => generate::run(args),
+    };
+    if let Err(e) = result {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}

@@ -1,0 +1,85 @@
+//! `kvfleet up`: the embedded cluster — one router and N workers in one process, each
+//! worker with its own engine and block pool, talking real gRPC over loopback.
+
+use crate::serve_args::{init_logging, shutdown_signal, EngineArgs, RoutingArgs};
+use anyhow::{Context, Result};
+use clap::Args;
+use kvfleet_engine::load_model;
+use kvfleet_router::{fleet_metrics, http_front, Fleet};
+use kvfleet_worker::{spawn_worker, WorkerModel};
+use std::io::Write;
+
+/// Arguments of `kvfleet up`.
+#[derive(Args)]
+pub struct UpArgs {
+    /// Workers to start.
+    #[arg(long, default_value_t = 2)]
+    workers: usize,
+    /// HTTP address of the OpenAI-compatible API (port 0 picks a free port).
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    http: String,
+    /// `tiny`, `small` or a Hugging Face model directory.
+    #[arg(long, default_value = "tiny")]
+    model: String,
+    #[command(flatten)]
+    engine: EngineArgs,
+    #[command(flatten)]
+    routing: RoutingArgs,
+}
+
+/// Runs the embedded cluster until Ctrl-C / SIGTERM.
+pub fn run(args: UpArgs) -> Result<()> {
+    init_logging();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    rt.block_on(serve(args))
+}
+
+async fn serve(args: UpArgs) -> Result<()> {
+    anyhow::ensure!(args.workers > 0, "--workers must be at least 1");
+    fleet_metrics::prometheus_handle();
+    kvfleet_worker::describe_metrics();
+    // Load the weights once; every in-process worker shares them.
+    let model = load_model(&args.model).context("loading the model")?;
+    let mut workers = Vec::new();
+    for i in 0..args.workers {
+        let config = args
+            .engine
+            .worker_config(format!("worker-{i}"), WorkerModel::Loaded(model.clone()));
+        workers.push(spawn_worker(config).await.context("starting a worker")?);
+    }
+    let fleet = Fleet::new(
+        args.routing
+            .fleet_config(&args.model, args.engine.block_size),
+    )
+    .map_err(anyhow::Error::msg)?;
+    for w in &workers {
+        fleet
+            .add_worker(&w.endpoint())
+            .await
+            .map_err(anyhow::Error::msg)
+            .context("adding a worker to the router")?;
+    }
+    let listener = tokio::net::TcpListener::bind(&args.http)
+        .await
+        .with_context(|| format!("binding {}", args.http))?;
+    let addr = listener.local_addr()?;
+    // Scripts and tests read this line to find the port.
+    println!(
+        "kvfleet up: http://{addr} ({} workers, model {}, policy {})",
+        args.workers,
+        model.id,
+        args.routing.policy.as_str()
+    );
+    std::io::stdout().flush()?;
+    axum::serve(listener, http_front::app(fleet))
+        .with_graceful_shutdown(shutdown_signal())
+        .await
+        .context("serving HTTP")?;
+    for w in workers {
+        let _ = w.shutdown().await;
+    }
+    Ok(())
+}

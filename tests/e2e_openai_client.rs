@@ -1,0 +1,24 @@
+//! The official `openai` Python client against `kvfleet up` (scripts/test.sh installs it).
+
+mod support;
+
+use std::process::Command;
+use support::Cluster;
+
+#[test]
+fn the_official_openai_client_works() {
+    let c = Cluster::up(&["--workers", "2"]);
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/openai_client.py");
+    let out = Command::new("python3")
+        .arg(script)
+        .arg(&c.url)
+        .output()
+        .expect("run python3 (scripts/test.sh installs the openai package)");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "openai client failed:\n{stdout}\n{stderr}"
+    );
+    assert!(stdout.contains("openai client: ok"), "{stdout}");
+}

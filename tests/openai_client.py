@@ -1,0 +1,97 @@
+"""The official `openai` Python client against a running kvfleet router.
+
+Usage: python3 tests/openai_client.py http://127.0.0.1:PORT
+Exits non-zero (with a message) on the first thing that is not as an OpenAI client
+expects. Run by tests/e2e_openai_client.rs.
+"""
+import sys
+
+from openai import OpenAI
+
+
+def main(url: str) -> None:
+    client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["tiny"], models
+
+    system = "You are a helpful assistant. " * 40
+    messages = [
+        {"role": "system", "content": system},
+        {"role": "user", "content": "Say something."},
+    ]
+    first = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0)
+    assert first.object == "chat.completion", first
+    assert first.choices[0].message.role == "assistant", first
+    assert first.choices[0].finish_reason in ("stop", "length"), first
+    assert first.usage.prompt_tokens > 300, first.usage
+    again = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0)
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached >= again.usage.prompt_tokens - 16, again.usage
+    assert again.choices[0].message.content == first.choices[0].message.content
+
+    # Streamed, with usage in the last chunk.
+    stream = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=6, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )
+    text, finish, usage, roles = "", None, None, []
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            if choice.delta.role:
+                roles.append(choice.delta.role)
+            text += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+    assert roles == ["assistant"], roles
+    assert finish in ("stop", "length"), finish
+    assert usage is not None and usage.completion_tokens >= 1, usage
+    assert text == first.choices[0].message.content, (text, first.choices[0].message.content)
+
+    # A tool-calling conversation: tools, an assistant tool call and its result.
+    tools = [{
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }]
+    convo = [
+        {"role": "system", "content": system},
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"},
+        }]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18C and sunny"},
+    ]
+    tool_answer = client.chat.completions.create(
+        model="tiny", messages=convo, tools=tools, max_tokens=6, temperature=0,
+    )
+    choice = tool_answer.choices[0]
+    assert choice.finish_reason in ("stop", "length", "tool_calls"), choice
+    assert tool_answer.usage.prompt_tokens > first.usage.prompt_tokens, tool_answer.usage
+    # The conversation shares the system prompt: its blocks come from cache.
+    assert tool_answer.usage.prompt_tokens_details.cached_tokens >= 300, tool_answer.usage
+
+    # Errors surface as the client's typed exceptions.
+    try:
+        client.chat.completions.create(model="no-such-model", messages=messages, max_tokens=1)
+    except Exception as e:  # openai.NotFoundError
+        assert type(e).__name__ == "NotFoundError", repr(e)
+    else:
+        raise AssertionError("unknown model accepted")
+
+    completion = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=4, temperature=0)
+    assert completion.choices[0].finish_reason in ("stop", "length"), completion
+    print("openai client: ok")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,161 @@
+//! Starting `kvfleet up` as a real process and talking to it over HTTP.
+
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A running `kvfleet up`, killed when dropped.
+pub struct Cluster {
+    child: Child,
+    /// `http://127.0.0.1:PORT`.
+    pub url: String,
+    pub http: reqwest::blocking::Client,
+}
+
+impl Cluster {
+    /// Starts `kvfleet up` with `args` on a free port and waits until it is healthy.
+    pub fn up(args: &[&str]) -> Cluster {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_kvfleet"))
+            .arg("up")
+            .args(["--http", "127.0.0.1:0"])
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn kvfleet up");
+        let stdout = child.stdout.take().expect("stdout");
+        let mut line = String::new();
+        BufReader::new(stdout)
+            .read_line(&mut line)
+            .expect("read the startup line");
+        let url = line
+            .split_whitespace()
+            .find(|w| w.starts_with("http://"))
+            .unwrap_or_else(|| panic!("no address in {line:?}"))
+            .to_string();
+        let http = reqwest::blocking::Client::builder()
+            .timeout(Duration::from_secs(120))
+            .build()
+            .expect("client");
+        let cluster = Cluster { child, url, http };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Ok(r) = cluster.http.get(format!("{}/health", cluster.url)).send() {
+                if r.status().is_success() {
+                    break;
+                }
+            }
+            assert!(Instant::now() < deadline, "cluster never became healthy");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        cluster
+    }
+
+    /// POSTs JSON to `path` with extra headers; returns (status, worker header, body).
+    pub fn post(
+        &self,
+        path: &str,
+        body: &serde_json::Value,
+        headers: &[(&str, &str)],
+    ) -> (u16, Option<String>, serde_json::Value) {
+        let mut req = self.http.post(format!("{}{}", self.url, path)).json(body);
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        let resp = req.send().expect("request");
+        let status = resp.status().as_u16();
+        let worker = resp
+            .headers()
+            .get("x-kvfleet-worker")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string);
+        let text = resp.text().expect("body");
+        let json = serde_json::from_str(&text).unwrap_or(serde_json::Value::String(text));
+        (status, worker, json)
+    }
+
+    /// POSTs raw bytes.
+    pub fn post_raw(&self, path: &str, body: &str) -> (u16, serde_json::Value) {
+        let resp = self
+            .http
+            .post(format!("{}{}", self.url, path))
+            .header("content-type", "application/json")
+            .body(body.to_string())
+            .send()
+            .expect("request");
+        let status = resp.status().as_u16();
+        let text = resp.text().expect("body");
+        (
+            status,
+            serde_json::from_str(&text).unwrap_or(serde_json::Value::String(text)),
+        )
+    }
+
+    /// GETs JSON.
+    pub fn get(&self, path: &str) -> serde_json::Value {
+        self.http
+            .get(format!("{}{}", self.url, path))
+            .send()
+            .expect("request")
+            .json()
+            .expect("json")
+    }
+
+    /// GETs text.
+    pub fn get_text(&self, path: &str) -> String {
+        self.http
+            .get(format!("{}{}", self.url, path))
+            .send()
+            .expect("request")
+            .text()
+            .expect("text")
+    }
+
+    /// Sum of prompt tokens actually computed by all workers, from `/fleet`.
+    pub fn fleet_prompt_tokens_computed(&self) -> u64 {
+        let f = self.get("/fleet");
+        f["workers"]
+            .as_array()
+            .expect("workers")
+            .iter()
+            .map(|w| w["load"]["prompt_tokens_computed"].as_u64().unwrap_or(0))
+            .sum()
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A chat request body.
+pub fn chat(messages: serde_json::Value, max_tokens: u32) -> serde_json::Value {
+    serde_json::json!({
+        "model": "tiny",
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    })
+}
+
+/// Deterministic filler text of about `n` bytes (the tiny model's tokens are bytes).
+pub fn filler(seed: u32, n: usize) -> String {
+    let words = [
+        "alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet",
+    ];
+    let mut x = seed.wrapping_mul(2_654_435_761).wrapping_add(7);
+    let mut s = String::new();
+    while s.len() < n {
+        x ^= x << 13;
+        x ^= x >> 17;
+        x ^= x << 5;
+        s.push_str(words[(x % 10) as usize]);
+        s.push(' ');
+    }
+    s.truncate(n);
+    s
+}
