@@ -28,10 +28,7 @@ pub struct RouterArgs {
 /// Serves until Ctrl-C / SIGTERM.
 pub fn run(args: RouterArgs) -> Result<()> {
     init_logging();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("starting the async runtime")?;
+    let rt = crate::serve_args::runtime()?;
     rt.block_on(async move {
         fleet_metrics::prometheus_handle();
         let fleet = Fleet::new(args.routing.fleet_config(&args.model, args.block_size))

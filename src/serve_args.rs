@@ -92,3 +92,12 @@ pub fn init_logging() {
         .with_writer(std::io::stderr)
         .try_init();
 }
+
+/// The multi-threaded async runtime the serving commands run on.
+pub fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    use anyhow::Context;
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")
+}

@@ -30,10 +30,7 @@ pub struct UpArgs {
 /// Runs the embedded cluster until Ctrl-C / SIGTERM.
 pub fn run(args: UpArgs) -> Result<()> {
     init_logging();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("starting the async runtime")?;
+    let rt = crate::serve_args::runtime()?;
     rt.block_on(serve(args))
 }
 

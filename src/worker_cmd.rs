@@ -3,7 +3,7 @@
 use crate::serve_args::{init_logging, shutdown_signal, EngineArgs};
 use anyhow::{Context, Result};
 use clap::Args;
-use kvfleet_worker::{serve, WorkerModel};
+use kvfleet_worker::{serve_service, WorkerModel, WorkerService};
 use std::io::Write;
 
 /// Arguments of `kvfleet worker`.
@@ -25,10 +25,7 @@ pub struct WorkerArgs {
 /// Serves until Ctrl-C / SIGTERM.
 pub fn run(args: WorkerArgs) -> Result<()> {
     init_logging();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("starting the async runtime")?;
+    let rt = crate::serve_args::runtime()?;
     rt.block_on(async move {
         kvfleet_router::fleet_metrics::prometheus_handle();
         kvfleet_worker::describe_metrics();
@@ -43,9 +40,13 @@ pub fn run(args: WorkerArgs) -> Result<()> {
         let config = args
             .engine
             .worker_config(id.clone(), WorkerModel::Spec(args.model.clone()));
+        // Load the model before announcing the address, so whoever reads it can connect.
+        let service = WorkerService::start(config)
+            .await
+            .context("starting the engine")?;
         println!("kvfleet worker {id}: grpc://{addr} (model {})", args.model);
         std::io::stdout().flush()?;
-        serve(config, listener, shutdown_signal())
+        serve_service(service, listener, shutdown_signal())
             .await
             .context("serving gRPC")
     })

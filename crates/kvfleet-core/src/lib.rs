@@ -7,6 +7,7 @@
 
 pub mod block_hash;
 pub mod chat;
+pub mod kv_events;
 pub mod tokenizer;
 pub mod tokens;
 

@@ -1,42 +1,9 @@
-//! KV events: what a worker tells routers about the blocks it caches.
-//!
-//! Every time a full block becomes reusable (`Stored`) or its memory is reused for
-//! something else (`Removed`), the engine emits an event with a per-engine sequence
-//! number that only ever increases by one, so a consumer can detect a gap and resync.
+//! Delivering KV events (defined in `kvfleet_core::kv_events`) out of the engine: the
+//! sink trait, an in-memory recorder, and the coalescing that turns one step's block
+//! changes into few events.
 
-use kvfleet_core::BlockHash;
-use serde::{Deserialize, Serialize};
+pub use kvfleet_core::kv_events::{KvEvent, KvEventKind};
 use std::sync::{Arc, Mutex};
-
-/// What changed in a worker's prefix cache.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(tag = "type", rename_all = "snake_case")]
-pub enum KvEventKind {
-    /// A chain of blocks became cached; `block_hashes[0]`'s parent is `parent_hash`
-    /// (`None` for a first block), and each later block's parent is the one before it.
-    Stored {
-        /// Hash of the block before the first stored one.
-        parent_hash: Option<BlockHash>,
-        /// The stored blocks, in prefix order.
-        block_hashes: Vec<BlockHash>,
-    },
-    /// These blocks are no longer cached.
-    Removed {
-        /// The evicted blocks.
-        block_hashes: Vec<BlockHash>,
-    },
-    /// Every cached block was dropped.
-    Cleared,
-}
-
-/// One event with its sequence number (1, 2, 3, … per engine).
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct KvEvent {
-    /// Monotonic per-engine sequence number, starting at 1, without gaps.
-    pub seq: u64,
-    /// What happened.
-    pub kind: KvEventKind,
-}
 
 /// Receives the engine's KV events in order. Implementations must not block for long:
 /// they are called from the engine's step loop.

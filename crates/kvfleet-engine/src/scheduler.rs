@@ -80,9 +80,14 @@ impl Scheduler {
 
     /// Queues a sequence (in arrival order).
     pub fn enqueue(&mut self, seq: Sequence) {
-        let arrival = seq.arrival;
         let id = seq.id;
         self.seqs.insert(id, seq);
+        self.insert_waiting(id);
+    }
+
+    /// Puts a known sequence in the waiting queue at its arrival position.
+    fn insert_waiting(&mut self, id: RequestId) {
+        let arrival = self.seqs.get(&id).map_or(u64::MAX, |s| s.arrival);
         let pos = self
             .waiting
             .iter()
@@ -221,13 +226,7 @@ impl Scheduler {
         if let Some(s) = self.seqs.get_mut(&id) {
             s.status = SeqStatus::Waiting;
             s.preemptions += 1;
-            let arrival = s.arrival;
-            let pos = self
-                .waiting
-                .iter()
-                .position(|w| self.seqs.get(w).is_some_and(|o| o.arrival > arrival))
-                .unwrap_or(self.waiting.len());
-            self.waiting.insert(pos, id);
+            self.insert_waiting(id);
         }
         self.preempted_last_step.push(id);
     }
