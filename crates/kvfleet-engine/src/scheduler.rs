@@ -121,12 +121,7 @@ impl Scheduler {
                 match self.grow(id, cap) {
                     Grow::Ok(0) => break,
                     Grow::Ok(n) => {
-                        let start = self.seqs.get(&id).map_or(0, |s| s.num_computed);
-                        chunks.push(ScheduledChunk {
-                            seq: id,
-                            start,
-                            len: n,
-                        });
+                        chunks.push(self.chunk_of(id, n));
                         budget -= n;
                         break;
                     }
@@ -161,12 +156,7 @@ impl Scheduler {
                     }
                     self.running.push(id);
                     if n > 0 {
-                        let start = self.seqs.get(&id).map_or(0, |s| s.num_computed);
-                        chunks.push(ScheduledChunk {
-                            seq: id,
-                            start,
-                            len: n,
-                        });
+                        chunks.push(self.chunk_of(id, n));
                         budget -= n;
                     }
                 }
@@ -177,6 +167,16 @@ impl Scheduler {
             }
         }
         chunks
+    }
+
+    /// The next `len` tokens of `id`, from where its computed prefix ends.
+    fn chunk_of(&self, id: RequestId, len: usize) -> ScheduledChunk {
+        let start = self.seqs.get(&id).map_or(0, |s| s.num_computed);
+        ScheduledChunk {
+            seq: id,
+            start,
+            len,
+        }
     }
 
     /// Records that a chunk's K/V are now computed: publishes the blocks it filled.

@@ -103,10 +103,14 @@ pub async fn dispatch(fleet: &Arc<Fleet>, spec: &GenerationSpec) -> Result<Dispa
             predicted_cached_tokens: decision.predicted_cached_tokens,
             policy: decision.policy,
         };
-        let give_up_on_worker = |why: String| {
+        // The request never reached the worker: its reservation must not steer siblings.
+        let cancel_reservation = || {
             if let Some(r) = decision.reservation {
                 fleet.kv().cancel_reservation(r);
             }
+        };
+        let give_up_on_worker = |why: String| {
+            cancel_reservation();
             fleet.worker_failed(&worker);
             why
         };
@@ -151,20 +155,17 @@ pub async fn dispatch(fleet: &Arc<Fleet>, spec: &GenerationSpec) -> Result<Dispa
                 });
             }
             Ok(Ok((_, None))) => {
+                cancel_reservation();
                 last_error = format!("worker {worker} closed the stream before answering");
             }
             Ok(Err(status)) => match status.code() {
                 Code::InvalidArgument | Code::OutOfRange | Code::FailedPrecondition => {
-                    if let Some(r) = decision.reservation {
-                        fleet.kv().cancel_reservation(r);
-                    }
+                    cancel_reservation();
                     return Err(ApiError::invalid(status.message().to_string()));
                 }
                 Code::ResourceExhausted => {
                     // Busy, not broken: try another worker without dropping this one.
-                    if let Some(r) = decision.reservation {
-                        fleet.kv().cancel_reservation(r);
-                    }
+                    cancel_reservation();
                     last_error = format!("worker {worker} is overloaded: {}", status.message());
                 }
                 _ => {

@@ -201,12 +201,8 @@ impl Fleet {
     /// Connects to a worker, checks that it serves this fleet's model and block size,
     /// indexes its cache and starts following it. Returns its id.
     pub async fn add_worker(self: &Arc<Self>, endpoint: &str) -> Result<String, String> {
-        let conn = WorkerConn::connect(endpoint)
-            .await
-            .map_err(|e| e.to_string())?;
+        let conn = self.connect_and_register(endpoint).await?;
         let id = conn.id().to_string();
-        self.check_model(&conn)?;
-        self.register(&conn).await?;
         {
             let mut workers = self
                 .workers
@@ -359,6 +355,22 @@ impl Fleet {
         }
     }
 
+    /// Connects to a worker and admits it (see [`Self::check_and_register`]).
+    async fn connect_and_register(&self, endpoint: &str) -> Result<WorkerConn, String> {
+        let conn = WorkerConn::connect(endpoint)
+            .await
+            .map_err(|e| e.to_string())?;
+        self.check_and_register(&conn).await?;
+        Ok(conn)
+    }
+
+    /// Checks the worker serves this fleet's model and block size, adds it to the
+    /// routing core and indexes its cache from a dump.
+    async fn check_and_register(&self, conn: &WorkerConn) -> Result<(), String> {
+        self.check_model(conn)?;
+        self.register(conn).await.map(|_| ())
+    }
+
     /// Adds the worker to the routing core and indexes its cache from a dump.
     async fn register(&self, conn: &WorkerConn) -> Result<u64, String> {
         let id = conn.id().to_string();
@@ -423,8 +435,7 @@ impl Fleet {
         if conn.id() != id {
             return Err(format!("{endpoint} is now worker {}, not {id}", conn.id()));
         }
-        self.check_model(&conn)?;
-        self.register(&conn).await?;
+        self.check_and_register(&conn).await?;
         if let Ok(mut w) = self.workers.write() {
             if let Some(s) = w.get_mut(id) {
                 s.conn = Some(conn.clone());
