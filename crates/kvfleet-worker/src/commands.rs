@@ -9,7 +9,7 @@ use std::time::Instant;
 use tokio::sync::{mpsc as tmpsc, oneshot};
 use tonic::Status;
 
-/// Where a `Generate` call's messages go.
+/// Where a `Generate` call's (or one fork child's) messages go.
 pub(crate) type StreamSender = tmpsc::Sender<Result<pb::GenerateResponse, Status>>;
 
 /// A validated `Generate` call, on its way to the engine.
@@ -36,6 +36,37 @@ pub(crate) struct GenerateCommand {
     pub accepted: oneshot::Sender<Result<(), Status>>,
 }
 
+/// A validated `Fork` call, on its way to the engine.
+pub(crate) struct ForkCommand {
+    /// The caller's fork id (empty: the engine thread assigns one); children are
+    /// named `<request_id>.<index>`.
+    pub request_id: String,
+    /// The shared prefix.
+    pub prefix: Vec<TokenId>,
+    /// The router's block hashes of the prefix, checked against the worker's own.
+    pub block_hashes: Vec<u64>,
+    /// Cache namespace salt.
+    pub cache_salt: String,
+    /// Each child's suffix, sampling parameters and response stream, in order.
+    pub children: Vec<ForkChildCommand>,
+    /// Fork group, for metrics and logs.
+    pub fork_group: Option<String>,
+    /// When the gRPC handler received the call.
+    pub received_at: Instant,
+    /// Told whether the engine accepted the fork.
+    pub accepted: oneshot::Sender<Result<(), Status>>,
+}
+
+/// One child of a [`ForkCommand`].
+pub(crate) struct ForkChildCommand {
+    /// Tokens after the shared prefix (not empty).
+    pub suffix: Vec<TokenId>,
+    /// Sampling parameters.
+    pub params: SamplingParams,
+    /// The child's messages (merged into the call's stream by the handler).
+    pub stream: StreamSender,
+}
+
 /// The engine's load and totals, taken together.
 pub(crate) struct LoadSnapshot {
     /// Current load.
@@ -56,6 +87,8 @@ pub(crate) struct CacheSnapshot {
 pub(crate) enum Command {
     /// Start a request.
     Generate(Box<GenerateCommand>),
+    /// Start a fork: a shared prefix computed once, then its children.
+    Fork(Box<ForkCommand>),
     /// Abort a request by its gRPC id; replies whether it was unfinished.
     Abort {
         request_id: String,

@@ -7,9 +7,17 @@
 //! request's stream. Streams are bounded tokio channels fed with `try_send`: a slow
 //! client's tokens are coalesced into one pending message instead of blocking the
 //! engine, and a closed stream aborts its request so no work is wasted.
+//!
+//! A fork is one engine fork request (its shared prefix, computed once) and one
+//! `Active` per child, registered at once under the names `<fork>.<i>`: a child's
+//! outputs flow exactly as a `Generate` request's do. Until the prefix is computed
+//! the children exist only inside the engine's fork, which cannot drop one of them,
+//! so a child retired early (its client gone, or aborted) is aborted in the engine
+//! when the prefix is done and the children spawn; once every child is retired,
+//! the prefix computation is aborted too.
 
 use crate::commands::{
-    CacheSnapshot, Command, EngineHandle, GenerateCommand, LoadSnapshot, StreamSender,
+    CacheSnapshot, Command, EngineHandle, ForkCommand, GenerateCommand, LoadSnapshot, StreamSender,
 };
 use crate::config::{WorkerConfig, WorkerModel};
 use crate::convert::{self, u32_of};
@@ -19,7 +27,8 @@ use crate::event_log::EventLog;
 use crate::outbox::{Delivery, Outbox};
 use kvfleet_core::{hash_blocks, TokenId};
 use kvfleet_engine::{
-    load_model, CpuBackend, Engine, EngineError, ModelBackend, Request, RequestId, StepOutput,
+    load_model, CpuBackend, Engine, EngineError, FinishReason, ForkChild, ForkRequest,
+    ModelBackend, Request, RequestId, StepOutput,
 };
 use kvfleet_proto::v1 as pb;
 use std::collections::HashMap;
@@ -121,6 +130,8 @@ fn build_engine(
 /// An unfinished request.
 struct Active {
     name: String,
+    /// The fork this request is a child of.
+    fork: Option<String>,
     stream: StreamSender,
     outbox: Outbox,
     received_at: Instant,
@@ -152,6 +163,17 @@ impl Active {
     }
 }
 
+/// A fork whose children are not all retired yet.
+struct Fork {
+    /// The engine id of the shared prefix's computation, until it is done.
+    prefix: Option<RequestId>,
+    /// Children not retired yet.
+    children: Vec<RequestId>,
+    /// Children retired while the prefix was still being computed: the engine spawns
+    /// them with the others, and they are aborted right then.
+    retired_early: Vec<RequestId>,
+}
+
 /// A finished request whose last messages its client has not taken yet.
 struct Draining {
     stream: StreamSender,
@@ -173,6 +195,12 @@ struct EngineLoop {
     worker_id: String,
     active: HashMap<RequestId, Active>,
     by_name: HashMap<String, RequestId>,
+    /// Unfinished forks, by name.
+    forks: HashMap<String, Fork>,
+    /// The fork of each prefix computation still running.
+    prefixes: HashMap<RequestId, String>,
+    /// The engine panicked: its state is suspect and it is not to be touched.
+    poisoned: bool,
     draining: Vec<Draining>,
     next_id: RequestId,
     /// The last step scheduled nothing although requests were unfinished.
@@ -203,6 +231,9 @@ impl EngineLoop {
             worker_id: worker_id.to_string(),
             active: HashMap::new(),
             by_name: HashMap::new(),
+            forks: HashMap::new(),
+            prefixes: HashMap::new(),
+            poisoned: false,
             draining: Vec::new(),
             next_id: 1,
             stalled: false,
@@ -283,6 +314,7 @@ impl EngineLoop {
     fn handle(&mut self, cmd: Command) {
         match cmd {
             Command::Generate(g) => self.start(*g),
+            Command::Fork(f) => self.start_fork(*f),
             Command::Abort { request_id, reply } => {
                 let found = self.abort_by_name(&request_id);
                 let _ = reply.send(found);
@@ -359,7 +391,7 @@ impl EngineLoop {
         } else {
             request_id
         };
-        if self.by_name.contains_key(&name) {
+        if self.name_taken(&name) {
             let _ = accepted.send(Err(Status::already_exists(format!(
                 "request id `{name}` is already running on this worker"
             ))));
@@ -406,6 +438,7 @@ impl EngineLoop {
             id,
             Active {
                 name,
+                fork: None,
                 stream,
                 outbox: Outbox::default(),
                 received_at,
@@ -418,11 +451,172 @@ impl EngineLoop {
         );
     }
 
+    /// Whether `name` is a running request's or an unfinished fork's.
+    fn name_taken(&self, name: &str) -> bool {
+        self.by_name.contains_key(name) || self.forks.contains_key(name)
+    }
+
+    fn start_fork(&mut self, cmd: ForkCommand) {
+        let ForkCommand {
+            request_id,
+            prefix,
+            block_hashes,
+            cache_salt,
+            children,
+            fork_group,
+            received_at,
+            accepted,
+        } = cmd;
+        if children.iter().any(|c| c.stream.is_closed()) {
+            let _ = accepted.send(Err(Status::cancelled("the client went away")));
+            return;
+        }
+        let name = if request_id.is_empty() {
+            format!("{}-{}", self.worker_id, self.next_id)
+        } else {
+            request_id
+        };
+        let child_names: Vec<String> = (0..children.len()).map(|i| format!("{name}.{i}")).collect();
+        if let Some(taken) = std::iter::once(&name)
+            .chain(&child_names)
+            .find(|n| self.name_taken(n))
+        {
+            let _ = accepted.send(Err(Status::already_exists(format!(
+                "request id `{taken}` is already running on this worker (fork `{name}` \
+                 names its children `{name}.<index>`)"
+            ))));
+            return;
+        }
+        if let Err(s) = self.verify_hashes(&prefix, &block_hashes, &cache_salt) {
+            let _ = accepted.send(Err(s));
+            return;
+        }
+        let prefix_id = self.next_id;
+        self.next_id += 1 + children.len() as RequestId;
+        let prefix_len = prefix.len();
+        let mut engine_children = Vec::with_capacity(children.len());
+        let mut streams = Vec::with_capacity(children.len());
+        for (i, c) in children.into_iter().enumerate() {
+            streams.push((prefix_len + c.suffix.len(), c.stream));
+            engine_children.push(ForkChild {
+                id: prefix_id + 1 + i as RequestId,
+                suffix: c.suffix,
+                params: c.params,
+            });
+        }
+        let fork = ForkRequest {
+            id: prefix_id,
+            prefix,
+            cache_salt,
+            children: engine_children,
+        };
+        if let Err(e) = self.engine.add_fork(fork) {
+            let _ = accepted.send(Err(engine_status(e)));
+            return;
+        }
+        if accepted.send(Ok(())).is_err() {
+            // The call was cancelled while it waited in the queue.
+            self.engine.abort(prefix_id);
+            return;
+        }
+        let admitted_at = Instant::now();
+        self.metrics.fork_accepted(
+            (admitted_at - received_at).as_secs_f64(),
+            streams.len(),
+            fork_group.is_some(),
+        );
+        tracing::debug!(
+            worker = %self.worker_id,
+            request_id = %name,
+            engine_id = prefix_id,
+            prefix_tokens = prefix_len,
+            children = streams.len(),
+            fork_group = fork_group.as_deref().unwrap_or(""),
+            "fork accepted"
+        );
+        let child_ids: Vec<RequestId> = (1..=streams.len() as RequestId)
+            .map(|i| prefix_id + i)
+            .collect();
+        for ((child_name, (prompt_tokens, stream)), &id) in
+            child_names.into_iter().zip(streams).zip(&child_ids)
+        {
+            self.by_name.insert(child_name.clone(), id);
+            self.active.insert(
+                id,
+                Active {
+                    name: child_name,
+                    fork: Some(name.clone()),
+                    stream,
+                    outbox: Outbox::default(),
+                    received_at,
+                    admitted_at,
+                    first_output_at: None,
+                    prompt_tokens,
+                    cached_tokens: 0,
+                    completion_tokens: 0,
+                },
+            );
+        }
+        self.prefixes.insert(prefix_id, name.clone());
+        self.forks.insert(
+            name,
+            Fork {
+                prefix: Some(prefix_id),
+                children: child_ids,
+                retired_early: Vec::new(),
+            },
+        );
+    }
+
+    /// A fork's prefix is computed and its children spawned: those retired meanwhile
+    /// are aborted now.
+    fn prefix_computed(&mut self, prefix: RequestId) {
+        let Some(name) = self.prefixes.remove(&prefix) else {
+            return;
+        };
+        let early = match self.forks.get_mut(&name) {
+            Some(f) => {
+                f.prefix = None;
+                std::mem::take(&mut f.retired_early)
+            }
+            None => Vec::new(),
+        };
+        for id in early {
+            self.engine.abort(id);
+        }
+    }
+
+    /// Takes a retired child out of its fork; the last one out aborts the prefix
+    /// computation if it still runs, and forgets the fork.
+    fn leave_fork(&mut self, name: &str, child: RequestId) {
+        let Some(f) = self.forks.get_mut(name) else {
+            return;
+        };
+        f.children.retain(|&c| c != child);
+        if f.prefix.is_some() {
+            f.retired_early.push(child);
+        }
+        if !f.children.is_empty() {
+            return;
+        }
+        let prefix = f.prefix;
+        self.forks.remove(name);
+        if let Some(p) = prefix {
+            self.prefixes.remove(&p);
+            if !self.poisoned {
+                self.engine.abort(p);
+            }
+        }
+    }
+
     /// Forgets a request that is no longer in the engine; a last message its client
     /// has not taken yet is kept until it does.
     fn retire(&mut self, id: RequestId, delivery: Delivery) {
         if let Some(a) = self.active.remove(&id) {
             self.by_name.remove(&a.name);
+            if let Some(fork) = &a.fork {
+                self.leave_fork(fork, id);
+            }
             if delivery == Delivery::Buffered {
                 self.draining.push(Draining {
                     stream: a.stream,
@@ -442,10 +636,24 @@ impl EngineLoop {
         self.retire(id, Delivery::Closed);
     }
 
+    /// Aborts a request, or every unfinished child of a fork (and its prefix
+    /// computation), by name; returns whether there was one.
     fn abort_by_name(&mut self, name: &str) -> bool {
-        let Some(&id) = self.by_name.get(name) else {
+        if let Some(&id) = self.by_name.get(name) {
+            self.abort_request(id);
+            return true;
+        }
+        let Some(f) = self.forks.get(name) else {
             return false;
         };
+        for id in f.children.clone() {
+            self.abort_request(id);
+        }
+        true
+    }
+
+    /// Aborts an unfinished request, ending its stream with `ABORTED`.
+    fn abort_request(&mut self, id: RequestId) {
         self.engine.abort(id);
         let now = Instant::now();
         let delivery = match self.active.get_mut(&id) {
@@ -463,7 +671,6 @@ impl EngineLoop {
         self.metrics
             .finished(convert::finish_label(pb::FinishReason::Aborted));
         self.retire(id, delivery);
-        true
     }
 
     fn reap_disconnected(&mut self) {
@@ -511,6 +718,11 @@ impl EngineLoop {
     }
 
     fn route(&mut self, o: StepOutput, now: Instant) {
+        if o.finish == Some(FinishReason::Prefilled) {
+            // A fork's prefix: nobody's stream, its children carry on.
+            self.prefix_computed(o.id);
+            return;
+        }
         let Some(a) = self.active.get_mut(&o.id) else {
             return;
         };
@@ -553,6 +765,7 @@ impl EngineLoop {
     /// Ends every unfinished request with `status`, aborting it in the engine too when
     /// `abort` is set.
     fn fail_active(&mut self, status: Status, abort: bool) {
+        self.poisoned |= !abort;
         let ids: Vec<RequestId> = self.active.keys().copied().collect();
         for id in ids {
             if abort {

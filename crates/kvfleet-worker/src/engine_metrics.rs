@@ -48,6 +48,14 @@ pub fn describe_metrics() {
         "kvfleet_worker_fork_group_requests_total",
         "Generate requests a worker accepted that belong to a fork group."
     );
+    describe_counter!(
+        "kvfleet_worker_forks_total",
+        "Fork requests a worker accepted (each computes its shared prefix once)."
+    );
+    describe_counter!(
+        "kvfleet_worker_fork_children_total",
+        "Children of the fork requests a worker accepted."
+    );
     describe_histogram!(
         "kvfleet_worker_ttft_seconds",
         "Time to first token on a worker, from receiving the call."
@@ -72,6 +80,8 @@ pub(crate) struct EngineMetrics {
     generated_tokens: Counter,
     preemptions: Counter,
     fork_group_requests: Counter,
+    forks: Counter,
+    fork_children: Counter,
     ttft: Histogram,
     queue: Histogram,
     last: EngineStats,
@@ -100,6 +110,8 @@ impl EngineMetrics {
                 "kvfleet_worker_fork_group_requests_total",
                 "worker" => w()
             ),
+            forks: counter!("kvfleet_worker_forks_total", "worker" => w()),
+            fork_children: counter!("kvfleet_worker_fork_children_total", "worker" => w()),
             ttft: histogram!("kvfleet_worker_ttft_seconds", "worker" => w()),
             queue: histogram!("kvfleet_worker_queue_seconds", "worker" => w()),
             last: EngineStats::default(),
@@ -135,6 +147,17 @@ impl EngineMetrics {
         self.queue.record(queue_secs);
         if in_fork_group {
             self.fork_group_requests.increment(1);
+        }
+    }
+
+    /// A fork of `children` children was accepted after `queue_secs` in the command
+    /// queue; its children count as requests of its fork group, if it has one.
+    pub(crate) fn fork_accepted(&self, queue_secs: f64, children: usize, in_fork_group: bool) {
+        self.queue.record(queue_secs);
+        self.forks.increment(1);
+        self.fork_children.increment(children as u64);
+        if in_fork_group {
+            self.fork_group_requests.increment(children as u64);
         }
     }
 

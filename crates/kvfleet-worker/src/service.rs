@@ -1,9 +1,9 @@
 //! The tonic service: the `kvfleet.v1.Worker` RPCs, answered by the engine thread
-//! (`Generate`, `Abort`, `Load`, `CacheDump`), the event log (`KvEvents`) or the
+//! (`Generate`, `Fork`, `Abort`, `Load`, `CacheDump`), the event log (`KvEvents`) or the
 //! worker's static facts (`Info`). Handlers never block: they queue a command with
 //! `try_send` and await the engine thread's reply.
 
-use crate::commands::{Command, EngineHandle, GenerateCommand};
+use crate::commands::{Command, EngineHandle, ForkChildCommand, ForkCommand, GenerateCommand};
 use crate::config::WorkerConfig;
 use crate::convert;
 use crate::engine_loop;
@@ -18,6 +18,7 @@ use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio_stream::wrappers::ReceiverStream;
+use tokio_stream::{StreamExt, StreamMap};
 use tonic::{Request, Response, Status};
 
 /// The `KvEvents` response stream.
@@ -25,6 +26,14 @@ pub type KvEventStream = Pin<Box<dyn Stream<Item = Result<pb::KvEventBatch, Stat
 
 /// The `Generate` response stream.
 pub type GenerateStream = ReceiverStream<Result<pb::GenerateResponse, Status>>;
+
+/// The `Fork` response stream: every child's messages, tagged with its index. It ends
+/// once every child's stream has ended (or with the first error, which ends the call);
+/// dropping it aborts every unfinished child.
+pub type ForkStream = Pin<Box<dyn Stream<Item = Result<pb::ForkResponse, Status>> + Send>>;
+
+/// Most children one `Fork` call may ask for.
+pub const MAX_FORK_CHILDREN: usize = 256;
 
 /// One worker's gRPC service: an engine thread, its event log, and its static facts.
 /// Clones share the same engine. The engine thread stops once every clone (and every
@@ -115,29 +124,69 @@ impl WorkerService {
     }
 
     /// Checks what can be checked without the engine: model id and block size.
-    fn check_request(&self, req: &pb::GenerateRequest) -> Result<(), Status> {
+    fn check_request(
+        &self,
+        model: &str,
+        block_size: u32,
+        block_hashes: &[u64],
+    ) -> Result<(), Status> {
         let info = &self.info;
-        if !req.model.is_empty() && req.model != info.model_id {
+        if !model.is_empty() && model != info.model_id {
             return Err(Status::invalid_argument(format!(
-                "this worker serves model `{}`, not `{}`",
-                info.model_id, req.model
+                "this worker serves model `{}`, not `{model}`",
+                info.model_id
             )));
         }
-        let unset_ok = req.block_size == 0 && req.block_hashes.is_empty();
-        if req.block_size != info.block_size && !unset_ok {
+        let unset_ok = block_size == 0 && block_hashes.is_empty();
+        if block_size != info.block_size && !unset_ok {
             return Err(Status::invalid_argument(format!(
-                "router/worker mismatch: the request's block size is {} but this worker's is {} \
-                 (block hashes are only comparable at equal block sizes)",
-                req.block_size, info.block_size
+                "router/worker mismatch: the request's block size is {block_size} but this \
+                 worker's is {} (block hashes are only comparable at equal block sizes)",
+                info.block_size
             )));
         }
         Ok(())
+    }
+
+    /// Checks a fork's children (count, suffixes, sampling) and converts their
+    /// sampling parameters, before anything starts.
+    fn check_fork_children(
+        children: &[pb::ForkChild],
+    ) -> Result<Vec<kvfleet_engine::SamplingParams>, Status> {
+        if children.is_empty() {
+            return Err(Status::invalid_argument("a fork needs at least one child"));
+        }
+        if children.len() > MAX_FORK_CHILDREN {
+            return Err(Status::invalid_argument(format!(
+                "a fork may have at most {MAX_FORK_CHILDREN} children, got {}",
+                children.len()
+            )));
+        }
+        children
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                if c.suffix_token_ids.is_empty() {
+                    return Err(Status::invalid_argument(format!(
+                        "fork child {i} has an empty suffix"
+                    )));
+                }
+                let params = convert::sampling_params(c.sampling.as_ref()).map_err(|s| {
+                    Status::invalid_argument(format!("fork child {i}: {}", s.message()))
+                })?;
+                params
+                    .validate()
+                    .map_err(|e| Status::invalid_argument(format!("fork child {i}: {e}")))?;
+                Ok(params)
+            })
+            .collect()
     }
 }
 
 #[tonic::async_trait]
 impl Worker for WorkerService {
     type GenerateStream = GenerateStream;
+    type ForkStream = ForkStream;
     type KvEventsStream = KvEventStream;
 
     async fn generate(
@@ -146,7 +195,7 @@ impl Worker for WorkerService {
     ) -> Result<Response<Self::GenerateStream>, Status> {
         let received_at = Instant::now();
         let req = request.into_inner();
-        self.check_request(&req)?;
+        self.check_request(&req.model, req.block_size, &req.block_hashes)?;
         let params = convert::sampling_params(req.sampling.as_ref())?;
         let (tx, rx) = mpsc::channel(self.stream_buffer);
         let (accepted_tx, accepted_rx) = oneshot::channel();
@@ -168,6 +217,57 @@ impl Worker for WorkerService {
             Ok(Err(status)) => Err(status),
             Err(_) => Err(Status::unavailable(
                 "the worker's engine stopped before accepting the request",
+            )),
+        }
+    }
+
+    async fn fork(
+        &self,
+        request: Request<pb::ForkRequest>,
+    ) -> Result<Response<Self::ForkStream>, Status> {
+        let received_at = Instant::now();
+        let req = request.into_inner();
+        self.check_request(&req.model, req.block_size, &req.block_hashes)?;
+        if req.prefix_token_ids.is_empty() {
+            return Err(Status::invalid_argument("a fork needs a non-empty prefix"));
+        }
+        let params = Self::check_fork_children(&req.children)?;
+        let mut streams = StreamMap::with_capacity(req.children.len());
+        let mut children = Vec::with_capacity(req.children.len());
+        for (i, (child, params)) in req.children.into_iter().zip(params).enumerate() {
+            let (tx, rx) = mpsc::channel(self.stream_buffer);
+            streams.insert(i as u32, ReceiverStream::new(rx));
+            children.push(ForkChildCommand {
+                suffix: child.suffix_token_ids,
+                params,
+                stream: tx,
+            });
+        }
+        let (accepted_tx, accepted_rx) = oneshot::channel();
+        self.engine.send(Command::Fork(Box::new(ForkCommand {
+            request_id: req.request_id,
+            prefix: req.prefix_token_ids,
+            block_hashes: req.block_hashes,
+            cache_salt: req.cache_salt,
+            children,
+            fork_group: req.fork_group,
+            received_at,
+            accepted: accepted_tx,
+        })))?;
+        match accepted_rx.await {
+            // Dropping the merged stream drops every child's receiver, which the engine
+            // thread notices and aborts the child.
+            Ok(Ok(())) => Ok(Response::new(Box::pin(streams.map(
+                |(child_index, item)| {
+                    item.map(|response| pb::ForkResponse {
+                        child_index,
+                        response: Some(response),
+                    })
+                },
+            )))),
+            Ok(Err(status)) => Err(status),
+            Err(_) => Err(Status::unavailable(
+                "the worker's engine stopped before accepting the fork",
             )),
         }
     }
