@@ -76,6 +76,25 @@ impl Cluster {
         (status, worker, json)
     }
 
+    /// POSTs JSON with extra headers; returns (status, response headers, body).
+    pub fn post_with_headers(
+        &self,
+        path: &str,
+        body: &serde_json::Value,
+        headers: &[(&str, &str)],
+    ) -> (u16, reqwest::header::HeaderMap, serde_json::Value) {
+        let mut req = self.http.post(format!("{}{}", self.url, path)).json(body);
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        let resp = req.send().expect("request");
+        let status = resp.status().as_u16();
+        let headers = resp.headers().clone();
+        let text = resp.text().expect("body");
+        let json = serde_json::from_str(&text).unwrap_or(serde_json::Value::String(text));
+        (status, headers, json)
+    }
+
     /// POSTs raw bytes.
     pub fn post_raw(&self, path: &str, body: &str) -> (u16, serde_json::Value) {
         let resp = self

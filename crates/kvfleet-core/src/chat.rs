@@ -13,8 +13,10 @@
 
 mod canonical_json;
 mod chatml;
+pub mod fork_message;
 mod jinja;
 mod messages;
+pub mod status_bar;
 
 pub use canonical_json::{to_canonical_json, write_canonical_json};
 pub use jinja::JinjaTemplate;

@@ -5,8 +5,10 @@ use crate::fleet::{DecisionRecord, Fleet};
 use crate::fleet_metrics as m;
 use crate::openai::error::ApiError;
 use crate::policy::PolicyKind;
+use crate::worker_conn::WorkerConn;
 use kvfleet_core::BlockHash;
 use kvfleet_proto::v1 as pb;
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Instant;
 use tonic::Code;
@@ -32,14 +34,15 @@ pub struct GenerationSpec {
     pub policy: PolicyKind,
 }
 
-/// A request the chosen worker accepted: its first message is in hand.
-pub struct Dispatched {
+/// A request the chosen worker accepted: its first message is in hand. `T` is the
+/// stream's message: a `GenerateResponse`, or a `ForkResponse` for a fork.
+pub struct Dispatched<T = pb::GenerateResponse> {
     /// The serving worker.
     pub worker: String,
     /// The first message (usage of the prompt; maybe tokens).
-    pub first: pb::GenerateResponse,
+    pub first: T,
     /// The rest of the stream.
-    pub stream: tonic::Streaming<pb::GenerateResponse>,
+    pub stream: tonic::Streaming<T>,
     /// Releases the router's in-flight bookkeeping when dropped.
     pub guard: InflightGuard,
     /// When the request reached the router.
@@ -68,6 +71,36 @@ impl Drop for InflightGuard {
 
 /// Routes and starts `spec`, retrying elsewhere while no worker has started it.
 pub async fn dispatch(fleet: &Arc<Fleet>, spec: &GenerationSpec) -> Result<Dispatched, ApiError> {
+    let block_size = fleet.config.router.block_size as u32;
+    dispatch_with(fleet, spec, |conn| {
+        let req = pb::GenerateRequest {
+            request_id: spec.request_id.clone(),
+            model: String::new(),
+            token_ids: spec.token_ids.clone(),
+            block_hashes: spec.hashes.iter().map(|h| h.0).collect(),
+            block_size,
+            cache_salt: spec.cache_salt.clone(),
+            cacheable_len: spec.cacheable_len,
+            sampling: Some(spec.sampling.clone()),
+            fork_group: spec.fork_group.clone(),
+        };
+        async move { conn.generate(req).await }
+    })
+    .await
+}
+
+/// Routes `spec` (its hashes, length, policy and fork group) and starts it with
+/// `start` on the chosen worker, retrying elsewhere while no worker has started it.
+pub async fn dispatch_with<T, F, Fut>(
+    fleet: &Arc<Fleet>,
+    spec: &GenerationSpec,
+    start: F,
+) -> Result<Dispatched<T>, ApiError>
+where
+    T: prost::Message + Default + 'static,
+    F: Fn(WorkerConn) -> Fut,
+    Fut: Future<Output = Result<tonic::Streaming<T>, tonic::Status>>,
+{
     let started = Instant::now();
     let mut last_error = String::from("no worker is available");
     for attempt in 0..fleet.config.max_attempts.max(1) {
@@ -118,19 +151,8 @@ pub async fn dispatch(fleet: &Arc<Fleet>, spec: &GenerationSpec) -> Result<Dispa
             last_error = give_up_on_worker(format!("worker {worker} is not connected"));
             continue;
         };
-        let req = pb::GenerateRequest {
-            request_id: spec.request_id.clone(),
-            model: String::new(),
-            token_ids: spec.token_ids.clone(),
-            block_hashes: spec.hashes.iter().map(|h| h.0).collect(),
-            block_size: fleet.config.router.block_size as u32,
-            cache_salt: spec.cache_salt.clone(),
-            cacheable_len: spec.cacheable_len,
-            sampling: Some(spec.sampling.clone()),
-            fork_group: spec.fork_group.clone(),
-        };
         let call = async {
-            let mut stream = conn.generate(req).await?;
+            let mut stream = start(conn.clone()).await?;
             let first = stream.message().await?;
             Ok::<_, tonic::Status>((stream, first))
         };

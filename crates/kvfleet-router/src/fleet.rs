@@ -15,6 +15,7 @@ use crate::load::WorkerLoad;
 use crate::policy::PolicyKind;
 use crate::prefix_index::IndexError;
 use crate::prompt_model::PromptModel;
+use crate::sessions::SessionStore;
 use crate::worker_conn::{ConnError, WorkerConn};
 use futures::StreamExt;
 use kvfleet_core::BlockHash;
@@ -43,6 +44,13 @@ pub struct FleetConfig {
     pub max_attempts: usize,
     /// Conversations remembered for incremental tokenization.
     pub tokenizer_cache_entries: usize,
+    /// Sessions remembered for status fields and cache-break diagnostics.
+    pub session_capacity: usize,
+    /// Most prompt ids kept per session for the diagnostics.
+    pub session_max_tokens: usize,
+    /// Most children of one `/v1/forks` request sent to one worker in one `Fork` call;
+    /// more are split over further calls (routed like any request).
+    pub fork_children_per_worker: usize,
 }
 
 impl Default for FleetConfig {
@@ -55,6 +63,9 @@ impl Default for FleetConfig {
             first_message_timeout: Duration::from_secs(120),
             max_attempts: 3,
             tokenizer_cache_entries: 4096,
+            session_capacity: 4096,
+            session_max_tokens: 256 * 1024,
+            fork_children_per_worker: 32,
         }
     }
 }
@@ -136,6 +147,7 @@ pub struct Fleet {
     workers: RwLock<BTreeMap<String, WorkerSlot>>,
     model: RwLock<Option<(String, usize)>>,
     tokenize_cache: Mutex<IncrementalTokenizer>,
+    sessions: Mutex<SessionStore>,
     fork_groups: Mutex<ForkGroups>,
     decisions: Mutex<VecDeque<DecisionRecord>>,
     started: Instant,
@@ -165,6 +177,7 @@ impl Fleet {
     pub fn new(config: FleetConfig) -> Result<Arc<Self>, String> {
         let prompt = PromptModel::load(&config.model)?;
         let cache = IncrementalTokenizer::new(config.tokenizer_cache_entries);
+        let sessions = SessionStore::new(config.session_capacity, config.session_max_tokens);
         Ok(Arc::new(Fleet {
             kv: Mutex::new(KvRouter::new(config.router.clone())),
             prompt,
@@ -172,6 +185,7 @@ impl Fleet {
             workers: RwLock::new(BTreeMap::new()),
             model: RwLock::new(None),
             tokenize_cache: Mutex::new(cache),
+            sessions: Mutex::new(sessions),
             fork_groups: Mutex::new(ForkGroups::default()),
             decisions: Mutex::new(VecDeque::new()),
             started: Instant::now(),
@@ -191,6 +205,11 @@ impl Fleet {
     /// The incremental tokenizer (locked).
     pub fn tokenize_cache(&self) -> MutexGuard<'_, IncrementalTokenizer> {
         lock(&self.tokenize_cache)
+    }
+
+    /// The session memory (locked).
+    pub fn sessions(&self) -> MutexGuard<'_, SessionStore> {
+        lock(&self.sessions)
     }
 
     /// The served model id and context length, once a worker has reported them.

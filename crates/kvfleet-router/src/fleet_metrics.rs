@@ -103,6 +103,18 @@ fn describe() {
         "kvfleet_index_resyncs_total",
         "Prefix-index resyncs from a worker's CacheDump."
     );
+    describe_counter!(
+        "kvfleet_prefix_breaks_total",
+        "Session turns whose prompt diverged before the end of the previous turn's, by likely reason."
+    );
+    describe_counter!(
+        "kvfleet_agent_status_requests_total",
+        "Chat requests carrying an agent status, by status_mode."
+    );
+    describe_counter!(
+        "kvfleet_agent_status_tokens_total",
+        "Prompt tokens of rendered agent statuses (never cached in replace mode), by status_mode."
+    );
 }
 
 /// A finished request, by policy and outcome (`ok`, `client_error`, `worker_error`...).
@@ -169,6 +181,17 @@ pub fn itl(seconds: f64) {
 /// Whole request latency.
 pub fn request_seconds(seconds: f64) {
     histogram!("kvfleet_request_seconds").record(seconds);
+}
+
+/// A session turn that lost the cache of the turn before it.
+pub fn prefix_break(reason: &'static str) {
+    counter!("kvfleet_prefix_breaks_total", "reason" => reason).increment(1);
+}
+
+/// A request carrying an agent status, by mode.
+pub fn agent_status(mode: &'static str, tokens: usize) {
+    counter!("kvfleet_agent_status_requests_total", "mode" => mode).increment(1);
+    counter!("kvfleet_agent_status_tokens_total", "mode" => mode).increment(tokens as u64);
 }
 
 /// A request retried elsewhere before it started.

@@ -32,6 +32,9 @@ pub struct TokenizedPrompt {
     pub ids: Vec<TokenId>,
     /// Leading ids reused from the conversation's previous turn.
     pub reused: usize,
+    /// Leading ids that render the conversation's own messages (no tail, no generation
+    /// prompt): the part a later turn can find in the prefix cache.
+    pub history_len: usize,
 }
 
 struct Entry {
@@ -78,8 +81,28 @@ impl IncrementalTokenizer {
         messages: &[ChatMessage],
         tools: &[ToolDefinition],
     ) -> Result<TokenizedPrompt, PromptError> {
+        self.tokenize_with_tail(scope, template, tokenizer, messages, &[], tools)
+    }
+
+    /// Like [`tokenize`](Self::tokenize), with `tail` messages (a per-request agent
+    /// status) rendered after `messages` but kept out of the memo, so that the next
+    /// turn, which replaces the tail, still extends the remembered history.
+    pub fn tokenize_with_tail(
+        &mut self,
+        scope: &str,
+        template: &ChatTemplate,
+        tokenizer: &dyn Tokenizer,
+        messages: &[ChatMessage],
+        tail: &[ChatMessage],
+        tools: &[ToolDefinition],
+    ) -> Result<TokenizedPrompt, PromptError> {
         let history = template.render(messages, tools, false)?;
-        let full = template.render(messages, tools, true)?;
+        let full = if tail.is_empty() {
+            template.render(messages, tools, true)?
+        } else {
+            let all: Vec<ChatMessage> = messages.iter().chain(tail).cloned().collect();
+            template.render(&all, tools, true)?
+        };
 
         // The previous turn is usually the conversation minus its last one or two
         // messages; try the few most recent cut points, longest first.
@@ -105,17 +128,28 @@ impl IncrementalTokenizer {
             Some(ids) => ids,
             None => tokenizer.encode(&history)?,
         };
-        let ids = if full.starts_with(&history) && safe_split(tokenizer, &full, history.len()) {
-            let mut ids = history_ids.clone();
-            ids.extend(tokenizer.encode(&full[history.len()..])?);
-            ids
-        } else {
-            // The template does not extend the history with the generation prompt at a
-            // special token: tokenize the prompt whole.
-            tokenizer.encode(&full)?
-        };
+        let (ids, history_len) =
+            if full.starts_with(&history) && safe_split(tokenizer, &full, history.len()) {
+                let mut ids = history_ids.clone();
+                ids.extend(tokenizer.encode(&full[history.len()..])?);
+                (ids, history_ids.len())
+            } else {
+                // The template does not extend the history at a special token: tokenize
+                // the prompt whole; only the ids it shares with the history are history.
+                let ids = tokenizer.encode(&full)?;
+                let shared = ids
+                    .iter()
+                    .zip(&history_ids)
+                    .take_while(|(a, b)| a == b)
+                    .count();
+                (ids, shared)
+            };
         self.remember(text_key(scope, &history), history, history_ids);
-        Ok(TokenizedPrompt { ids, reused })
+        Ok(TokenizedPrompt {
+            ids,
+            reused,
+            history_len,
+        })
     }
 
     fn remember(&mut self, key: u64, text: String, ids: Vec<TokenId>) {
@@ -240,6 +274,41 @@ mod tests {
             got.ids,
             tok.encode(&tpl.render(&msgs, &[], true).unwrap()).unwrap()
         );
+    }
+
+    #[test]
+    fn a_replaced_tail_stays_out_of_the_next_turns_prefix() {
+        let tok = ByteTokenizer::new();
+        let tpl = ChatTemplate::ChatMl;
+        let mut inc = IncrementalTokenizer::new(16);
+        let mut msgs = conversation(1);
+        let status = [ChatMessage::user(
+            "<agent_status>\nturns: 1\n</agent_status>",
+        )];
+        let first = inc
+            .tokenize_with_tail("m", &tpl, &tok, &msgs, &status, &[])
+            .unwrap();
+        let mut all = msgs.clone();
+        all.extend_from_slice(&status);
+        assert_eq!(
+            first.ids,
+            tok.encode(&tpl.render(&all, &[], true).unwrap()).unwrap()
+        );
+        let history = tok.encode(&tpl.render(&msgs, &[], false).unwrap()).unwrap();
+        assert_eq!(first.history_len, history.len());
+        assert_eq!(&first.ids[..first.history_len], &history[..]);
+
+        msgs.push(ChatMessage::assistant("done"));
+        msgs.push(ChatMessage::user("next"));
+        let second = inc
+            .tokenize_with_tail("m", &tpl, &tok, &msgs, &status, &[])
+            .unwrap();
+        assert_eq!(
+            second.reused,
+            history.len(),
+            "the memo held the history without the status"
+        );
+        assert_eq!(&second.ids[..history.len()], &history[..]);
     }
 
     #[test]

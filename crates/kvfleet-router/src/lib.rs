@@ -22,10 +22,14 @@
 //! - [`worker_conn`]: a gRPC connection to one worker.
 //! - [`fleet`]: the live fleet — supervisors that follow each worker's KV events and
 //!   load, keeping the [`KvRouter`] current.
+//! - [`prefix_breaks`] and [`sessions`]: per-session memory and the diagnostics that
+//!   name what broke a conversation's prefix cache.
+//! - [`agent_status`]: the status bar's request fields and server-observed values.
 //! - [`dispatch`]: route a request, start it on a worker, retry while not started.
 //! - [`openai`] and [`http_front`]: the OpenAI-compatible HTTP API.
 //! - [`fleet_metrics`]: the Prometheus metrics.
 
+pub mod agent_status;
 pub mod dispatch;
 pub mod events;
 pub mod fleet;
@@ -36,10 +40,12 @@ pub mod kv_router;
 pub mod load;
 pub mod openai;
 pub mod policy;
+pub mod prefix_breaks;
 pub mod prefix_index;
 pub mod prompt_model;
 pub mod registry;
 pub mod reservations;
+pub mod sessions;
 pub mod worker_conn;
 
 pub use events::{CacheDump, RouterKvEvent, RouterKvEventKind};

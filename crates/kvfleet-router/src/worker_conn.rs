@@ -112,6 +112,15 @@ impl WorkerConn {
         Ok(self.client.clone().generate(req).await?.into_inner())
     }
 
+    /// Starts a fork: the prefix once, then every child; the stream yields the
+    /// children's messages tagged with their index.
+    pub async fn fork(
+        &self,
+        req: pb::ForkRequest,
+    ) -> Result<tonic::Streaming<pb::ForkResponse>, tonic::Status> {
+        Ok(self.client.clone().fork(req).await?.into_inner())
+    }
+
     /// Aborts a request by id.
     pub async fn abort(&self, request_id: &str) -> Result<bool, ConnError> {
         Ok(self

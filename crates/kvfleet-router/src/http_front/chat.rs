@@ -1,19 +1,26 @@
 //! `POST /v1/chat/completions`.
 
 use super::relay::{collect, relay_sse, ChunkWriter};
-use super::{parse_body, prepare, request_id, sse_response, unix_now, Prepared, RequestMeta};
+use super::{
+    insert_header, parse_body, prepare, request_id, session_id, sse_response, unix_now,
+    unix_now_ms, Prepared, RequestMeta, PREFIX_BREAK_HEADER, SESSION_TURN_HEADER,
+};
+use crate::agent_status::StatusMode;
 use crate::fleet::Fleet;
+use crate::fleet_metrics as m;
 use crate::openai::error::ApiError;
 use crate::openai::tool_call_parser::{has_open, parse_tool_calls, partial_open_len};
 use crate::openai::types::{
     AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest,
-    ChunkChoice, ChunkDelta, ToolCallDelta, Usage,
+    ChunkChoice, ChunkDelta, RenderedStatus, ToolCallDelta, Usage,
 };
+use crate::prefix_breaks::TurnFingerprint;
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
+use kvfleet_core::chat::status_bar::status_message;
 use std::sync::Arc;
 
 /// Handles a chat completion, streamed or not.
@@ -39,23 +46,96 @@ pub async fn chat_completions(
         Some("none") => Vec::new(),
         _ => req.tools.clone().unwrap_or_default(),
     };
+    let session = session_id(&headers, req.sampling.user.as_deref())?;
+    req.status.validate(session.as_deref())?;
+    let now_ms = fleet.now_ms();
+    let status = match req.status.wanted() {
+        false => None,
+        true => {
+            let before = session
+                .as_deref()
+                .and_then(|s| fleet.sessions().get(s).cloned());
+            let fields = req
+                .status
+                .fields(&req.messages, before.as_ref(), unix_now_ms(), now_ms);
+            Some(
+                status_message(&fields)
+                    .map_err(|e| ApiError::invalid_param("agent_status", e.to_string()))?,
+            )
+        }
+    };
+    let mode = req.status.mode();
+    // Replace mode renders the status after the history but keeps it out of the
+    // cacheable prefix; append mode makes it history.
+    let mut history = req.messages;
+    let mut tail = Vec::new();
+    let rendered_status = status.map(|message| {
+        let mode_name = match mode {
+            StatusMode::Replace => {
+                tail.push(message.clone());
+                "replace"
+            }
+            StatusMode::Append => {
+                history.push(message.clone());
+                "append"
+            }
+        };
+        RenderedStatus {
+            mode: mode_name,
+            message,
+        }
+    });
+    let scope = format!("{}\u{0}{}", meta.model_id, meta.cache_salt);
     let prompt = {
-        let scope = format!("{}\u{0}{}", meta.model_id, meta.cache_salt);
         let mut cache = fleet.tokenize_cache();
         cache
-            .tokenize(
+            .tokenize_with_tail(
                 &scope,
                 &fleet.prompt.chat_template,
                 fleet.prompt.tokenizer.as_ref(),
-                &req.messages,
+                &history,
+                &tail,
                 &tools,
             )
             .map_err(|e| ApiError::invalid_param("messages", e.to_string()))?
     };
+    let cacheable_len = (!tail.is_empty()).then_some(prompt.history_len);
+    if !tail.is_empty() {
+        m::agent_status("replace", prompt.ids.len() - prompt.history_len);
+    } else if rendered_status.is_some() {
+        m::agent_status("append", 0);
+    }
+    let turn = session.as_deref().map(|s| {
+        let fingerprint = TurnFingerprint::new(
+            scope.clone(),
+            &history,
+            &tools,
+            prompt.ids[..prompt.history_len].to_vec(),
+        );
+        fleet.sessions().begin_turn(s, now_ms, fingerprint)
+    });
+    let prompt_len = prompt.ids.len();
     let Prepared {
         dispatched,
-        worker_header,
-    } = prepare(&fleet, &meta, prompt.ids, &req.sampling).await?;
+        mut worker_header,
+    } = prepare(&fleet, &meta, prompt.ids, cacheable_len, &req.sampling).await?;
+    if let (Some(s), Some(turn)) = (session.as_deref(), turn.as_ref()) {
+        let cached = dispatched
+            .first
+            .usage
+            .as_ref()
+            .map_or(0, |u| u.cached_tokens as usize);
+        fleet.sessions().record_cached(s, cached, prompt_len);
+        insert_header(
+            &mut worker_header,
+            SESSION_TURN_HEADER,
+            &(turn.before.turns + 1).to_string(),
+        );
+        if let Some(b) = &turn.prefix_break {
+            m::prefix_break(b.reason.as_str());
+            insert_header(&mut worker_header, PREFIX_BREAK_HEADER, &b.header_value());
+        }
+    }
     let id = format!("chatcmpl-{}", request_id());
     let created = unix_now();
     let model = meta.model_id.clone();
@@ -109,6 +189,7 @@ pub async fn chat_completions(
             logprobs: None,
         }],
         usage: out.usage,
+        agent_status: rendered_status,
     };
     Ok((worker_header, Json(body)).into_response())
 }

@@ -47,7 +47,7 @@ pub async fn completions(
     let Prepared {
         dispatched,
         worker_header,
-    } = prepare(&fleet, &meta, ids, &req.sampling).await?;
+    } = prepare(&fleet, &meta, ids, None, &req.sampling).await?;
     let id = format!("cmpl-{}", request_id());
     let created = unix_now();
     let model = meta.model_id.clone();

@@ -7,6 +7,7 @@
 mod admin;
 mod chat;
 mod completions;
+mod forks;
 mod relay;
 
 use crate::dispatch::{dispatch, Dispatched, GenerationSpec};
@@ -36,6 +37,12 @@ pub const WORKER_HEADER: &str = "x-kvfleet-worker";
 pub const POLICY_HEADER: &str = "x-kvfleet-policy";
 /// Header naming the fork group a request belongs to.
 pub const FORK_GROUP_HEADER: &str = "x-kvfleet-fork-group";
+/// Header naming the session (agent conversation) a request belongs to.
+pub const SESSION_HEADER: &str = "x-kvfleet-session";
+/// Response header: where and why this turn lost the previous turn's prefix cache.
+pub const PREFIX_BREAK_HEADER: &str = "x-kvfleet-prefix-break";
+/// Response header: this request's turn number in its session.
+pub const SESSION_TURN_HEADER: &str = "x-kvfleet-session-turn";
 
 /// Largest request body accepted (long agent prompts run to hundreds of KB).
 pub const MAX_BODY_BYTES: usize = 32 << 20;
@@ -45,6 +52,7 @@ pub fn app(fleet: Arc<Fleet>) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(chat::chat_completions))
         .route("/v1/completions", post(completions::completions))
+        .route("/v1/forks", post(forks::forks))
         .route("/v1/models", get(admin::models))
         .route("/health", get(admin::health))
         .route("/metrics", get(admin::metrics))
@@ -108,17 +116,20 @@ struct Prepared {
     worker_header: HeaderMap,
 }
 
-/// Validates sampling, hashes the prompt, routes and starts it.
+/// Validates sampling, hashes the prompt's cacheable part (all of it unless
+/// `cacheable_len` says where an uncacheable tail starts), routes and starts it.
 async fn prepare(
     fleet: &Arc<Fleet>,
     meta: &RequestMeta,
     ids: Vec<u32>,
+    cacheable_len: Option<usize>,
     sampling: &SamplingFields,
 ) -> Result<Prepared, ApiError> {
     let params = sampling_params(sampling, ids.len(), meta.context)?;
     let t = Instant::now();
     let seed = kvfleet_core::namespace_seed(&meta.model_id, &meta.cache_salt);
-    let hashes = kvfleet_core::hash_blocks(seed, &ids, fleet.config.router.block_size);
+    let cacheable = cacheable_len.unwrap_or(ids.len()).min(ids.len());
+    let hashes = kvfleet_core::hash_blocks(seed, &ids[..cacheable], fleet.config.router.block_size);
     m::decision_phase("hashing", t.elapsed().as_nanos() as u64);
     let spec = GenerationSpec {
         request_id: request_id(),
@@ -126,7 +137,7 @@ async fn prepare(
         hashes,
         sampling: params,
         cache_salt: meta.cache_salt.clone(),
-        cacheable_len: None,
+        cacheable_len: cacheable_len.map(|n| n as u32),
         fork_group: meta.fork_group.clone(),
         policy: meta.policy,
     };
@@ -145,9 +156,7 @@ async fn prepare(
         }
     };
     let mut worker_header = HeaderMap::new();
-    if let Ok(v) = HeaderValue::from_str(&dispatched.worker) {
-        worker_header.insert(HeaderName::from_static(WORKER_HEADER), v);
-    }
+    insert_header(&mut worker_header, WORKER_HEADER, &dispatched.worker);
     Ok(Prepared {
         dispatched,
         worker_header,
@@ -163,6 +172,34 @@ fn request_id() -> String {
         .map(|d| d.as_micros() as u64)
         .unwrap_or(0);
     format!("{:x}{:06x}", t, n & 0xff_ffff)
+}
+
+/// The session a request belongs to: the `x-kvfleet-session` header, else the
+/// OpenAI `user` field.
+fn session_id(headers: &HeaderMap, user: Option<&str>) -> Result<Option<String>, ApiError> {
+    let id = match headers.get(SESSION_HEADER) {
+        Some(v) => Some(
+            v.to_str()
+                .map_err(|_| ApiError::invalid(format!("{SESSION_HEADER} is not text")))?
+                .to_string(),
+        ),
+        None => user.map(str::to_string),
+    };
+    Ok(id.filter(|s| !s.is_empty()))
+}
+
+/// Adds a response header, skipping values that are not valid header text.
+fn insert_header(headers: &mut HeaderMap, name: &'static str, value: &str) {
+    if let Ok(v) = HeaderValue::from_str(value) {
+        headers.insert(HeaderName::from_static(name), v);
+    }
+}
+
+fn unix_now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
 }
 
 fn unix_now() -> u64 {

@@ -34,7 +34,7 @@ pub trait ChunkWriter: Send + 'static {
     fn finish(&mut self, reason: &'static str, usage: Option<&Usage>) -> Vec<String>;
 }
 
-fn usage_of(u: Option<&pb::Usage>, completion: usize) -> Usage {
+pub(super) fn usage_of(u: Option<&pb::Usage>, completion: usize) -> Usage {
     let u = u.copied().unwrap_or_default();
     let prompt = u.prompt_tokens as usize;
     let completion = (u.completion_tokens as usize).max(completion);
@@ -49,7 +49,7 @@ fn usage_of(u: Option<&pb::Usage>, completion: usize) -> Usage {
 }
 
 /// Per-request timing and accounting, recorded once when the request ends.
-struct Tally {
+pub(super) struct Tally {
     started: Instant,
     first_token: Option<Instant>,
     last_token: Option<Instant>,
@@ -58,7 +58,7 @@ struct Tally {
 }
 
 impl Tally {
-    fn new(started: Instant) -> Self {
+    pub(super) fn new(started: Instant) -> Self {
         Tally {
             started,
             first_token: None,
@@ -68,7 +68,7 @@ impl Tally {
         }
     }
 
-    fn message(&mut self, msg: &pb::GenerateResponse) {
+    pub(super) fn message(&mut self, msg: &pb::GenerateResponse) {
         if let Some(u) = &msg.usage {
             self.usage = Some(*u);
         }
@@ -91,15 +91,21 @@ impl Tally {
         self.tokens += msg.token_ids.len();
     }
 
-    fn close(&self, fleet: &Fleet, d: &Dispatched, outcome: &'static str) -> Usage {
+    /// Records the request's outcome, latency and tokens; returns its usage.
+    pub(super) fn close_counts(&self, policy: &str, outcome: &'static str) -> Usage {
         let usage = usage_of(self.usage.as_ref(), self.tokens);
-        m::request_done(d.guard.policy, outcome);
+        m::request_done(policy, outcome);
         m::request_seconds(self.started.elapsed().as_secs_f64());
         m::tokens(
             usage.prompt_tokens,
             usage.prompt_tokens_details.cached_tokens,
             usage.completion_tokens,
         );
+        usage
+    }
+
+    fn close(&self, fleet: &Fleet, d: &Dispatched, outcome: &'static str) -> Usage {
+        let usage = self.close_counts(d.guard.policy, outcome);
         m::cache_prediction(
             &d.worker,
             d.guard.predicted_cached_tokens,

@@ -82,6 +82,9 @@ pub struct ChatCompletionRequest {
     /// `none` hides the tools from the model; anything else leaves them.
     #[serde(default)]
     pub tool_choice: Option<serde_json::Value>,
+    /// The agent status bar (an extension).
+    #[serde(flatten)]
+    pub status: crate::agent_status::StatusRequest,
     /// Sampling and streaming.
     #[serde(flatten)]
     pub sampling: SamplingFields,
@@ -176,6 +179,20 @@ pub struct ChatCompletion {
     pub choices: Vec<ChatChoice>,
     /// Token accounting.
     pub usage: Usage,
+    /// The agent status as rendered for this request (an extension), present when
+    /// the request asked for one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub agent_status: Option<RenderedStatus>,
+}
+
+/// The agent status a request was served with.
+#[derive(Clone, Debug, Serialize)]
+pub struct RenderedStatus {
+    /// `replace`: the message was seen by the model for this request only — do not
+    /// keep it. `append`: keep the message in the history of the next turns.
+    pub mode: &'static str,
+    /// The status as the `user` message the model saw.
+    pub message: ChatMessage,
 }
 
 /// The delta of a streamed chat chunk.

@@ -1,0 +1,365 @@
+//! `POST /v1/forks`: one parent conversation forked into N sub-agents that share its
+//! prefix, computed once.
+//!
+//! Each child is built the way a cache-exploiting fork must be: the parent's messages
+//! (ending with its assistant message and tool calls), then one `user` message with a
+//! constant placeholder result for every tool call and the child's directive in
+//! `<fork-directive>` tags. The children's token ids therefore share everything up to
+//! the directive. The router sends that shared prefix once, with every child's tail,
+//! in one `Fork` call: the worker prefills the prefix once and forks the sequence
+//! copy-on-write. Children beyond one worker's budget go out in further `Fork` calls,
+//! routed like any request (so they follow the prefix while its worker has room).
+
+use super::relay::Tally;
+use super::{insert_header, parse_body, request_id, unix_now, RequestMeta, FORK_GROUP_HEADER};
+use crate::dispatch::{dispatch_with, finish_reason_name, Dispatched, GenerationSpec};
+use crate::fleet::Fleet;
+use crate::openai::error::ApiError;
+use crate::openai::params::sampling_params;
+use crate::openai::tool_call_parser::parse_tool_calls;
+use crate::openai::types::{AssistantMessage, SamplingFields, Usage};
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::HeaderMap;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use futures::future::join_all;
+use kvfleet_core::chat::fork_message::{fork_child_message, DEFAULT_PLACEHOLDER};
+use kvfleet_core::chat::{ChatMessage, Role, ToolDefinition};
+use kvfleet_proto::v1 as pb;
+use serde::{Deserialize, Serialize};
+use std::sync::Arc;
+
+/// Most directives one fork request may carry.
+pub const MAX_DIRECTIVES: usize = 256;
+
+/// `POST /v1/forks`.
+#[derive(Clone, Debug, Deserialize)]
+pub struct ForkRequestBody {
+    /// Model id.
+    pub model: String,
+    /// The parent conversation, normally ending with its assistant message whose tool
+    /// calls the children handle.
+    pub messages: Vec<ChatMessage>,
+    /// Tools, as in chat completions.
+    #[serde(default)]
+    pub tools: Option<Vec<ToolDefinition>>,
+    /// One directive per child.
+    pub directives: Vec<String>,
+    /// The constant result written for every tool call (a default when absent).
+    pub placeholder: Option<String>,
+    /// Sampling, shared by every child.
+    #[serde(flatten)]
+    pub sampling: SamplingFields,
+}
+
+/// One child's answer.
+#[derive(Clone, Debug, Serialize)]
+pub struct ForkChoice {
+    /// Position of the directive.
+    pub index: usize,
+    /// The directive.
+    pub directive: String,
+    /// The answer.
+    pub message: AssistantMessage,
+    /// `stop`, `length` or `tool_calls`.
+    pub finish_reason: Option<&'static str>,
+    /// The worker that served the child.
+    pub worker: String,
+    /// The child's own token accounting (`cached_tokens` includes the shared prefix
+    /// it reused from the fork).
+    pub usage: Usage,
+}
+
+/// How the shared prefix was served.
+#[derive(Clone, Debug, Serialize)]
+pub struct ForkSummary {
+    /// The fork group the children belong to.
+    pub fork_group: String,
+    /// Tokens every child shares.
+    pub shared_prefix_tokens: usize,
+    /// `Fork` calls made (one per worker share of the children).
+    pub fork_calls: usize,
+    /// Workers that served children, in call order.
+    pub workers: Vec<String>,
+}
+
+/// The `/v1/forks` answer.
+#[derive(Clone, Debug, Serialize)]
+pub struct ForkResponseBody {
+    /// `fork-…`.
+    pub id: String,
+    /// `fork`.
+    pub object: &'static str,
+    /// Unix seconds.
+    pub created: u64,
+    /// Model id.
+    pub model: String,
+    /// One choice per directive, in directive order.
+    pub choices: Vec<ForkChoice>,
+    /// Totals over every child.
+    pub usage: Usage,
+    /// How the prefix was shared.
+    pub fork: ForkSummary,
+}
+
+/// Handles a fork request.
+pub async fn forks(
+    State(fleet): State<Arc<Fleet>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let req: ForkRequestBody = parse_body(&body)?;
+    if req.messages.is_empty() {
+        return Err(ApiError::invalid_param(
+            "messages",
+            "messages must not be empty",
+        ));
+    }
+    if req.directives.is_empty() || req.directives.len() > MAX_DIRECTIVES {
+        return Err(ApiError::invalid_param(
+            "directives",
+            format!("give between 1 and {MAX_DIRECTIVES} directives"),
+        ));
+    }
+    if req.sampling.stream {
+        return Err(ApiError::invalid_param(
+            "stream",
+            "/v1/forks answers with one JSON body; streaming is not supported",
+        ));
+    }
+    let meta = RequestMeta::from_headers(
+        &fleet,
+        &headers,
+        &req.model,
+        req.sampling.cache_salt.as_deref(),
+    )?;
+    let tools = req.tools.clone().unwrap_or_default();
+    let tool_calls = match req.messages.last() {
+        Some(m) if m.role == Role::Assistant => m.tool_calls.clone(),
+        _ => Vec::new(),
+    };
+    let placeholder = req.placeholder.as_deref().unwrap_or(DEFAULT_PLACEHOLDER);
+
+    let scope = format!("{}\u{0}{}", meta.model_id, meta.cache_salt);
+    let mut children = Vec::with_capacity(req.directives.len());
+    {
+        let mut cache = fleet.tokenize_cache();
+        for d in &req.directives {
+            let tail = [fork_child_message(&tool_calls, placeholder, d)];
+            let prompt = cache
+                .tokenize_with_tail(
+                    &scope,
+                    &fleet.prompt.chat_template,
+                    fleet.prompt.tokenizer.as_ref(),
+                    &req.messages,
+                    &tail,
+                    &tools,
+                )
+                .map_err(|e| ApiError::invalid_param("messages", e.to_string()))?;
+            children.push(prompt.ids);
+        }
+    }
+    let shared = shared_prefix_len(&children);
+    let longest = children.iter().map(Vec::len).max().unwrap_or(0);
+    let sampling = sampling_params(&req.sampling, longest, meta.context)?;
+    let seed = kvfleet_core::namespace_seed(&meta.model_id, &meta.cache_salt);
+    let prefix = children[0][..shared].to_vec();
+    let hashes = kvfleet_core::hash_blocks(seed, &prefix, fleet.config.router.block_size);
+    let fork_id = request_id();
+    let group = meta
+        .fork_group
+        .clone()
+        .unwrap_or_else(|| format!("fork-{fork_id}"));
+
+    // One Fork call per worker share of the children.
+    let per_call = fleet.config.fork_children_per_worker.max(1);
+    let indexed: Vec<(usize, Vec<u32>)> = children
+        .iter()
+        .enumerate()
+        .map(|(i, ids)| (i, ids[shared..].to_vec()))
+        .collect();
+    let calls = indexed.chunks(per_call).enumerate().map(|(k, part)| {
+        let spec = GenerationSpec {
+            request_id: format!("{fork_id}-{k}"),
+            token_ids: prefix.clone(),
+            hashes: hashes.clone(),
+            sampling: sampling.clone(),
+            cache_salt: meta.cache_salt.clone(),
+            cacheable_len: None,
+            fork_group: Some(group.clone()),
+            policy: meta.policy,
+        };
+        let fleet = fleet.clone();
+        let part = part.to_vec();
+        async move {
+            let block_size = fleet.config.router.block_size as u32;
+            let d = dispatch_with(&fleet, &spec, |conn| {
+                let req = pb::ForkRequest {
+                    request_id: spec.request_id.clone(),
+                    model: String::new(),
+                    prefix_token_ids: spec.token_ids.clone(),
+                    block_hashes: spec.hashes.iter().map(|h| h.0).collect(),
+                    block_size,
+                    cache_salt: spec.cache_salt.clone(),
+                    children: part
+                        .iter()
+                        .map(|(_, suffix)| pb::ForkChild {
+                            suffix_token_ids: suffix.clone(),
+                            sampling: Some(spec.sampling.clone()),
+                        })
+                        .collect(),
+                    fork_group: spec.fork_group.clone(),
+                };
+                async move { conn.fork(req).await }
+            })
+            .await?;
+            let indices: Vec<usize> = part.iter().map(|(i, _)| *i).collect();
+            collect_fork(d, &indices).await
+        }
+    });
+    let results = join_all(calls).await;
+
+    let mut choices: Vec<Option<ForkChoice>> = vec![None; req.directives.len()];
+    let mut workers = Vec::new();
+    let id = format!("fork-{fork_id}");
+    for r in results {
+        let (worker, outs) = r?;
+        workers.push(worker.clone());
+        for (index, out) in outs {
+            let (content, calls) = if tools.is_empty() {
+                (out.text, Vec::new())
+            } else {
+                parse_tool_calls(&out.text, &id)
+            };
+            let finish = if calls.is_empty() {
+                out.finish
+            } else {
+                Some("tool_calls")
+            };
+            choices[index] = Some(ForkChoice {
+                index,
+                directive: req.directives[index].clone(),
+                message: AssistantMessage {
+                    role: "assistant",
+                    content: (!content.is_empty() || calls.is_empty()).then_some(content),
+                    tool_calls: calls,
+                },
+                finish_reason: finish,
+                worker: worker.clone(),
+                usage: out.usage,
+            });
+        }
+    }
+    let choices: Vec<ForkChoice> = choices.into_iter().flatten().collect();
+    if choices.len() != req.directives.len() {
+        return Err(ApiError::internal(
+            "a worker ended the fork before every child finished",
+        ));
+    }
+    let mut usage = Usage::default();
+    for c in &choices {
+        usage.prompt_tokens += c.usage.prompt_tokens;
+        usage.completion_tokens += c.usage.completion_tokens;
+        usage.prompt_tokens_details.cached_tokens += c.usage.prompt_tokens_details.cached_tokens;
+    }
+    usage.total_tokens = usage.prompt_tokens + usage.completion_tokens;
+    let body = ForkResponseBody {
+        id,
+        object: "fork",
+        created: unix_now(),
+        model: meta.model_id.clone(),
+        choices,
+        usage,
+        fork: ForkSummary {
+            fork_group: group.clone(),
+            shared_prefix_tokens: shared,
+            fork_calls: workers.len(),
+            workers,
+        },
+    };
+    let mut headers = HeaderMap::new();
+    insert_header(&mut headers, FORK_GROUP_HEADER, &group);
+    Ok((headers, Json(body)).into_response())
+}
+
+/// The longest prefix every child shares, leaving each child at least one token of
+/// its own (the engine forks after the prefix).
+pub fn shared_prefix_len(children: &[Vec<u32>]) -> usize {
+    let Some(first) = children.first() else {
+        return 0;
+    };
+    let mut shared = first.len();
+    for c in &children[1..] {
+        shared = shared.min(first.iter().zip(c).take_while(|(a, b)| a == b).count());
+    }
+    let shortest = children.iter().map(Vec::len).min().unwrap_or(0);
+    shared.min(shortest.saturating_sub(1))
+}
+
+/// What one child produced.
+#[derive(Debug, Default)]
+struct ChildOut {
+    text: String,
+    finish: Option<&'static str>,
+    usage: Usage,
+}
+
+/// Reads a Fork stream to its end; children are reported under their request-wide
+/// `indices` (the call's child i is `indices[i]`).
+async fn collect_fork(
+    mut d: Dispatched<pb::ForkResponse>,
+    indices: &[usize],
+) -> Result<(String, Vec<(usize, ChildOut)>), ApiError> {
+    let mut outs: Vec<ChildOut> = indices.iter().map(|_| ChildOut::default()).collect();
+    let mut tallies: Vec<Tally> = indices.iter().map(|_| Tally::new(d.started)).collect();
+    let mut msg = Some(std::mem::take(&mut d.first));
+    while let Some(cur) = msg.take() {
+        let i = cur.child_index as usize;
+        if let (Some(out), Some(resp)) = (outs.get_mut(i), cur.response.as_ref()) {
+            tallies[i].message(resp);
+            out.text.push_str(&resp.text);
+            if let Some(f) = finish_reason_name(resp.finish_reason) {
+                out.finish = Some(f);
+            }
+        }
+        msg = d.stream.message().await.map_err(|s| {
+            ApiError::internal(format!(
+                "worker {} failed mid-fork: {}",
+                d.worker,
+                s.message()
+            ))
+        })?;
+    }
+    let mut done = Vec::with_capacity(outs.len());
+    for (k, mut out) in outs.into_iter().enumerate() {
+        let outcome = if out.finish.is_some() {
+            "ok"
+        } else {
+            "worker_error"
+        };
+        out.usage = tallies[k].close_counts(d.guard.policy, outcome);
+        if out.finish.is_none() {
+            return Err(ApiError::internal(format!(
+                "worker {} ended fork child {k} early",
+                d.worker
+            )));
+        }
+        done.push((indices[k], out));
+    }
+    Ok((d.worker, done))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::shared_prefix_len;
+
+    #[test]
+    fn shared_prefix_leaves_every_child_a_tail() {
+        assert_eq!(shared_prefix_len(&[vec![1, 2, 3, 4], vec![1, 2, 5]]), 2);
+        assert_eq!(shared_prefix_len(&[vec![1, 2, 3]]), 2);
+        assert_eq!(shared_prefix_len(&[vec![1, 2, 3], vec![1, 2, 3]]), 2);
+        assert_eq!(shared_prefix_len(&[vec![1, 2, 3], vec![1, 2]]), 1);
+        assert_eq!(shared_prefix_len(&[]), 0);
+    }
+}
