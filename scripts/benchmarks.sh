@@ -39,4 +39,4 @@ cp "$OUT/replay/worker_load.svg" docs/plots/replay_worker_load.svg
 # 3. The matrix.
 "$BIN" bench matrix --mooncake "$MOONCAKE" --doc docs/benchmarks.md --plots docs/plots \
   --replay-json "$OUT/replay.json" --replay-trace "$OUT/replay-trace.jsonl" \
-  --replay-setup "$REPLAY_SETUP" "$@"
+  --replay-setup "$REPLAY_SETUP" --notes docs/benchmarks.notes.md "$@"

@@ -215,6 +215,9 @@ pub struct MatrixArgs {
     /// Where the plots go.
     #[arg(long, default_value = "docs/plots")]
     plots: PathBuf,
+    /// A Markdown file appended to the page (the analysis).
+    #[arg(long)]
+    notes: Option<PathBuf>,
 }
 
 /// Runs `kvfleet bench`.
@@ -361,7 +364,7 @@ fn run_matrix_cmd(a: MatrixArgs) -> Result<()> {
         let (scale, rate) =
             kvfleet_bench::matrix::load_scale(&big, a.scale_workers, bb.pooled, &cost, 0.9);
         let scaled = big.scaled_time(scale);
-        let _ = writeln!(doc, "## Scale: {} requests over {} workers\n\nA generated fork trace of {} sessions ({} requests), 0.9 × capacity ({:.0} req/s), {} blocks per worker, single-threaded release build:\n\n| policy | hit ratio | pooled | ceiling | TTFT p99 ms | simulation wall time s |\n| --- | ---: | ---: | ---: | ---: | ---: |", big.records.len(), a.scale_workers, sessions, big.records.len(), rate, a.cache_blocks);
+        let _ = writeln!(doc, "## Scale: {} requests over {} workers\n\nA generated fork trace of {} sessions ({} requests), 0.9 × capacity ({:.0} req/s), {} blocks per worker, one thread:\n\n| policy | hit ratio | pooled | ceiling | TTFT p99 ms | simulation wall time s |\n| --- | ---: | ---: | ---: | ---: | ---: |", big.records.len(), a.scale_workers, sessions, big.records.len(), rate, a.cache_blocks);
         for p in [
             SimPolicy::Kvfleet(kvfleet_router::PolicyKind::CacheAware),
             SimPolicy::SglangCacheAware,
@@ -398,6 +401,12 @@ fn run_matrix_cmd(a: MatrixArgs) -> Result<()> {
         let _ = writeln!(doc, "## Replay against a live cluster vs. the simulator\n\n{}\n\n| figure | replay (measured) | simulator (predicted) |\n| --- | ---: | ---: |\n| requests ok / failed | {} / {} | {} |\n| cached-token ratio | **{:.3}** | **{:.3}** |\n| TTFT p50 / p99 ms | {:.0} / {:.0} | {:.0} / {:.0} (cpu-small cost model) |\n\nRelative difference of the cached-token ratio: **{:.1}%** (target ≤ 10%).\n\n![replay TTFT CDF](plots/replay_ttft_cdf.svg)\n![replay cached ratio over time](plots/replay_hit_ratio.svg)\n![replay per-worker load](plots/replay_worker_load.svg)\n", a.replay_setup.clone().unwrap_or_default(), rep["ok"], rep["failed"], r.requests, measured, r.cached_token_ratio, rep["ttft_ms"]["p50"].as_f64().unwrap_or(0.0), rep["ttft_ms"]["p99"].as_f64().unwrap_or(0.0), r.ttft_ms.p50, r.ttft_ms.p99, err * 100.0);
     }
 
+    if let Some(n) = &a.notes {
+        let text =
+            std::fs::read_to_string(n).with_context(|| format!("reading {}", n.display()))?;
+        doc.push_str(&text);
+        doc.push('\n');
+    }
     doc.push_str("## The matrix\n\n");
     doc.push_str(&matrix_markdown(&cfg, &rows, &a.plots)?);
     let dir = a.doc.parent().map(PathBuf::from).unwrap_or_default();
