@@ -1,8 +1,10 @@
 //! The `kvfleet` command line.
 
+mod bench_cmd;
 mod generate;
 mod router_cmd;
 mod serve_args;
+mod sim_cmd;
 mod up;
 mod worker_cmd;
 
@@ -26,6 +28,10 @@ enum Command {
     Router(router_cmd::RouterArgs),
     /// Generate a completion for one prompt on a local engine.
     Generate(generate::GenerateArgs),
+    /// Benchmark tools: generate traces, replay them, run the benchmark matrix.
+    Bench(bench_cmd::BenchArgs),
+    /// Simulate a fleet on a trace: hit ratio vs. bounds, load, TTFT, cost per policy.
+    Sim(sim_cmd::SimArgs),
 }
 
 fn main() {
@@ -35,6 +41,8 @@ fn main() {
         Command::Worker(args) => worker_cmd::run(args),
         Command::Router(args) => router_cmd::run(args),
         Command::Generate(args) => generate::run(args),
+        Command::Bench(args) => bench_cmd::run(args),
+        Command::Sim(args) => sim_cmd::run(args),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

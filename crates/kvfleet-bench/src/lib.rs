@@ -1,0 +1,24 @@
+//! kvfleet-bench: the tools load-test engineers use to size a fleet and pick a policy.
+//!
+//! - [`trace`]: the JSONL trace format (a superset of Mooncake's), with a reader that
+//!   names the line of any bad record.
+//! - [`trace_gen`]: agent sessions with fork fan-out (`kvfleet bench gen`).
+//! - [`token_blocks`]: hash id → deterministic tokens (replay) and → chained block
+//!   hashes (simulation).
+//! - [`bounds`]: the unbounded ceiling and the pooled-LRU bound.
+//! - [`sim`]: the discrete-event fleet simulator (`kvfleet sim`) with kvfleet's
+//!   policies through the real router core and the SGLang / Dynamo baselines.
+//! - [`replay`]: the HTTP replay client (`kvfleet bench replay`).
+//! - [`report`] and [`plots`]: JSON, Markdown and SVG output.
+
+pub mod bounds;
+pub mod matrix;
+pub mod plots;
+pub mod replay;
+pub mod report;
+pub mod sim;
+pub mod token_blocks;
+pub mod trace;
+pub mod trace_gen;
+
+pub use trace::{Trace, TraceRecord};

@@ -1,0 +1,101 @@
+//! kvfleet's own policies under simulation: the real [`KvRouter`] (prefix index,
+//! pending reservations, load bookkeeping, policies), fed with the simulated workers'
+//! KV events (stored / removed, with per-worker sequence numbers) and load reports
+//! from their queues, exactly as the live fleet's supervisors feed it.
+//!
+//! Hashes are the trace's chained hash ids, with the router's block size set to the
+//! trace's; the prompt length given to the router is one token more than its blocks,
+//! so every block counts as reusable, as the simulated caches and the bounds count it.
+
+use super::lru::ChainChange;
+use super::{RouteReq, SimRouter, SimWorker};
+use kvfleet_core::kv_events::KvEvent;
+use kvfleet_router::{KvRouter, PolicyKind, RouterConfig};
+
+/// A [`KvRouter`] driving one policy.
+pub struct KvfleetPolicy {
+    router: KvRouter,
+    kind: PolicyKind,
+    ids: Vec<String>,
+    seqs: Vec<u64>,
+    /// Router worker index → simulated worker.
+    slot: Vec<usize>,
+}
+
+impl KvfleetPolicy {
+    /// A router over `workers` workers.
+    pub fn new(config: RouterConfig, kind: PolicyKind, workers: usize) -> anyhow::Result<Self> {
+        let bs = config.block_size;
+        let mut router = KvRouter::new(config);
+        let ids: Vec<String> = (0..workers).map(|i| format!("w{i}")).collect();
+        let mut slot = Vec::new();
+        for (i, id) in ids.iter().enumerate() {
+            let idx = router
+                .add_worker(id, bs)
+                .map_err(|e| anyhow::anyhow!("{e}"))?;
+            if slot.len() <= idx.index() {
+                slot.resize(idx.index() + 1, usize::MAX);
+            }
+            slot[idx.index()] = i;
+        }
+        Ok(Self {
+            router,
+            kind,
+            seqs: vec![0; workers],
+            ids,
+            slot,
+        })
+    }
+
+    /// The router (read-only), e.g. for its prediction statistics.
+    pub fn router(&self) -> &KvRouter {
+        &self.router
+    }
+
+    fn report(&mut self, w: usize, workers: &[SimWorker]) {
+        let _ = self
+            .router
+            .update_load(&self.ids[w], workers[w].load_report());
+    }
+
+    fn event(&mut self, w: usize, make: impl FnOnce(u64) -> KvEvent) {
+        self.seqs[w] += 1;
+        let ev = make(self.seqs[w]);
+        // Sequence numbers never skip, so apply never reports a gap.
+        let _ = self.router.apply_event(&self.ids[w], &ev);
+    }
+}
+
+impl SimRouter for KvfleetPolicy {
+    fn route(&mut self, req: &RouteReq<'_>, _workers: &[SimWorker], now_ms: f64) -> (usize, usize) {
+        let prompt = req.hashes.len() * req.block_size + 1;
+        match self
+            .router
+            .route(req.hashes, prompt, self.kind, now_ms as u64)
+        {
+            Ok(d) => (self.slot[d.worker_idx.index()], d.prefill_tokens),
+            Err(_) => (0, 0),
+        }
+    }
+
+    fn on_enqueued(&mut self, w: usize, change: &ChainChange, workers: &[SimWorker]) {
+        if !change.removed.is_empty() {
+            let removed = change.removed.clone();
+            self.event(w, |seq| KvEvent::removed(seq, removed));
+        }
+        for (parent, blocks) in &change.stored {
+            let (parent, blocks) = (*parent, blocks.clone());
+            self.event(w, |seq| KvEvent::stored(seq, parent, blocks));
+        }
+        self.report(w, workers);
+    }
+
+    fn on_load_changed(&mut self, w: usize, workers: &[SimWorker]) {
+        self.report(w, workers);
+    }
+
+    fn on_finished(&mut self, w: usize, token: usize, workers: &[SimWorker]) {
+        let _ = self.router.request_finished(&self.ids[w], token);
+        self.report(w, workers);
+    }
+}

@@ -1,0 +1,192 @@
+//! An LRU cache of KV blocks addressed by chained hash, as a worker's prefix cache
+//! behaves: a request reuses the leading blocks of its chain that are cached, then
+//! every block of its chain becomes most recently used, tail first, so a prefix always
+//! outlives the suffixes that hang off it (the engine releases blocks tail-first).
+
+use kvfleet_core::{BlockHash, BlockHashMap};
+
+const NIL: u32 = u32::MAX;
+
+#[derive(Clone, Copy, Debug)]
+struct Node {
+    hash: BlockHash,
+    prev: u32,
+    next: u32,
+}
+
+/// What one [`LruBlockCache::insert_chain`] changed.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ChainChange {
+    /// Runs of newly stored blocks: (parent hash, blocks), in prefix order.
+    pub stored: Vec<(Option<BlockHash>, Vec<BlockHash>)>,
+    /// Evicted blocks.
+    pub removed: Vec<BlockHash>,
+}
+
+/// A fixed-capacity LRU set of block hashes.
+#[derive(Clone, Debug)]
+pub struct LruBlockCache {
+    capacity: usize,
+    map: BlockHashMap<u32>,
+    nodes: Vec<Node>,
+    free: Vec<u32>,
+    /// Most recently used.
+    head: u32,
+    /// Least recently used.
+    tail: u32,
+}
+
+impl LruBlockCache {
+    /// An empty cache of `capacity` blocks.
+    pub fn new(capacity: usize) -> Self {
+        Self {
+            capacity,
+            map: BlockHashMap::default(),
+            nodes: Vec::new(),
+            free: Vec::new(),
+            head: NIL,
+            tail: NIL,
+        }
+    }
+
+    /// Capacity in blocks.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Cached blocks.
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    /// Whether nothing is cached.
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+
+    /// Whether `h` is cached.
+    pub fn contains(&self, h: BlockHash) -> bool {
+        self.map.contains_key(&h)
+    }
+
+    /// Leading blocks of `chain` that are cached.
+    pub fn match_prefix(&self, chain: &[BlockHash]) -> usize {
+        chain
+            .iter()
+            .take_while(|h| self.map.contains_key(h))
+            .count()
+    }
+
+    /// Makes every block of `chain` (at most `capacity` of its first blocks) cached and
+    /// most recently used, tail first; returns what was stored and evicted.
+    pub fn insert_chain(&mut self, chain: &[BlockHash]) -> ChainChange {
+        let chain = &chain[..chain.len().min(self.capacity)];
+        let mut change = ChainChange::default();
+        let mut new = vec![false; chain.len()];
+        for (i, &h) in chain.iter().enumerate().rev() {
+            if let Some(&n) = self.map.get(&h) {
+                self.unlink(n);
+                self.push_front(n);
+            } else {
+                if self.map.len() >= self.capacity {
+                    let lru = self.tail;
+                    let old = self.nodes[lru as usize].hash;
+                    self.unlink(lru);
+                    self.map.remove(&old);
+                    self.free.push(lru);
+                    change.removed.push(old);
+                }
+                let node = Node {
+                    hash: h,
+                    prev: NIL,
+                    next: NIL,
+                };
+                let n = match self.free.pop() {
+                    Some(n) => {
+                        self.nodes[n as usize] = node;
+                        n
+                    }
+                    None => {
+                        self.nodes.push(node);
+                        (self.nodes.len() - 1) as u32
+                    }
+                };
+                self.map.insert(h, n);
+                self.push_front(n);
+                new[i] = true;
+            }
+        }
+        let mut i = 0;
+        while i < chain.len() {
+            if !new[i] {
+                i += 1;
+                continue;
+            }
+            let start = i;
+            while i < chain.len() && new[i] {
+                i += 1;
+            }
+            let parent = start.checked_sub(1).map(|p| chain[p]);
+            change.stored.push((parent, chain[start..i].to_vec()));
+        }
+        change
+    }
+
+    fn unlink(&mut self, n: u32) {
+        let Node { prev, next, .. } = self.nodes[n as usize];
+        if prev == NIL {
+            self.head = next;
+        } else {
+            self.nodes[prev as usize].next = next;
+        }
+        if next == NIL {
+            self.tail = prev;
+        } else {
+            self.nodes[next as usize].prev = prev;
+        }
+    }
+
+    fn push_front(&mut self, n: u32) {
+        self.nodes[n as usize].prev = NIL;
+        self.nodes[n as usize].next = self.head;
+        if self.head != NIL {
+            self.nodes[self.head as usize].prev = n;
+        }
+        self.head = n;
+        if self.tail == NIL {
+            self.tail = n;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn h(v: &[u64]) -> Vec<BlockHash> {
+        v.iter().map(|&x| BlockHash(x)).collect()
+    }
+
+    #[test]
+    fn evicts_least_recent_tail_first() {
+        let mut c = LruBlockCache::new(4);
+        let ch = c.insert_chain(&h(&[1, 2, 3]));
+        assert_eq!(ch.stored, vec![(None, h(&[1, 2, 3]))]);
+        assert_eq!(c.match_prefix(&h(&[1, 2, 3, 4])), 3);
+        // [1,2,9]: 1,2 hit; 9 new. Now 4 blocks; order MRU→LRU: 1,2,9,3.
+        let ch = c.insert_chain(&h(&[1, 2, 9]));
+        assert_eq!(ch.stored, vec![(Some(BlockHash(2)), h(&[9]))]);
+        assert!(ch.removed.is_empty());
+        // A new chain of 2 evicts 3 then 9 (the oldest tails), never the shared root.
+        let ch = c.insert_chain(&h(&[7, 8]));
+        assert_eq!(ch.removed, h(&[3, 9]));
+        assert_eq!(c.len(), 4);
+        assert_eq!(c.match_prefix(&h(&[1, 2])), 2);
+        assert_eq!(c.match_prefix(&h(&[1, 2, 3])), 2);
+        // A chain longer than the cache keeps its first blocks.
+        let ch = c.insert_chain(&h(&[10, 11, 12, 13, 14, 15]));
+        assert_eq!(c.len(), 4);
+        assert_eq!(c.match_prefix(&h(&[10, 11, 12, 13, 14])), 4);
+        assert_eq!(ch.removed.len(), 4);
+    }
+}

@@ -1,0 +1,516 @@
+//! `kvfleet sim`: a discrete-event simulation of a fleet.
+//!
+//! Requests arrive at their trace timestamps (a child waits for its parent to finish),
+//! are routed by a [`SimRouter`] — kvfleet's own policies through the real
+//! [`KvRouter`](kvfleet_router::KvRouter) (prefix index fed by the simulated workers'
+//! KV events, load fed by their queues), or a re-implemented baseline — and served by
+//! simulated workers: an [`lru::LruBlockCache`] of `cache_blocks` blocks, prefill
+//! serialized per worker and decode overlapped, timed by a [`cost_model::CostModel`].
+//!
+//! A request's prefix hits are the leading blocks of its chain cached on its worker
+//! when it is enqueued (the engine publishes blocks when it allocates them, so a
+//! sibling enqueued behind it reuses them too); then its whole chain becomes cached
+//! there. Hit ratios count blocks, as the [`crate::bounds`] do.
+
+pub mod cost_model;
+pub mod dynamo_kv_cost;
+pub mod kvfleet_policy;
+pub mod lru;
+pub mod sglang_cache_aware;
+
+use crate::bounds::chains;
+use crate::trace::Trace;
+use cost_model::CostModel;
+use dynamo_kv_cost::{DynamoConfig, DynamoKvCost};
+use kvfleet_core::BlockHash;
+use kvfleet_router::{PolicyKind, RouterConfig};
+use lru::{ChainChange, LruBlockCache};
+use serde::Serialize;
+use sglang_cache_aware::{SglangCacheAware, SglangConfig};
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap, VecDeque};
+
+/// A policy the simulator can run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum SimPolicy {
+    /// One of kvfleet's policies, through the real router core.
+    Kvfleet(PolicyKind),
+    /// SGLang router's `cache_aware`.
+    SglangCacheAware,
+    /// Dynamo's KV router cost.
+    DynamoKvCost,
+}
+
+impl SimPolicy {
+    /// Every policy: kvfleet's five, then the two baselines.
+    pub fn all() -> Vec<SimPolicy> {
+        let mut v: Vec<SimPolicy> = PolicyKind::ALL
+            .into_iter()
+            .map(SimPolicy::Kvfleet)
+            .collect();
+        v.push(SimPolicy::SglangCacheAware);
+        v.push(SimPolicy::DynamoKvCost);
+        v
+    }
+
+    /// The policy's name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SimPolicy::Kvfleet(k) => k.as_str(),
+            SimPolicy::SglangCacheAware => "sglang-cache-aware",
+            SimPolicy::DynamoKvCost => "dynamo-kv-cost",
+        }
+    }
+}
+
+impl std::str::FromStr for SimPolicy {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim() {
+            "sglang-cache-aware" | "sglang" => Ok(SimPolicy::SglangCacheAware),
+            "dynamo-kv-cost" | "dynamo" => Ok(SimPolicy::DynamoKvCost),
+            other => other.parse::<PolicyKind>().map(SimPolicy::Kvfleet).map_err(|_| {
+                format!("unknown policy {s:?}; valid: cache-aware, round-robin, least-loaded, consistent-hash, random, sglang-cache-aware, dynamo-kv-cost")
+            }),
+        }
+    }
+}
+
+/// One simulated worker's state, as routers may observe it.
+#[derive(Clone, Debug)]
+pub struct SimWorker {
+    /// The prefix cache.
+    pub lru: LruBlockCache,
+    queue: VecDeque<usize>,
+    prefilling: Option<usize>,
+    /// Uncached prompt tokens queued or being prefilled.
+    pub queued_prefill_tokens: usize,
+    /// Sequences decoding.
+    pub decoding: usize,
+    /// Blocks of the requests in flight (queued, prefilling or decoding).
+    pub active_blocks: usize,
+    /// Requests in flight.
+    pub inflight: usize,
+    /// Prompt tokens computed so far.
+    pub prefill_computed: u64,
+    /// Requests served.
+    pub requests: u64,
+}
+
+impl SimWorker {
+    fn new(cache_blocks: usize) -> Self {
+        Self {
+            lru: LruBlockCache::new(cache_blocks),
+            queue: VecDeque::new(),
+            prefilling: None,
+            queued_prefill_tokens: 0,
+            decoding: 0,
+            active_blocks: 0,
+            inflight: 0,
+            prefill_computed: 0,
+            requests: 0,
+        }
+    }
+
+    /// The load report a real worker would send.
+    pub fn load_report(&self) -> kvfleet_router::WorkerLoad {
+        kvfleet_router::WorkerLoad {
+            running: self.decoding + usize::from(self.prefilling.is_some()),
+            waiting: self.queue.len(),
+            queued_prefill_tokens: self.queued_prefill_tokens,
+            free_blocks: self.lru.capacity() - self.lru.len(),
+            total_blocks: self.lru.capacity(),
+            ..Default::default()
+        }
+    }
+}
+
+/// What a router sees of one request.
+#[derive(Clone, Copy, Debug)]
+pub struct RouteReq<'a> {
+    /// Chained hashes of the request's blocks.
+    pub hashes: &'a [BlockHash],
+    /// Prompt tokens.
+    pub input_tokens: usize,
+    /// Tokens per block.
+    pub block_size: usize,
+}
+
+/// A routing policy under simulation.
+pub trait SimRouter {
+    /// Picks a worker; returns it and a token handed back to
+    /// [`on_finished`](Self::on_finished).
+    fn route(&mut self, req: &RouteReq<'_>, workers: &[SimWorker], now_ms: f64) -> (usize, usize);
+    /// Worker `w` enqueued a request whose chain changed its cache by `change`.
+    fn on_enqueued(&mut self, _w: usize, _change: &ChainChange, _workers: &[SimWorker]) {}
+    /// Worker `w`'s queues changed.
+    fn on_load_changed(&mut self, _w: usize, _workers: &[SimWorker]) {}
+    /// A request routed with `token` finished on `w`.
+    fn on_finished(&mut self, _w: usize, _token: usize, _workers: &[SimWorker]) {}
+}
+
+/// Simulation settings.
+#[derive(Clone, Debug)]
+pub struct SimConfig {
+    /// Workers.
+    pub workers: usize,
+    /// Cache blocks per worker (of the trace's block size).
+    pub cache_blocks: usize,
+    /// Policy.
+    pub policy: SimPolicy,
+    /// Prefill/decode cost model.
+    pub cost: CostModel,
+    /// kvfleet router settings (its block size is set to the trace's).
+    pub router: RouterConfig,
+    /// SGLang baseline settings.
+    pub sglang: SglangConfig,
+    /// Dynamo baseline settings.
+    pub dynamo: DynamoConfig,
+    /// Buckets of the hit-ratio timeline.
+    pub timeline_buckets: usize,
+}
+
+impl SimConfig {
+    /// Defaults: H200 estimate cost model, default router and baseline settings.
+    pub fn new(workers: usize, cache_blocks: usize, policy: SimPolicy) -> Self {
+        Self {
+            workers,
+            cache_blocks,
+            policy,
+            cost: CostModel::h200_llama8b(),
+            router: RouterConfig::default(),
+            sglang: SglangConfig::default(),
+            dynamo: DynamoConfig::default(),
+            timeline_buckets: 20,
+        }
+    }
+}
+
+/// Latency percentiles in ms.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct Percentiles {
+    /// Median.
+    pub p50: f64,
+    /// 90th percentile.
+    pub p90: f64,
+    /// 99th percentile.
+    pub p99: f64,
+    /// Mean.
+    pub mean: f64,
+}
+
+impl Percentiles {
+    /// Percentiles of `v` (sorted in place).
+    pub fn of(v: &mut [f64]) -> Self {
+        if v.is_empty() {
+            return Self::default();
+        }
+        v.sort_by(f64::total_cmp);
+        let at = |q: f64| v[((v.len() as f64 * q).ceil() as usize).clamp(1, v.len()) - 1];
+        Self {
+            p50: at(0.5),
+            p90: at(0.9),
+            p99: at(0.99),
+            mean: v.iter().sum::<f64>() / v.len() as f64,
+        }
+    }
+}
+
+/// One simulation's results.
+#[derive(Clone, Debug, Serialize)]
+pub struct SimResult {
+    /// Policy name.
+    pub policy: String,
+    /// Workers.
+    pub workers: usize,
+    /// Cache blocks per worker.
+    pub cache_blocks: usize,
+    /// Cost model name.
+    pub cost_model: String,
+    /// Requests served.
+    pub requests: usize,
+    /// Prompt blocks (hash ids) over all requests.
+    pub total_blocks: u64,
+    /// Leading blocks found cached.
+    pub hit_blocks: u64,
+    /// `hit_blocks / total_blocks`.
+    pub hit_ratio: f64,
+    /// Prompt tokens.
+    pub prompt_tokens: u64,
+    /// Prompt tokens served from cache (at least one token of each prompt is computed).
+    pub cached_tokens: u64,
+    /// `cached_tokens / prompt_tokens`.
+    pub cached_token_ratio: f64,
+    /// Prompt tokens computed (prefill work).
+    pub prefill_tokens: u64,
+    /// Input cost with cached tokens at 10% of the price, relative to no caching.
+    pub input_cost_relative: f64,
+    /// Prefill tokens computed per worker.
+    pub worker_prefill_tokens: Vec<u64>,
+    /// Requests per worker.
+    pub worker_requests: Vec<u64>,
+    /// max / mean of the per-worker prefill work.
+    pub work_max_over_mean: f64,
+    /// Time to first token.
+    pub ttft_ms: Percentiles,
+    /// Inter-token latency.
+    pub itl_ms: Percentiles,
+    /// Simulated time from the first arrival to the last completion, s.
+    pub makespan_s: f64,
+    /// Requests per simulated second.
+    pub throughput_rps: f64,
+    /// Hit ratio per arrival-time bucket: (bucket end in s, ratio).
+    pub hit_timeline: Vec<(f64, f64)>,
+    /// Wall time of the simulation, s.
+    pub wall_s: f64,
+    /// Every TTFT in ms, sorted (for CDF plots; not serialized).
+    #[serde(skip)]
+    pub ttft_samples: Vec<f64>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Ev {
+    Arrive(usize),
+    PrefillDone(usize),
+    DecodeDone(usize),
+}
+
+#[derive(Clone, Copy, Debug, Default)]
+struct ReqState {
+    worker: usize,
+    token: usize,
+    sent_ms: f64,
+    uncached: usize,
+    done: bool,
+}
+
+/// Builds the router of `cfg.policy`.
+pub fn make_router(cfg: &SimConfig, block_size: usize) -> anyhow::Result<Box<dyn SimRouter>> {
+    Ok(match cfg.policy {
+        SimPolicy::Kvfleet(kind) => Box::new(kvfleet_policy::KvfleetPolicy::new(
+            RouterConfig {
+                block_size,
+                ..cfg.router.clone()
+            },
+            kind,
+            cfg.workers,
+        )?),
+        SimPolicy::SglangCacheAware => {
+            Box::new(SglangCacheAware::new(cfg.sglang.clone(), cfg.workers))
+        }
+        SimPolicy::DynamoKvCost => Box::new(DynamoKvCost::new(cfg.dynamo.clone())),
+    })
+}
+
+/// Runs one simulation of `trace`.
+pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
+    anyhow::ensure!(cfg.workers > 0, "--workers must be at least 1");
+    anyhow::ensure!(cfg.cache_blocks > 0, "--cache-blocks must be at least 1");
+    cfg.cost.validate()?;
+    let wall = std::time::Instant::now();
+    let bs = trace.block_size();
+    let chains = chains(trace);
+    let recs = &trace.records;
+    let mut router = make_router(cfg, bs)?;
+    let mut workers: Vec<SimWorker> = (0..cfg.workers)
+        .map(|_| SimWorker::new(cfg.cache_blocks))
+        .collect();
+    let index_of: HashMap<u64, usize> = recs
+        .iter()
+        .enumerate()
+        .map(|(i, r)| (r.id.unwrap_or(i as u64), i))
+        .collect();
+    let parent: Vec<Option<usize>> = recs
+        .iter()
+        .map(|r| r.parent_id.and_then(|p| index_of.get(&p).copied()))
+        .collect();
+    let mut parked: HashMap<usize, Vec<usize>> = HashMap::new();
+    let mut st = vec![ReqState::default(); recs.len()];
+
+    let mut heap: BinaryHeap<Reverse<(u64, u64, Ev)>> = BinaryHeap::new();
+    let mut seq = 0u64;
+    let mut push = |heap: &mut BinaryHeap<Reverse<(u64, u64, Ev)>>, t: f64, ev: Ev| {
+        seq += 1;
+        heap.push(Reverse((t.max(0.0).to_bits(), seq, ev)));
+    };
+    for (i, r) in recs.iter().enumerate() {
+        push(&mut heap, r.timestamp as f64, Ev::Arrive(i));
+    }
+
+    let t0 = recs.first().map_or(0.0, |r| r.timestamp as f64);
+    let mut ttft = Vec::with_capacity(recs.len());
+    let mut itl = Vec::with_capacity(recs.len());
+    let (mut hit_blocks, mut total_blocks, mut cached_tokens, mut prompt_tokens) =
+        (0u64, 0u64, 0u64, 0u64);
+    let mut arrivals: Vec<(f64, usize, usize)> = Vec::with_capacity(recs.len());
+    let mut now = t0;
+    let mut served = 0usize;
+
+    while let Some(Reverse((tb, _, ev))) = heap.pop() {
+        now = f64::from_bits(tb);
+        match ev {
+            Ev::Arrive(i) => {
+                if let Some(p) = parent[i] {
+                    if !st[p].done {
+                        parked.entry(p).or_default().push(i);
+                        continue;
+                    }
+                }
+                let r = &recs[i];
+                let chain = &chains[i];
+                let req = RouteReq {
+                    hashes: chain,
+                    input_tokens: r.input_length,
+                    block_size: bs,
+                };
+                let (w, token) = router.route(&req, &workers, now);
+                anyhow::ensure!(w < workers.len(), "router chose a worker out of range");
+                let wk = &mut workers[w];
+                let hits = wk.lru.match_prefix(chain);
+                let change = wk.lru.insert_chain(chain);
+                let cached = (hits * bs).min(r.input_length.saturating_sub(1));
+                let uncached = r.input_length - cached;
+                hit_blocks += hits as u64;
+                total_blocks += chain.len() as u64;
+                cached_tokens += cached as u64;
+                prompt_tokens += r.input_length as u64;
+                arrivals.push((now, hits, chain.len()));
+                wk.queue.push_back(i);
+                wk.queued_prefill_tokens += uncached;
+                wk.inflight += 1;
+                wk.active_blocks += chain.len();
+                wk.prefill_computed += uncached as u64;
+                wk.requests += 1;
+                st[i] = ReqState {
+                    worker: w,
+                    token,
+                    sent_ms: now,
+                    uncached,
+                    done: false,
+                };
+                if wk.prefilling.is_none() {
+                    if let Some(t) = start_prefill(wk, &st, &cfg.cost) {
+                        push(&mut heap, now + t, Ev::PrefillDone(w));
+                    }
+                }
+                router.on_enqueued(w, &change, &workers);
+            }
+            Ev::PrefillDone(w) => {
+                let wk = &mut workers[w];
+                let Some(i) = wk.prefilling.take() else {
+                    continue;
+                };
+                wk.queued_prefill_tokens -= st[i].uncached;
+                ttft.push(now - st[i].sent_ms);
+                wk.decoding += 1;
+                let step = cfg.cost.decode_step_ms(wk.decoding);
+                let steps = recs[i].output_length.saturating_sub(1);
+                if steps > 0 {
+                    itl.push(step);
+                }
+                push(&mut heap, now + step * steps as f64, Ev::DecodeDone(i));
+                if let Some(t) = start_prefill(wk, &st, &cfg.cost) {
+                    push(&mut heap, now + t, Ev::PrefillDone(w));
+                }
+                router.on_load_changed(w, &workers);
+            }
+            Ev::DecodeDone(i) => {
+                let w = st[i].worker;
+                let wk = &mut workers[w];
+                wk.decoding -= 1;
+                wk.inflight -= 1;
+                wk.active_blocks -= chains[i].len();
+                st[i].done = true;
+                served += 1;
+                router.on_finished(w, st[i].token, &workers);
+                if let Some(kids) = parked.remove(&i) {
+                    for k in kids {
+                        push(&mut heap, now, Ev::Arrive(k));
+                    }
+                }
+            }
+        }
+    }
+    anyhow::ensure!(
+        served == recs.len(),
+        "{} requests never ran (a parent_id cycle?)",
+        recs.len() - served
+    );
+
+    let makespan_s = (now - t0) / 1000.0;
+    let worker_prefill_tokens: Vec<u64> = workers.iter().map(|w| w.prefill_computed).collect();
+    let prefill_tokens: u64 = worker_prefill_tokens.iter().sum();
+    let mean_work = prefill_tokens as f64 / cfg.workers as f64;
+    let max_work = worker_prefill_tokens.iter().copied().max().unwrap_or(0) as f64;
+    let ratio = |a: u64, b: u64| if b == 0 { 0.0 } else { a as f64 / b as f64 };
+    let hit_timeline = timeline(&arrivals, t0, cfg.timeline_buckets);
+    let ttft_p = Percentiles::of(&mut ttft);
+    Ok(SimResult {
+        policy: cfg.policy.as_str().to_string(),
+        workers: cfg.workers,
+        cache_blocks: cfg.cache_blocks,
+        cost_model: cfg.cost.name.clone(),
+        requests: recs.len(),
+        total_blocks,
+        hit_blocks,
+        hit_ratio: ratio(hit_blocks, total_blocks),
+        prompt_tokens,
+        cached_tokens,
+        cached_token_ratio: ratio(cached_tokens, prompt_tokens),
+        prefill_tokens,
+        input_cost_relative: if prompt_tokens == 0 {
+            1.0
+        } else {
+            (prefill_tokens as f64 + 0.1 * cached_tokens as f64) / prompt_tokens as f64
+        },
+        worker_requests: workers.iter().map(|w| w.requests).collect(),
+        worker_prefill_tokens,
+        work_max_over_mean: if mean_work > 0.0 {
+            max_work / mean_work
+        } else {
+            1.0
+        },
+        ttft_ms: ttft_p,
+        itl_ms: Percentiles::of(&mut itl),
+        makespan_s,
+        throughput_rps: if makespan_s > 0.0 {
+            recs.len() as f64 / makespan_s
+        } else {
+            0.0
+        },
+        hit_timeline,
+        wall_s: wall.elapsed().as_secs_f64(),
+        ttft_samples: ttft,
+    })
+}
+
+/// Starts the next queued prefill of `wk`; returns its duration in ms.
+fn start_prefill(wk: &mut SimWorker, st: &[ReqState], cost: &CostModel) -> Option<f64> {
+    let i = wk.queue.pop_front()?;
+    wk.prefilling = Some(i);
+    Some(cost.prefill_ms(st[i].uncached))
+}
+
+fn timeline(arrivals: &[(f64, usize, usize)], t0: f64, buckets: usize) -> Vec<(f64, f64)> {
+    let Some(last) = arrivals.iter().map(|a| a.0).reduce(f64::max) else {
+        return Vec::new();
+    };
+    let buckets = buckets.max(1);
+    let span = (last - t0).max(1.0);
+    let mut sums = vec![(0usize, 0usize); buckets];
+    for &(t, h, n) in arrivals {
+        let b = (((t - t0) / span * buckets as f64) as usize).min(buckets - 1);
+        sums[b].0 += h;
+        sums[b].1 += n;
+    }
+    sums.iter()
+        .enumerate()
+        .filter(|(_, s)| s.1 > 0)
+        .map(|(b, s)| {
+            (
+                (t0 + span * (b + 1) as f64 / buckets as f64) / 1000.0,
+                s.0 as f64 / s.1 as f64,
+            )
+        })
+        .collect()
+}

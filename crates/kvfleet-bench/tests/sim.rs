@@ -1,0 +1,102 @@
+//! Simulator tests on generated traces and on the real Mooncake trace.
+
+use kvfleet_bench::bounds::bounds;
+use kvfleet_bench::sim::{simulate, SimConfig, SimPolicy};
+use kvfleet_bench::trace_gen::{generate, GenConfig};
+use kvfleet_bench::Trace;
+use kvfleet_router::PolicyKind;
+use std::path::PathBuf;
+
+fn mooncake() -> Trace {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../../shared/traces/mooncake_synthetic_trace.jsonl");
+    assert!(
+        p.exists(),
+        "the Mooncake trace is missing at {} (it lives beside the repo, in shared/traces)",
+        p.display()
+    );
+    Trace::read_path(&p).expect("the Mooncake trace parses")
+}
+
+fn small_fork() -> Trace {
+    generate(&GenConfig {
+        sessions: 12,
+        system_tokens: 2048,
+        tools_tokens: 2048,
+        history_tokens: 4096,
+        turn_tokens: 512,
+        session_rate: 2.0,
+        ..GenConfig::default()
+    })
+    .unwrap()
+}
+
+#[test]
+fn mooncake_bounds_at_8_by_1000() {
+    let t = mooncake();
+    assert_eq!(t.records.len(), 3993);
+    let b = bounds(&t, 8, 1000);
+    assert!((b.ceiling - 0.640).abs() <= 0.01, "ceiling {}", b.ceiling);
+    assert!((b.pooled - 0.372).abs() <= 0.01, "pooled {}", b.pooled);
+    assert_eq!(b.pooled_blocks, 8000);
+}
+
+#[test]
+fn mooncake_sim_stays_under_the_ceiling_and_beats_round_robin() {
+    let t = mooncake();
+    let b = bounds(&t, 8, 1000);
+    let run = |p| simulate(&t, &SimConfig::new(8, 1000, p)).unwrap();
+    let ours = run(SimPolicy::Kvfleet(PolicyKind::CacheAware));
+    let rr = run(SimPolicy::Kvfleet(PolicyKind::RoundRobin));
+    assert_eq!(ours.requests, 3993);
+    assert!(ours.hit_ratio <= b.ceiling + 1e-9);
+    assert!(
+        ours.hit_ratio > rr.hit_ratio + 0.05,
+        "cache-aware {} vs round-robin {}",
+        ours.hit_ratio,
+        rr.hit_ratio
+    );
+    assert_eq!(ours.worker_requests.iter().sum::<u64>(), 3993);
+}
+
+#[test]
+fn cache_aware_beats_round_robin_on_fork_fan_out() {
+    let t = small_fork();
+    let b = bounds(&t, 4, 10_000);
+    let run = |p| simulate(&t, &SimConfig::new(4, 10_000, p)).unwrap();
+    let ours = run(SimPolicy::Kvfleet(PolicyKind::CacheAware));
+    let rr = run(SimPolicy::Kvfleet(PolicyKind::RoundRobin));
+    // With memory to spare, cache-aware reaches the ceiling; round-robin scatters
+    // each session over 4 workers.
+    assert!(
+        (ours.hit_ratio - b.ceiling).abs() < 0.02,
+        "{} vs ceiling {}",
+        ours.hit_ratio,
+        b.ceiling
+    );
+    assert!(rr.hit_ratio < ours.hit_ratio - 0.1, "rr {}", rr.hit_ratio);
+    assert!(ours.prefill_tokens < rr.prefill_tokens);
+    for p in SimPolicy::all() {
+        let r = run(p);
+        assert_eq!(r.requests, t.records.len(), "{}", p.as_str());
+        assert!(r.hit_ratio <= b.ceiling + 1e-9, "{}", p.as_str());
+        assert!(r.ttft_ms.p50 > 0.0 && r.ttft_ms.p99 >= r.ttft_ms.p50);
+    }
+}
+
+#[test]
+fn children_wait_for_their_parent() {
+    // Squash every timestamp to 0: children still start after their parent ends, so
+    // with one worker they always find the parent's prefix cached.
+    let mut t = small_fork();
+    for r in &mut t.records {
+        r.timestamp = 0;
+    }
+    let r = simulate(
+        &t,
+        &SimConfig::new(1, 100_000, SimPolicy::Kvfleet(PolicyKind::RoundRobin)),
+    )
+    .unwrap();
+    let b = bounds(&t, 1, 100_000);
+    assert!((r.hit_ratio - b.ceiling).abs() < 1e-9);
+}

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Regenerates docs/benchmarks.md and docs/plots/*.svg:
+#   1. builds kvfleet (release);
+#   2. replays a small generated fork fan-out trace against a live
+#      `kvfleet up --workers 4` (tiny model) and keeps the report;
+#   3. runs `kvfleet bench matrix`: the simulator over traces x fleets x loads x policies,
+#      the 100k-request x 1,000-worker scale run, and the replay-vs-simulator comparison.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+MOONCAKE=${MOONCAKE:-../shared/traces/mooncake_synthetic_trace.jsonl}
+OUT=${OUT:-target/benchmarks}
+mkdir -p "$OUT" docs/plots
+# PROFILE=dev reuses a debug build (the simulator crates are optimized there too).
+PROFILE=${PROFILE:-release}
+cargo build --profile "$PROFILE" --bin kvfleet
+if [ "$PROFILE" = dev ]; then BIN=target/debug/kvfleet; else BIN=target/$PROFILE/kvfleet; fi
+
+# 2. Replay vs. simulator.
+"$BIN" bench gen --out "$OUT/replay-trace.jsonl" --sessions 6 --system-tokens 2048 \
+  --tools-tokens 2048 --history-tokens 2048 --turn-tokens 512 --parent-turns 2 \
+  --child-turns 2 --fork-k 4 --output-tokens 8 --session-rate 1 --turn-gap-ms 200
+"$BIN" up --workers 4 --http 127.0.0.1:0 > "$OUT/up.log" 2>&1 &
+UP=$!
+trap 'kill $UP 2>/dev/null || true' EXIT
+for _ in $(seq 1 600); do
+  URL=$(grep -o 'http://[0-9.:]*' "$OUT/up.log" | head -1 || true)
+  [ -n "$URL" ] && break
+  sleep 0.1
+done
+[ -n "$URL" ] || { echo "kvfleet up did not start"; cat "$OUT/up.log"; exit 1; }
+REPLAY_SETUP="\`kvfleet bench gen --sessions 6 --system-tokens 2048 --tools-tokens 2048 --history-tokens 2048 --turn-tokens 512 --parent-turns 2 --child-turns 2 --fork-k 4 --output-tokens 8 --session-rate 1 --turn-gap-ms 200\`, replayed with \`kvfleet bench replay --tokens-per-id 16\` against \`kvfleet up --workers 4\` (tiny model, 2,048 blocks of 16 tokens per worker, policy cache-aware); the simulator runs the same trace at 16 tokens per id, 4 workers × 2,048 blocks."
+"$BIN" bench replay --trace "$OUT/replay-trace.jsonl" --target "$URL" --tokens-per-id 16 \
+  --no-progress --json --out "$OUT/replay" > "$OUT/replay.json"
+kill $UP 2>/dev/null || true
+cp "$OUT/replay/ttft_cdf.svg" docs/plots/replay_ttft_cdf.svg
+cp "$OUT/replay/hit_ratio.svg" docs/plots/replay_hit_ratio.svg
+cp "$OUT/replay/worker_load.svg" docs/plots/replay_worker_load.svg
+
+# 3. The matrix.
+"$BIN" bench matrix --mooncake "$MOONCAKE" --doc docs/benchmarks.md --plots docs/plots \
+  --replay-json "$OUT/replay.json" --replay-trace "$OUT/replay-trace.jsonl" \
+  --replay-setup "$REPLAY_SETUP" --notes docs/benchmarks.notes.md "$@"

@@ -1,0 +1,115 @@
+//! `kvfleet sim`: simulate a fleet on a trace with one or more policies.
+
+use anyhow::{Context, Result};
+use clap::Args;
+use kvfleet_bench::bounds::bounds;
+use kvfleet_bench::report::{sim_markdown, write_sim_report};
+use kvfleet_bench::sim::cost_model::CostModel;
+use kvfleet_bench::sim::{simulate, SimConfig, SimPolicy};
+use kvfleet_bench::Trace;
+use std::path::PathBuf;
+
+/// Arguments of `kvfleet sim`.
+#[derive(Args)]
+pub struct SimArgs {
+    /// The trace (JSONL).
+    #[arg(long)]
+    trace: PathBuf,
+    /// Simulated workers.
+    #[arg(long, default_value_t = 8)]
+    workers: usize,
+    /// KV cache blocks per worker, in the trace's blocks (after --tokens-per-id).
+    #[arg(long, default_value_t = 1000)]
+    cache_blocks: usize,
+    /// Policies, comma-separated or repeated: cache-aware, round-robin, least-loaded,
+    /// consistent-hash, random, sglang-cache-aware, dynamo-kv-cost, or `all`.
+    #[arg(long, value_delimiter = ',', default_value = "all")]
+    policy: Vec<String>,
+    /// Cost model file (JSON, see crates/kvfleet-bench/cost-models); default: the
+    /// built-in H200 estimate.
+    #[arg(long)]
+    cost_model: Option<PathBuf>,
+    /// Simulate the trace as replayed with K tokens per hash id (as `bench replay
+    /// --tokens-per-id K`).
+    #[arg(long)]
+    tokens_per_id: Option<usize>,
+    /// Multiply every timestamp by this (2 = half the arrival rate).
+    #[arg(long, default_value_t = 1.0)]
+    time_scale: f64,
+    /// Only the first N requests.
+    #[arg(long)]
+    max_requests: Option<usize>,
+    /// Write sim.json, sim.md and plots here.
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Print JSON instead of Markdown.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Parses a policy list (`all` expands to every policy).
+pub fn parse_policies(list: &[String]) -> Result<Vec<SimPolicy>> {
+    let mut out = Vec::new();
+    for p in list {
+        if p.trim() == "all" {
+            out.extend(SimPolicy::all());
+        } else {
+            out.push(p.parse::<SimPolicy>().map_err(anyhow::Error::msg)?);
+        }
+    }
+    anyhow::ensure!(!out.is_empty(), "no policy given");
+    Ok(out)
+}
+
+/// Runs `kvfleet sim`.
+pub fn run(args: SimArgs) -> Result<()> {
+    anyhow::ensure!(
+        args.time_scale > 0.0 && args.time_scale.is_finite(),
+        "--time-scale must be positive"
+    );
+    let policies = parse_policies(&args.policy)?;
+    let cost = match &args.cost_model {
+        Some(p) => CostModel::read_path(p)?,
+        None => CostModel::h200_llama8b(),
+    };
+    let mut trace = Trace::read_path(&args.trace)?;
+    if let Some(n) = args.max_requests {
+        trace = trace.truncated(n);
+    }
+    if let Some(k) = args.tokens_per_id {
+        anyhow::ensure!(k > 0, "--tokens-per-id must be at least 1");
+        trace = trace.with_tokens_per_id(k);
+    }
+    if args.time_scale != 1.0 {
+        trace = trace.scaled_time(args.time_scale);
+    }
+    let b = bounds(&trace, args.workers, args.cache_blocks);
+    let mut results = Vec::new();
+    for p in policies {
+        let mut cfg = SimConfig::new(args.workers, args.cache_blocks, p);
+        cfg.cost = cost.clone();
+        let r = simulate(&trace, &cfg).with_context(|| format!("simulating {}", p.as_str()))?;
+        eprintln!(
+            "{}: hit ratio {:.3}, TTFT p99 {:.0} ms, {:.2} s wall",
+            r.policy, r.hit_ratio, r.ttft_ms.p99, r.wall_s
+        );
+        results.push(r);
+    }
+    if let Some(dir) = &args.out {
+        write_sim_report(dir, &results, &b)?;
+    }
+    if args.json {
+        let v = serde_json::json!({ "bounds": b, "results": results });
+        println!("{}", serde_json::to_string_pretty(&v)?);
+    } else {
+        println!(
+            "{} requests, {} workers × {} blocks, cost model {}\n",
+            trace.records.len(),
+            args.workers,
+            args.cache_blocks,
+            cost.name
+        );
+        print!("{}", sim_markdown(&results, &b));
+    }
+    Ok(())
+}
