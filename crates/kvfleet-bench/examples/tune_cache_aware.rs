@@ -1,8 +1,8 @@
-//! A tuning experiment, not a check (ignored by default): `cache-aware`'s default weights
+//! A tuning experiment, not a check: `cache-aware`'s default weights
 //! against stickier settings, on the Mooncake trace and the generated fork and herd
 //! traces of the benchmark matrix, as ratios to the better of SGLang and Dynamo and to
 //! SGLang alone. Run with
-//! `cargo test -p kvfleet-bench --test tune_cache_aware -- --ignored --nocapture`.
+//! `cargo run --release -p kvfleet-bench --example tune_cache_aware`.
 
 use kvfleet_bench::bounds::bounds;
 use kvfleet_bench::matrix::load_scale;
@@ -10,9 +10,7 @@ use kvfleet_bench::sim::{simulate, SimConfig, SimPolicy};
 use kvfleet_bench::trace_gen::{generate, GenConfig};
 use kvfleet_router::PolicyKind;
 
-#[test]
-#[ignore]
-fn tune_cache_aware_weights() {
+fn main() {
     let gen = GenConfig {
         sessions: 300,
         ..GenConfig::default()
