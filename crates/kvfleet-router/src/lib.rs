@@ -22,10 +22,13 @@
 //! - [`worker_conn`]: a gRPC connection to one worker.
 //! - [`fleet`]: the live fleet — supervisors that follow each worker's KV events and
 //!   load, keeping the [`KvRouter`] current.
+//! - [`control_hooks`]: where a control plane (placement shared by several routers,
+//!   usage records) joins the request path.
 //! - [`dispatch`]: route a request, start it on a worker, retry while not started.
 //! - [`openai`] and [`http_front`]: the OpenAI-compatible HTTP API.
 //! - [`fleet_metrics`]: the Prometheus metrics.
 
+pub mod control_hooks;
 pub mod dispatch;
 pub mod events;
 pub mod fleet;

@@ -109,6 +109,7 @@ impl Tally {
             d.guard.predicted_cached_tokens,
             usage.prompt_tokens_details.cached_tokens,
         );
+        fleet.report_usage(d, &usage, self.first_token.map(|t| t - self.started));
         usage
     }
 }
