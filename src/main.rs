@@ -1,8 +1,10 @@
 //! The `kvfleet` command line.
 
+mod control_plane;
 mod generate;
 mod router_cmd;
 mod serve_args;
+mod trace_cmd;
 mod up;
 mod worker_cmd;
 
@@ -26,6 +28,8 @@ enum Command {
     Router(router_cmd::RouterArgs),
     /// Generate a completion for one prompt on a local engine.
     Generate(generate::GenerateArgs),
+    /// Usage traces: `kvfleet trace export --kafka BROKERS --out FILE`.
+    Trace(trace_cmd::TraceArgs),
 }
 
 fn main() {
@@ -35,6 +39,7 @@ fn main() {
         Command::Worker(args) => worker_cmd::run(args),
         Command::Router(args) => router_cmd::run(args),
         Command::Generate(args) => generate::run(args),
+        Command::Trace(args) => trace_cmd::run(args),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");
