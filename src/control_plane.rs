@@ -99,10 +99,10 @@ impl WorkerControl {
         record: WorkerRecord,
         log: Arc<EventLog>,
     ) -> Result<Self> {
-        let publisher = match args.kafka().await? {
-            Some(stream) => Some(spawn_publisher(stream, record.clone(), log)),
-            None => None,
-        };
+        let publisher = args
+            .kafka()
+            .await?
+            .map(|stream| spawn_publisher(stream, record.clone(), log));
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel();
         let registration = match args.etcd().await? {
             Some(kv) => {
