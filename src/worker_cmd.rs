@@ -1,5 +1,6 @@
 //! `kvfleet worker`: one worker process serving the gRPC worker API.
 
+use crate::control_plane::{ControlArgs, WorkerControl};
 use crate::serve_args::{init_logging, shutdown_signal, EngineArgs};
 use anyhow::{Context, Result};
 use clap::Args;
@@ -20,6 +21,15 @@ pub struct WorkerArgs {
     model: String,
     #[command(flatten)]
     engine: EngineArgs,
+    #[command(flatten)]
+    control: ControlArgs,
+    /// Membership lease TTL in seconds (with --etcd): a worker that stops answering
+    /// leaves every router this long after its last keep-alive.
+    #[arg(long, default_value_t = 10)]
+    lease_ttl: u64,
+    /// Address routers connect to (default: the bound --grpc address).
+    #[arg(long)]
+    advertise: Option<String>,
 }
 
 /// Serves until Ctrl-C / SIGTERM.
@@ -44,10 +54,34 @@ pub fn run(args: WorkerArgs) -> Result<()> {
         let service = WorkerService::start(config)
             .await
             .context("starting the engine")?;
+        let control = if args.control.enabled() {
+            let record = kvfleet_control::WorkerRecord {
+                id: id.clone(),
+                grpc_addr: args.advertise.clone().unwrap_or_else(|| addr.to_string()),
+                model: service.info().model_id.clone(),
+                block_size: service.info().block_size,
+                incarnation: std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map(|d| d.as_micros() as u64)
+                    .unwrap_or(1),
+            };
+            let ttl = std::time::Duration::from_secs(args.lease_ttl.max(1));
+            Some(
+                WorkerControl::start(&args.control, ttl, record, service.event_log().clone())
+                    .await
+                    .context("joining the control plane")?,
+            )
+        } else {
+            None
+        };
         println!("kvfleet worker {id}: grpc://{addr} (model {})", args.model);
         std::io::stdout().flush()?;
-        serve_service(service, listener, shutdown_signal())
+        let served = serve_service(service, listener, shutdown_signal())
             .await
-            .context("serving gRPC")
+            .context("serving gRPC");
+        if let Some(c) = control {
+            c.shutdown().await;
+        }
+        served
     })
 }

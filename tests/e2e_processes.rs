@@ -4,42 +4,8 @@
 mod support;
 
 use serde_json::json;
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
-use support::{chat, filler};
-
-struct Proc {
-    child: Child,
-    addr: String,
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// Starts `kvfleet ARGS…` and returns it with the address it printed (`scheme://addr`).
-fn start(args: &[&str], scheme: &str) -> Proc {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvfleet"))
-        .args(args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn kvfleet");
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().expect("stdout"))
-        .read_line(&mut line)
-        .expect("startup line");
-    let addr = line
-        .split_whitespace()
-        .find_map(|w| w.strip_prefix(scheme))
-        .unwrap_or_else(|| panic!("no {scheme} address in {line:?}"))
-        .to_string();
-    Proc { child, addr }
-}
+use support::{chat, filler, start};
 
 #[test]
 fn a_killed_worker_loses_no_request_that_had_not_started() {

@@ -178,3 +178,40 @@ pub fn filler(seed: u32, n: usize) -> String {
     s.truncate(n);
     s
 }
+
+/// A `kvfleet` process a test started, killed when dropped.
+pub struct Proc {
+    /// The process.
+    pub child: Child,
+    /// The address it printed on its first line (without the scheme).
+    pub addr: String,
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Starts `kvfleet ARGS…` (logging warnings only) and returns it with the address it
+/// printed after `scheme` (`grpc://`, `http://`) on its first line.
+pub fn start(args: &[&str], scheme: &str) -> Proc {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvfleet"))
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn kvfleet");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().expect("stdout"))
+        .read_line(&mut line)
+        .expect("startup line");
+    let addr = line
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix(scheme))
+        .unwrap_or_else(|| panic!("no {scheme} address in {line:?}"))
+        .to_string();
+    Proc { child, addr }
+}

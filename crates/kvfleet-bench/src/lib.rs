@@ -10,6 +10,7 @@
 //!   policies through the real router core and the SGLang / Dynamo baselines.
 //! - [`replay`]: the HTTP replay client (`kvfleet bench replay`).
 //! - [`report`] and [`plots`]: JSON, Markdown and SVG output.
+//! - [`usage_trace`]: production usage records → a trace (`kvfleet trace export`).
 
 pub mod bounds;
 pub mod matrix;
@@ -20,5 +21,6 @@ pub mod sim;
 pub mod token_blocks;
 pub mod trace;
 pub mod trace_gen;
+pub mod usage_trace;
 
 pub use trace::{Trace, TraceRecord};

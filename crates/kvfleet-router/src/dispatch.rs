@@ -1,6 +1,7 @@
 //! Sending one request to a worker: route it, call the worker, and retry on another
 //! worker while it has not started (no message received yet).
 
+use crate::control_hooks::{PlacementRef, RequestFacts};
 use crate::fleet::{DecisionRecord, Fleet};
 use crate::fleet_metrics as m;
 use crate::openai::error::ApiError;
@@ -30,6 +31,8 @@ pub struct GenerationSpec {
     pub cacheable_len: Option<u32>,
     /// Fork group, if the client named one.
     pub fork_group: Option<String>,
+    /// Session, if the client named one.
+    pub session: Option<String>,
     /// Routing policy.
     pub policy: PolicyKind,
 }
@@ -47,6 +50,8 @@ pub struct Dispatched<T = pb::GenerateResponse> {
     pub guard: InflightGuard,
     /// When the request reached the router.
     pub started: Instant,
+    /// What the control plane's usage records need.
+    pub facts: RequestFacts,
 }
 
 /// Keeps a request counted as in flight on its worker until dropped.
@@ -103,26 +108,67 @@ where
 {
     let started = Instant::now();
     let mut last_error = String::from("no worker is available");
+    let hooks = fleet.control_hooks();
+    // A placement shared with other routers: the fork group, else the prefix root of a
+    // prompt no worker is known to hold yet.
+    let placement = hooks.as_ref().and_then(|_| match &spec.fork_group {
+        Some(g) => Some(PlacementRef::ForkGroup(g.clone())),
+        None => {
+            let first = spec.hashes.first()?;
+            let known = fleet.kv().matches(&spec.hashes, fleet.now_ms()).deepest() > 0;
+            (!known).then_some(PlacementRef::PrefixRoot(first.0))
+        }
+    });
+    let mut pin = match (&hooks, &placement) {
+        (Some(h), Some(key)) => h.placed_worker(key),
+        _ => None,
+    };
+    let mut claim_pending = placement.is_some() && pin.is_none();
+    let route = |pin: Option<&str>| {
+        fleet.kv().route_pinned(
+            &spec.hashes,
+            spec.token_ids.len(),
+            pin,
+            spec.policy,
+            fleet.now_ms(),
+        )
+    };
     for attempt in 0..fleet.config.max_attempts.max(1) {
         if attempt > 0 {
             m::retry();
         }
-        let decision = {
-            let mut kv = fleet.kv();
-            kv.route(
-                &spec.hashes,
-                spec.token_ids.len(),
-                spec.policy,
-                fleet.now_ms(),
-            )
-        };
-        let decision = match decision {
+        let mut decision = match route(pin.as_deref()) {
             Ok(d) => d,
             Err(e) => {
                 last_error = e.to_string();
                 break;
             }
         };
+        // First to route this key: claim it (one compare-and-set per new key), and
+        // follow whoever won.
+        if let (true, Some(h), Some(key)) = (claim_pending, &hooks, &placement) {
+            claim_pending = false;
+            let chosen = decision.worker.to_string();
+            if let Some(owner) = h.claim(key.clone(), chosen.clone()).await {
+                if owner != chosen && fleet.conn(&owner).is_some() {
+                    {
+                        let mut kv = fleet.kv();
+                        if let Some(r) = decision.reservation {
+                            kv.cancel_reservation(r);
+                        }
+                        let _ = kv.request_finished(&chosen, decision.prefill_tokens);
+                    }
+                    pin = Some(owner);
+                    decision = match route(pin.as_deref()) {
+                        Ok(d) => d,
+                        Err(e) => {
+                            last_error = e.to_string();
+                            break;
+                        }
+                    };
+                }
+            }
+        }
         m::decision_phase("index_lookup", decision.timings.index_lookup_ns);
         m::decision_phase(
             "scoring",
@@ -168,12 +214,23 @@ where
                     prefix_root: spec.hashes.first().map(|h| h.to_string()),
                     fork_group: spec.fork_group.clone(),
                 });
+                let facts = RequestFacts {
+                    cache_salt: spec.cache_salt.clone(),
+                    fork_group: spec.fork_group.clone(),
+                    session: spec.session.clone(),
+                    block_hashes: if hooks.is_some() {
+                        spec.hashes.iter().map(|h| h.0).collect()
+                    } else {
+                        Vec::new()
+                    },
+                };
                 return Ok(Dispatched {
                     worker,
                     first,
                     stream,
                     guard,
                     started,
+                    facts,
                 });
             }
             Ok(Ok((_, None))) => {

@@ -7,6 +7,7 @@
 //! event sequence numbers triggers another dump; a lost worker is dropped from the
 //! index (so nothing is routed to it) until it answers again.
 
+use crate::control_hooks::ControlHooks;
 use crate::events::{RouterKvEvent, RouterKvEventKind};
 use crate::fleet_metrics as m;
 use crate::incremental_tokenizer::IncrementalTokenizer;
@@ -51,6 +52,10 @@ pub struct FleetConfig {
     /// Most children of one `/v1/forks` request sent to one worker in one `Fork` call;
     /// more are split over further calls (routed like any request).
     pub fork_children_per_worker: usize,
+    /// Follow each worker's `KvEvents` gRPC stream (true: the default). False when a
+    /// control plane feeds the index from the event stream instead; supervisors then
+    /// only poll load.
+    pub follow_worker_events: bool,
 }
 
 impl Default for FleetConfig {
@@ -66,6 +71,7 @@ impl Default for FleetConfig {
             session_capacity: 4096,
             session_max_tokens: 256 * 1024,
             fork_children_per_worker: 32,
+            follow_worker_events: true,
         }
     }
 }
@@ -151,6 +157,7 @@ pub struct Fleet {
     fork_groups: Mutex<ForkGroups>,
     decisions: Mutex<VecDeque<DecisionRecord>>,
     started: Instant,
+    hooks: RwLock<Option<Arc<dyn ControlHooks>>>,
 }
 
 /// Recent routing decisions kept for the dashboard.
@@ -189,7 +196,29 @@ impl Fleet {
             fork_groups: Mutex::new(ForkGroups::default()),
             decisions: Mutex::new(VecDeque::new()),
             started: Instant::now(),
+            hooks: RwLock::new(None),
         }))
+    }
+
+    /// Installs a control plane's hooks (placement, usage records).
+    pub fn set_control_hooks(&self, hooks: Arc<dyn ControlHooks>) {
+        if let Ok(mut h) = self.hooks.write() {
+            *h = Some(hooks);
+        }
+    }
+
+    /// The installed control-plane hooks.
+    pub fn control_hooks(&self) -> Option<Arc<dyn ControlHooks>> {
+        self.hooks.read().ok().and_then(|h| h.clone())
+    }
+
+    /// Rebuilds worker `id`'s part of the index from its cache dump (after an event
+    /// gap seen by an external event consumer); returns the dump's seq.
+    pub async fn resync_worker(&self, id: &str) -> Result<u64, String> {
+        let conn = self
+            .conn_for(id)
+            .ok_or_else(|| format!("worker {id} is not connected"))?;
+        self.resync(&conn).await.map_err(|e| e.to_string())
     }
 
     /// Milliseconds since the router started (the clock of reservations).
@@ -469,6 +498,15 @@ impl Fleet {
         let id = conn.id().to_string();
         let mut poll = tokio::time::interval(self.config.load_poll_interval);
         poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        if !self.config.follow_worker_events {
+            // The index is fed from the event stream; only load is polled here.
+            loop {
+                poll.tick().await;
+                if let Err(e) = self.poll_load(conn).await {
+                    return e.to_string();
+                }
+            }
+        }
         'subscribe: loop {
             let from = self.kv().last_seq(&id).unwrap_or(0) + 1;
             let mut stream = match conn.kv_events(from).await {

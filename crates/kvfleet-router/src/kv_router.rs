@@ -433,6 +433,20 @@ impl KvRouter {
         policy: PolicyKind,
         now_ms: u64,
     ) -> Result<RouteDecision, RouteError> {
+        self.route_pinned(hashes, prompt_tokens, None, policy, now_ms)
+    }
+
+    /// [`Self::route`], restricted to worker `pinned` when it is registered (a
+    /// placement shared by several routers names it); an unknown `pinned` is ignored.
+    pub fn route_pinned(
+        &mut self,
+        hashes: &[BlockHash],
+        prompt_tokens: usize,
+        pinned: Option<&str>,
+        policy: PolicyKind,
+        now_ms: u64,
+    ) -> Result<RouteDecision, RouteError> {
+        let pin = pinned.and_then(|id| self.registry.get(id));
         self.reservations.expire(now_ms);
         if self.registry.is_empty() {
             return Err(RouteError::NoWorkers);
@@ -456,6 +470,9 @@ impl KvRouter {
             // Both lists are sorted by index: merge instead of searching.
             while found.next_if(|m| m.worker < worker).is_some() {}
             let depth = found.next_if(|m| m.worker == worker).map_or(0, |m| m.depth);
+            if pin.is_some_and(|p| p != worker) {
+                continue;
+            }
             candidates.push(Candidate {
                 worker,
                 id_hash: e.id_hash,

@@ -25,11 +25,14 @@
 //! - [`prefix_breaks`] and [`sessions`]: per-session memory and the diagnostics that
 //!   name what broke a conversation's prefix cache.
 //! - [`agent_status`]: the status bar's request fields and server-observed values.
+//! - [`control_hooks`]: where a control plane (placement shared by several routers,
+//!   usage records) joins the request path.
 //! - [`dispatch`]: route a request, start it on a worker, retry while not started.
 //! - [`openai`] and [`http_front`]: the OpenAI-compatible HTTP API.
 //! - [`fleet_metrics`]: the Prometheus metrics.
 
 pub mod agent_status;
+pub mod control_hooks;
 pub mod dispatch;
 pub mod events;
 pub mod fleet;

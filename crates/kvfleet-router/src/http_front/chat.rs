@@ -47,6 +47,10 @@ pub async fn chat_completions(
         _ => req.tools.clone().unwrap_or_default(),
     };
     let session = session_id(&headers, req.sampling.user.as_deref())?;
+    let meta = RequestMeta {
+        session: session.clone(),
+        ..meta
+    };
     req.status.validate(session.as_deref())?;
     let now_ms = fleet.now_ms();
     let status = match req.status.wanted() {

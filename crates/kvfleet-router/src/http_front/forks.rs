@@ -188,6 +188,7 @@ pub async fn forks(
             cache_salt: meta.cache_salt.clone(),
             cacheable_len: None,
             fork_group: Some(group.clone()),
+            session: meta.session.clone(),
             policy: meta.policy,
         };
         let fleet = fleet.clone();
@@ -215,7 +216,7 @@ pub async fn forks(
             })
             .await?;
             let indices: Vec<usize> = part.iter().map(|(i, _)| *i).collect();
-            collect_fork(d, &indices).await
+            collect_fork(&fleet, d, &indices).await
         }
     });
     let results = join_all(calls).await;
@@ -308,6 +309,7 @@ struct ChildOut {
 /// Reads a Fork stream to its end; children are reported under their request-wide
 /// `indices` (the call's child i is `indices[i]`).
 async fn collect_fork(
+    fleet: &Fleet,
     mut d: Dispatched<pb::ForkResponse>,
     indices: &[usize],
 ) -> Result<(String, Vec<(usize, ChildOut)>), ApiError> {
@@ -339,6 +341,7 @@ async fn collect_fork(
             "worker_error"
         };
         out.usage = tallies[k].close_counts(d.guard.policy, outcome);
+        fleet.report_usage(&d, &out.usage, tallies[k].ttft());
         if out.finish.is_none() {
             return Err(ApiError::internal(format!(
                 "worker {} ended fork child {k} early",

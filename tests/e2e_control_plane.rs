@@ -1,0 +1,352 @@
+//! The control plane end to end: a real etcd, a real Kafka-protocol broker (tansu),
+//! three `kvfleet worker` and two `kvfleet router` processes.
+//!
+//! - Fork siblings sent alternately (and concurrently) to router 1 and router 2 all
+//!   land on one worker: the first router to route the group places it with a
+//!   compare-and-set, the other follows.
+//! - Both routers converge to the same index from the KV event stream.
+//! - SIGKILL a worker: no request that had not started is lost, and the lease's expiry
+//!   (3 s here) removes it from both routers.
+//! - Restart a router: a repeated request hits the cache as soon as it is back.
+//! - `kvfleet trace export` turns the usage records into a trace, without text.
+
+mod support;
+
+use kvfleet_control::test_services::{EtcdServer, KafkaBroker};
+use serde_json::{json, Value};
+use std::collections::{BTreeMap, HashSet};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+use support::{chat, filler, start, Proc};
+
+struct Env {
+    etcd: String,
+    kafka: String,
+    prefix: String,
+}
+
+impl Env {
+    fn worker(&self, id: &str) -> Proc {
+        start(
+            &[
+                "worker",
+                "--grpc",
+                "127.0.0.1:0",
+                "--worker-id",
+                id,
+                "--etcd",
+                &self.etcd,
+                "--kafka",
+                &self.kafka,
+                "--topic-prefix",
+                &self.prefix,
+                "--kafka-session-timeout-ms",
+                "2000",
+                "--lease-ttl",
+                "3",
+            ],
+            "grpc://",
+        )
+    }
+
+    fn router(&self, id: &str) -> Proc {
+        start(
+            &[
+                "router",
+                "--http",
+                "127.0.0.1:0",
+                "--router-id",
+                id,
+                "--etcd",
+                &self.etcd,
+                "--kafka",
+                &self.kafka,
+                "--topic-prefix",
+                &self.prefix,
+                "--kafka-session-timeout-ms",
+                "2000",
+            ],
+            "http://",
+        )
+    }
+}
+
+fn client() -> reqwest::blocking::Client {
+    reqwest::blocking::Client::builder()
+        .timeout(Duration::from_secs(60))
+        .build()
+        .expect("client")
+}
+
+fn get(router: &str, path: &str) -> Value {
+    client()
+        .get(format!("http://{router}{path}"))
+        .send()
+        .and_then(|r| r.json())
+        .unwrap_or(Value::Null)
+}
+
+/// Sends a chat request; returns (status, worker, cached tokens).
+fn send(router: &str, body: &Value, headers: &[(&str, &str)]) -> (u16, Option<String>, u64) {
+    let mut req = client()
+        .post(format!("http://{router}/v1/chat/completions"))
+        .json(body);
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let resp = req.send().expect("request");
+    let status = resp.status().as_u16();
+    let worker = resp
+        .headers()
+        .get("x-kvfleet-worker")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
+    let v: Value = resp.json().unwrap_or(Value::Null);
+    let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap_or(0);
+    (status, worker, cached)
+}
+
+fn wait_for(what: &str, limit: Duration, mut ok: impl FnMut() -> bool) -> Duration {
+    let t = Instant::now();
+    while t.elapsed() < limit {
+        if ok() {
+            return t.elapsed();
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    panic!("{what}: not within {limit:?}");
+}
+
+fn healthy(router: &str) -> u64 {
+    get(router, "/health")["healthy_workers"]
+        .as_u64()
+        .unwrap_or(0)
+}
+
+/// The workers a router tracks (healthy or not).
+fn fleet_workers(router: &str) -> Vec<String> {
+    get(router, "/fleet")["workers"]
+        .as_array()
+        .map(|ws| {
+            ws.iter()
+                .filter_map(|w| w["id"].as_str().map(str::to_string))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// worker id → (cached blocks, last event seq) in a router's index.
+fn index_view(router: &str) -> BTreeMap<String, (u64, u64)> {
+    let f = get(router, "/fleet");
+    f["router"]["workers"]
+        .as_array()
+        .map(|ws| {
+            ws.iter()
+                .map(|w| {
+                    (
+                        w["id"].as_str().unwrap_or_default().to_string(),
+                        (
+                            w["cached_blocks"].as_u64().unwrap_or(0),
+                            w["last_event_seq"].as_u64().unwrap_or(0),
+                        ),
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn fork_child(group: u32, child: u32) -> Value {
+    // A long shared prefix (history + the assistant turn), then a short directive.
+    chat(
+        json!([
+            {"role": "system", "content": format!("agent {group}: {}", filler(group, 1500))},
+            {"role": "user", "content": format!("sub-task {child}: {}", filler(1000 + child, 40))},
+        ]),
+        2,
+    )
+}
+
+#[test]
+fn two_routers_three_workers_on_etcd_and_kafka() {
+    let etcd = EtcdServer::start();
+    let mut broker = KafkaBroker::start();
+    let env = Env {
+        etcd: etcd.url(),
+        kafka: broker.brokers(),
+        prefix: format!("e2e{}.", std::process::id()),
+    };
+    let workers: Vec<Proc> = ["w0", "w1", "w2"].iter().map(|id| env.worker(id)).collect();
+    let r1 = env.router("r1");
+    let r2 = env.router("r2");
+    for r in [&r1, &r2] {
+        let took = wait_for("routers see 3 workers", Duration::from_secs(30), || {
+            healthy(&r.addr) == 3
+        });
+        eprintln!("router {} sees 3 workers after {took:?}", r.addr);
+    }
+
+    // 1. Fork siblings, alternately to router 1 and router 2, concurrently.
+    let mut placed = BTreeMap::new();
+    for group in 0..3u32 {
+        let name = format!("fork-{group}");
+        let handles: Vec<_> = (0..6u32)
+            .map(|child| {
+                let router = if child % 2 == 0 { &r1.addr } else { &r2.addr }.clone();
+                let name = name.clone();
+                std::thread::spawn(move || {
+                    send(
+                        &router,
+                        &fork_child(group, child),
+                        &[("x-kvfleet-fork-group", &name)],
+                    )
+                })
+            })
+            .collect();
+        let served: Vec<(u16, Option<String>, u64)> = handles
+            .into_iter()
+            .map(|h| h.join().expect("sibling thread"))
+            .collect();
+        let ws: HashSet<Option<String>> = served.iter().map(|s| s.1.clone()).collect();
+        assert!(served.iter().all(|s| s.0 == 200), "{served:?}");
+        assert_eq!(ws.len(), 1, "fork group {group} was split: {served:?}");
+        let cached: u64 = served.iter().map(|s| s.2).sum();
+        eprintln!("fork group {group}: 6 siblings on {ws:?}, {cached} cached prompt tokens");
+        placed.insert(group, ws.into_iter().next().flatten().expect("worker"));
+    }
+
+    // 2. Both routers converge to the same index from the event stream.
+    let took = wait_for("routers converge", Duration::from_secs(20), || {
+        let (a, b) = (index_view(&r1.addr), index_view(&r2.addr));
+        a.len() == 3 && a == b && a.values().any(|v| v.0 > 0)
+    });
+    eprintln!(
+        "indexes converged after {took:?}: {:?}",
+        index_view(&r1.addr)
+    );
+
+    // 3. SIGKILL the worker holding fork group 0; keep sending through both routers.
+    let victim = placed[&0].clone();
+    let mut workers = workers;
+    let vi = ["w0", "w1", "w2"]
+        .iter()
+        .position(|w| *w == victim)
+        .expect("victim index");
+    let mut killed = workers.remove(vi);
+    killed.child.kill().expect("SIGKILL");
+    let _ = killed.child.wait();
+    let killed_at = Instant::now();
+    for i in 0..12u32 {
+        let router = if i % 2 == 0 { &r1.addr } else { &r2.addr };
+        let body = chat(
+            json!([{"role": "user", "content": filler(500 + i, 300)}]),
+            2,
+        );
+        let (s, w, _) = send(router, &body, &[("x-kvfleet-policy", "round-robin")]);
+        assert_eq!(s, 200, "request {i} after the kill was lost");
+        assert_ne!(w.as_deref(), Some(victim.as_str()));
+    }
+    for r in [&r1, &r2] {
+        wait_for(
+            "the killed worker leaves routing",
+            Duration::from_secs(3),
+            || healthy(&r.addr) == 2,
+        );
+        // Membership (not just a failed poll) removes it: it leaves /fleet's list.
+        wait_for(
+            "lease expiry removes the killed worker",
+            Duration::from_secs(10),
+            || !fleet_workers(&r.addr).contains(&victim),
+        );
+    }
+    eprintln!(
+        "worker {victim} SIGKILLed: out of routing and removed from both routers' membership after {:?} (lease TTL 3 s)",
+        killed_at.elapsed()
+    );
+    // Its placement was freed: the group is placed anew, again on one worker.
+    let mut after = HashSet::new();
+    for child in 10..14u32 {
+        let router = if child % 2 == 0 { &r1.addr } else { &r2.addr };
+        let (s, w, _) = send(
+            router,
+            &fork_child(0, child),
+            &[("x-kvfleet-fork-group", "fork-0")],
+        );
+        assert_eq!(s, 200);
+        after.insert(w);
+    }
+    assert_eq!(after.len(), 1, "fork-0 split after re-placement: {after:?}");
+    assert!(!after.contains(&Some(victim.clone())));
+
+    // 4. Restart router 1: a repeated request hits the cache right after it is back.
+    let repeat = chat(json!([{"role": "user", "content": filler(4242, 1200)}]), 2);
+    let (s, _, _) = send(&r1.addr, &repeat, &[]);
+    assert_eq!(s, 200);
+    let (_, _, cached_before) = send(&r1.addr, &repeat, &[]);
+    assert!(cached_before > 0);
+    drop(r1);
+    let restarted = Instant::now();
+    let r1 = env.router("r1");
+    wait_for(
+        "restarted router sees 2 workers",
+        Duration::from_secs(30),
+        || healthy(&r1.addr) == 2,
+    );
+    let back_after = restarted.elapsed();
+    let (s, _, cached_after) = send(&r1.addr, &repeat, &[]);
+    assert_eq!(s, 200);
+    assert!(
+        cached_after > 0,
+        "no cache hit right after the router restart"
+    );
+    eprintln!(
+        "router restarted: serving after {back_after:?}; repeated request cached {cached_after} tokens (before the restart: {cached_before})"
+    );
+    broker.assert_alive();
+
+    // 5. The usage records as a trace.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = dir.path().join("trace.jsonl");
+    let status = Command::new(env!("CARGO_BIN_EXE_kvfleet"))
+        .args([
+            "trace",
+            "export",
+            "--kafka",
+            &env.kafka,
+            "--topic-prefix",
+            &env.prefix,
+        ])
+        .args(["--from-beginning", "--idle-ms", "2000", "--out"])
+        .arg(&out)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .status()
+        .expect("trace export");
+    assert!(status.success());
+    let text = std::fs::read_to_string(&out).expect("trace");
+    let lines: Vec<Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("trace line"))
+        .collect();
+    // 18 siblings + 12 after the kill + 4 re-placed + 3 repeats (the killed router may
+    // not have published its last records).
+    assert!(lines.len() >= 35, "only {} trace lines", lines.len());
+    // Fork groups are numbered; siblings share a number.
+    assert!(lines.iter().filter(|l| l["fork_group"] == 0).count() >= 6);
+    assert!(lines
+        .iter()
+        .all(|l| l["hash_ids"].is_array() && l["block_size"] == 16));
+    // It is a trace the replay tools read (every line validated).
+    let trace = kvfleet_bench::Trace::read_path(&out).expect("a valid trace");
+    assert_eq!(trace.records.len(), lines.len());
+    assert!(
+        !text.contains("alpha"),
+        "the trace must not contain prompt text"
+    );
+    eprintln!("trace export: {} lines", lines.len());
+    drop(r2);
+    drop(workers);
+    drop(etcd);
+}
