@@ -1,44 +1,16 @@
 //! The worker's `Fork` RPC over real gRPC on loopback: a shared prefix computed once,
 //! children that equal plain `Generate` runs, validation, `Abort` and cancellation.
 
-use kvfleet_core::{hash_blocks, namespace_seed};
 use kvfleet_proto::v1 as pb;
 use kvfleet_proto::v1::worker_client::WorkerClient;
-use kvfleet_worker::{spawn_worker, WorkerConfig, WorkerHandle, MAX_FORK_CHILDREN};
+use kvfleet_worker::MAX_FORK_CHILDREN;
 use std::time::{Duration, Instant};
 use tonic::transport::Channel;
 use tonic::{Code, Streaming};
 
-const BS: usize = 16;
+mod common;
 
-async fn worker(
-    id: &str,
-    tweak: impl FnOnce(&mut WorkerConfig),
-) -> (WorkerHandle, WorkerClient<Channel>) {
-    let mut config = WorkerConfig::new(id, "tiny");
-    config.num_blocks = 256;
-    config.block_size = BS;
-    tweak(&mut config);
-    let handle = spawn_worker(config).await.expect("worker starts");
-    let client = WorkerClient::connect(handle.endpoint())
-        .await
-        .expect("client connects");
-    (handle, client)
-}
-
-/// A prompt of `n` token ids below the tiny model's vocabulary (320), varied by `seed`.
-fn prompt(seed: u32, n: usize) -> Vec<u32> {
-    (0..n as u32)
-        .map(|i| (seed.wrapping_mul(97) + i * 7 + i / 5) % 300 + 1)
-        .collect()
-}
-
-fn hashes(tokens: &[u32]) -> Vec<u64> {
-    hash_blocks(namespace_seed("tiny", ""), tokens, BS)
-        .into_iter()
-        .map(|h| h.0)
-        .collect()
-}
+use common::{hashes, prompt, worker, BS};
 
 fn greedy(max_tokens: i32) -> pb::SamplingParams {
     pb::SamplingParams {

@@ -3,35 +3,15 @@
 use kvfleet_core::{hash_blocks, namespace_seed};
 use kvfleet_proto::v1 as pb;
 use kvfleet_proto::v1::worker_client::WorkerClient;
-use kvfleet_worker::{spawn_worker, WorkerConfig, WorkerError, WorkerHandle};
+use kvfleet_worker::{spawn_worker, WorkerConfig, WorkerError};
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 use tonic::transport::Channel;
 use tonic::{Code, Streaming};
 
-const BS: usize = 16;
+mod common;
 
-async fn worker(
-    id: &str,
-    tweak: impl FnOnce(&mut WorkerConfig),
-) -> (WorkerHandle, WorkerClient<Channel>) {
-    let mut config = WorkerConfig::new(id, "tiny");
-    config.num_blocks = 256;
-    config.block_size = BS;
-    tweak(&mut config);
-    let handle = spawn_worker(config).await.expect("worker starts");
-    let client = WorkerClient::connect(handle.endpoint())
-        .await
-        .expect("client connects");
-    (handle, client)
-}
-
-/// A prompt of `n` token ids below the tiny model's vocabulary (320), varied by `seed`.
-fn prompt(seed: u32, n: usize) -> Vec<u32> {
-    (0..n as u32)
-        .map(|i| (seed.wrapping_mul(97) + i * 7 + i / 5) % 300 + 1)
-        .collect()
-}
+use common::{prompt, worker, BS};
 
 fn request(id: &str, tokens: Vec<u32>, max_tokens: i32) -> pb::GenerateRequest {
     let hashes = hash_blocks(namespace_seed("tiny", ""), &tokens, BS)

@@ -2,8 +2,8 @@
 
 use super::relay::{collect, relay_sse, ChunkWriter};
 use super::{
-    insert_header, parse_body, prepare, request_id, session_id, sse_response, unix_now,
-    unix_now_ms, Prepared, RequestMeta, PREFIX_BREAK_HEADER, SESSION_TURN_HEADER,
+    insert_header, parse_body, prepare, request_id, session_id, sse_response, tokenize_chat,
+    unix_now, unix_now_ms, Prepared, RequestMeta, PREFIX_BREAK_HEADER, SESSION_TURN_HEADER,
 };
 use crate::agent_status::StatusMode;
 use crate::fleet::Fleet;
@@ -89,20 +89,7 @@ pub async fn chat_completions(
             message,
         }
     });
-    let scope = format!("{}\u{0}{}", meta.model_id, meta.cache_salt);
-    let prompt = {
-        let mut cache = fleet.tokenize_cache();
-        cache
-            .tokenize_with_tail(
-                &scope,
-                &fleet.prompt.chat_template,
-                fleet.prompt.tokenizer.as_ref(),
-                &history,
-                &tail,
-                &tools,
-            )
-            .map_err(|e| ApiError::invalid_param("messages", e.to_string()))?
-    };
+    let prompt = tokenize_chat(&fleet, &meta, &history, &tail, &tools)?;
     let cacheable_len = (!tail.is_empty()).then_some(prompt.history_len);
     if !tail.is_empty() {
         m::agent_status("replace", prompt.ids.len() - prompt.history_len);
@@ -111,7 +98,7 @@ pub async fn chat_completions(
     }
     let turn = session.as_deref().map(|s| {
         let fingerprint = TurnFingerprint::new(
-            scope.clone(),
+            meta.scope(),
             &history,
             &tools,
             prompt.ids[..prompt.history_len].to_vec(),

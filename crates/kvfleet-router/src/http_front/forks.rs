@@ -11,7 +11,9 @@
 //! routed like any request (so they follow the prefix while its worker has room).
 
 use super::relay::Tally;
-use super::{insert_header, parse_body, request_id, unix_now, RequestMeta, FORK_GROUP_HEADER};
+use super::{
+    insert_header, parse_body, request_id, tokenize_chat, unix_now, RequestMeta, FORK_GROUP_HEADER,
+};
 use crate::dispatch::{dispatch_with, finish_reason_name, Dispatched, GenerationSpec};
 use crate::fleet::Fleet;
 use crate::openai::error::ApiError;
@@ -141,24 +143,10 @@ pub async fn forks(
     };
     let placeholder = req.placeholder.as_deref().unwrap_or(DEFAULT_PLACEHOLDER);
 
-    let scope = format!("{}\u{0}{}", meta.model_id, meta.cache_salt);
     let mut children = Vec::with_capacity(req.directives.len());
-    {
-        let mut cache = fleet.tokenize_cache();
-        for d in &req.directives {
-            let tail = [fork_child_message(&tool_calls, placeholder, d)];
-            let prompt = cache
-                .tokenize_with_tail(
-                    &scope,
-                    &fleet.prompt.chat_template,
-                    fleet.prompt.tokenizer.as_ref(),
-                    &req.messages,
-                    &tail,
-                    &tools,
-                )
-                .map_err(|e| ApiError::invalid_param("messages", e.to_string()))?;
-            children.push(prompt.ids);
-        }
+    for d in &req.directives {
+        let tail = [fork_child_message(&tool_calls, placeholder, d)];
+        children.push(tokenize_chat(&fleet, &meta, &req.messages, &tail, &tools)?.ids);
     }
     let shared = shared_prefix_len(&children);
     let longest = children.iter().map(Vec::len).max().unwrap_or(0);

@@ -13,6 +13,7 @@ mod relay;
 use crate::dispatch::{dispatch, Dispatched, GenerationSpec};
 use crate::fleet::Fleet;
 use crate::fleet_metrics as m;
+use crate::incremental_tokenizer::TokenizedPrompt;
 use crate::openai::error::ApiError;
 use crate::openai::params::sampling_params;
 use crate::openai::types::SamplingFields;
@@ -23,6 +24,7 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
+use kvfleet_core::chat::{ChatMessage, ToolDefinition};
 use std::convert::Infallible;
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -111,6 +113,35 @@ impl RequestMeta {
             session: session_id(headers, None)?,
         })
     }
+}
+
+impl RequestMeta {
+    /// The memo and session scope: model and cache namespace.
+    fn scope(&self) -> String {
+        format!("{}\u{0}{}", self.model_id, self.cache_salt)
+    }
+}
+
+/// Renders and tokenizes `history` followed by a per-request `tail` (which stays out of
+/// the conversation memo), as a 400 naming `messages` on failure.
+fn tokenize_chat(
+    fleet: &Fleet,
+    meta: &RequestMeta,
+    history: &[ChatMessage],
+    tail: &[ChatMessage],
+    tools: &[ToolDefinition],
+) -> Result<TokenizedPrompt, ApiError> {
+    fleet
+        .tokenize_cache()
+        .tokenize_with_tail(
+            &meta.scope(),
+            &fleet.prompt.chat_template,
+            fleet.prompt.tokenizer.as_ref(),
+            history,
+            tail,
+            tools,
+        )
+        .map_err(|e| ApiError::invalid_param("messages", e.to_string()))
 }
 
 struct Prepared {
