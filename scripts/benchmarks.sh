@@ -7,7 +7,7 @@
 #      the 100k-request x 1,000-worker scale run, and the replay-vs-simulator comparison.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-MOONCAKE=${MOONCAKE:-../shared/traces/mooncake_synthetic_trace.jsonl}
+MOONCAKE=${MOONCAKE:-traces/mooncake_synthetic_trace.jsonl}
 OUT=${OUT:-target/benchmarks}
 mkdir -p "$OUT" docs/plots
 # PROFILE=dev reuses a debug build (the simulator crates are optimized there too).

@@ -173,7 +173,7 @@ pub struct MatrixArgs {
     /// The Mooncake synthetic trace.
     #[arg(
         long,
-        default_value = "../shared/traces/mooncake_synthetic_trace.jsonl"
+        default_value = "traces/mooncake_synthetic_trace.jsonl"
     )]
     mooncake: PathBuf,
     /// Sessions of each generated trace.

@@ -24,7 +24,7 @@ fn main() {
     .unwrap();
     let mooncake = kvfleet_bench::Trace::read_path(std::path::Path::new(concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/../../../shared/traces/mooncake_synthetic_trace.jsonl"
+        "/../../traces/mooncake_synthetic_trace.jsonl"
     )))
     .unwrap();
     for (name, t) in [("mooncake", mooncake), ("fork", fork), ("herd", herd)] {

@@ -9,10 +9,10 @@ use std::path::PathBuf;
 
 fn mooncake() -> Trace {
     let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../../shared/traces/mooncake_synthetic_trace.jsonl");
+        .join("../../traces/mooncake_synthetic_trace.jsonl");
     assert!(
         p.exists(),
-        "the Mooncake trace is missing at {} (it lives beside the repo, in shared/traces)",
+        "the Mooncake trace is missing at {} (it is committed under traces/)",
         p.display()
     );
     Trace::read_path(&p).expect("the Mooncake trace parses")
