@@ -171,10 +171,7 @@ pub struct ReplayArgs {
 #[derive(Args)]
 pub struct MatrixArgs {
     /// The Mooncake synthetic trace.
-    #[arg(
-        long,
-        default_value = "traces/mooncake_synthetic_trace.jsonl"
-    )]
+    #[arg(long, default_value = "traces/mooncake_synthetic_trace.jsonl")]
     mooncake: PathBuf,
     /// Sessions of each generated trace.
     #[arg(long, default_value_t = 300)]
