@@ -5,9 +5,10 @@
 
 # --- build ---------------------------------------------------------------------------
 FROM rust:1-bookworm AS build
-# protoc: etcd-client's build script; cmake: librdkafka's bundled build (rdkafka-sys).
+# protoc: etcd-client's build script. librdkafka (rdkafka-sys) builds with the image's
+# own cc, make and zlib headers.
 RUN apt-get update \
- && apt-get install -y --no-install-recommends protobuf-compiler cmake \
+ && apt-get install -y --no-install-recommends protobuf-compiler \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY . .
@@ -18,7 +19,8 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry \
 
 # --- run -----------------------------------------------------------------------------
 FROM debian:bookworm-slim
-# zlib is librdkafka's one shared dependency beyond libc; it is in the base image.
+# The binary needs libc, libgcc_s, libm and libz (librdkafka) at run time: all in the
+# base image.
 COPY --from=build /usr/local/bin/kvfleet /usr/local/bin/kvfleet
 # The numeric id the chart's securityContext runs as (runAsNonRoot needs a number).
 USER 65532:65532
