@@ -101,6 +101,8 @@ def main():
         sts = [o for _, o in objs if o["kind"] == "StatefulSet" and "worker" in o["metadata"]["name"]][0]
         entry["router_args"] = deploy["spec"]["template"]["spec"]["containers"][0]["args"]
         entry["worker_args"] = sts["spec"]["template"]["spec"]["containers"][0]["args"]
+        entry["config"] = [o for _, o in objs if o["kind"] == "ConfigMap"
+                           and o["metadata"]["name"].endswith("-config")][0]["data"]
         entry["worker_replicas"] = sts["spec"]["replicas"]
         entry["worker_limits"] = sts["spec"]["template"]["spec"]["containers"][0]["resources"].get("limits", {})
         # Dashboards ship as sidecar-labelled ConfigMaps holding the JSON unchanged.

@@ -132,6 +132,37 @@ fn chart_lints_renders_and_validates_for_every_example() {
         examples["values-external"]["kinds"].get("StatefulSet"),
         Some(&1.into())
     );
+    // The real binary accepts every rendered command line: flag names and value types
+    // (clap checks each argument before `--help`), with the pods' $(VAR)s expanded.
+    for (name, e) in examples {
+        let config = e["config"].as_object().expect("config");
+        for key in ["router_args", "worker_args"] {
+            let args: Vec<String> = e[key]
+                .as_array()
+                .expect("args")
+                .iter()
+                .map(|a| {
+                    let mut a = a.as_str().expect("arg").to_string();
+                    for (k, v) in config {
+                        a = a.replace(&format!("$({k})"), v.as_str().unwrap_or(""));
+                    }
+                    a.replace("$(POD_NAME)", "kvfleet-worker-0")
+                        .replace("$(POD_NAMESPACE)", "llm")
+                })
+                .collect();
+            assert!(!args.iter().any(|a| a.contains("$(")), "{name}: {args:?}");
+            let out = Command::new(env!("CARGO_BIN_EXE_kvfleet"))
+                .args(&args)
+                .arg("--help")
+                .output()
+                .expect("run kvfleet");
+            assert!(
+                out.status.success(),
+                "{name}: kvfleet refuses the chart's {key} {args:?}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+    }
     for (case, r) in report["negative"].as_object().expect("negative") {
         println!("negative case {case}: {r}");
     }
