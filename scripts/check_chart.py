@@ -26,6 +26,9 @@ import yaml
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 CHART = os.path.join(ROOT, "helm", "kvfleet")
 EXAMPLES = ["values-single-node", "values-2routers-8gpu", "values-external"]
+# The chart's own defaults (direct mode: no etcd, the router gets --workers) are checked
+# like an example.
+DEFAULTS = "defaults"
 KUBE_VERSIONS = ["1.25.0", "1.37.0"]
 CRD_SCHEMAS = os.path.join(ROOT, "tests", "schemas", "monitoring.coreos.com-v1.json")
 
@@ -73,6 +76,8 @@ def render(values):
 
 
 def load_values(name):
+    if name == DEFAULTS:
+        return {}
     with open(os.path.join(CHART, "examples", f"{name}.yaml")) as f:
         return yaml.safe_load(f)
 
@@ -82,7 +87,7 @@ def main():
               "kubernetes_validate": kubernetes_validate.__version__
               if hasattr(kubernetes_validate, "__version__") else "?",
               "kube_versions": KUBE_VERSIONS, "examples": {}, "negative": {}, "ok": True}
-    for name in EXAMPLES:
+    for name in EXAMPLES + [DEFAULTS]:
         values = load_values(name)
         lint = helm.lint(CHART, values, strict=True, namespace="llm")
         # Severity 2 = warning, 3 = error; strict treats warnings as failures too.

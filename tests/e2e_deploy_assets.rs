@@ -79,7 +79,11 @@ fn chart_lints_renders_and_validates_for_every_example() {
         report["kube_versions"]
     );
     let examples = report["examples"].as_object().expect("examples");
-    assert_eq!(examples.len(), 3, "{report}");
+    assert_eq!(
+        examples.len(),
+        4,
+        "three examples and the defaults: {report}"
+    );
     for (name, e) in examples {
         println!(
             "{name}: {} objects {} lint problems {} validation errors {}",
@@ -97,9 +101,9 @@ fn chart_lints_renders_and_validates_for_every_example() {
             "{e:#}"
         );
     }
-    // What the examples are for.
-    let single = &examples["values-single-node"];
-    let router_args: Vec<&str> = single["router_args"]
+    // What the examples are for. The defaults: direct mode, the workers' stable names.
+    let direct = &examples["defaults"];
+    let router_args: Vec<&str> = direct["router_args"]
         .as_array()
         .unwrap()
         .iter()
@@ -114,6 +118,16 @@ fn chart_lints_renders_and_validates_for_every_example() {
         "kvfleet-worker-0.kvfleet-worker-headless.llm.svc.cluster.local:50051,\
          kvfleet-worker-1.kvfleet-worker-headless.llm.svc.cluster.local:50051"
     );
+    let single = &examples["values-single-node"];
+    assert_eq!(
+        single["kinds"]["StatefulSet"], 2,
+        "workers and the bundled etcd"
+    );
+    assert_eq!(
+        single["config"]["KVFLEET_ETCD"], "http://kvfleet-etcd:2379",
+        "{single}"
+    );
+    assert_eq!(single["config"]["KVFLEET_KAFKA"], "", "{single}");
     let gpu = &examples["values-2routers-8gpu"];
     assert_eq!(gpu["worker_replicas"], 8);
     assert_eq!(gpu["worker_limits"]["nvidia.com/gpu"], 1);
