@@ -42,6 +42,27 @@ fi
 export KVFLEET_TANSU_BIN
 # tansu writes gigabytes under debug logging; the tests start it without RUST_LOG.
 
+# Deployment assets (tests/e2e_deploy_assets.rs): a real Helm and the Kubernetes schemas,
+# offline. Debian has no Helm; the `helm-python-sdk` wheel embeds Helm v4's Go SDK as a C
+# library (lint and template run in-process), and `kubernetes-validate` bundles the
+# Kubernetes JSON schemas. scripts/check_chart.py drives both.
+if ! python3 -c "import helm_python, kubernetes_validate" 2>/dev/null; then
+  python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore \
+    helm-python-sdk kubernetes-validate
+fi
+export KVFLEET_PYTHON="${KVFLEET_PYTHON:-$(command -v python3)}"
+
+# A real Prometheus (and promtool) for the dashboards' and rules' queries. The test starts
+# its own on a free loopback port with a temporary data directory; the Debian package's
+# own service is not used (and not started where there is no init system).
+if [ -z "${KVFLEET_PROMETHEUS_BIN:-}" ] && ! command -v prometheus >/dev/null; then
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+fi
+export KVFLEET_PROMETHEUS_BIN="${KVFLEET_PROMETHEUS_BIN:-$(command -v prometheus)}"
+export KVFLEET_PROMTOOL_BIN="${KVFLEET_PROMTOOL_BIN:-$(command -v promtool)}"
+
 # Tests run with optimised dependencies (see [profile.*] in Cargo.toml): the model tests
 # do real matrix work and would crawl at opt-level 0.
 cargo test --workspace --locked 2>&1

@@ -30,6 +30,10 @@ pub struct WorkerArgs {
     /// Address routers connect to (default: the bound --grpc address).
     #[arg(long)]
     advertise: Option<String>,
+    /// HTTP address serving `/metrics` (Prometheus: the `kvfleet_worker_*` series) and
+    /// `/health` (200 once the engine is up); off unless given.
+    #[arg(long)]
+    metrics: Option<String>,
 }
 
 /// Serves until Ctrl-C / SIGTERM.
@@ -74,7 +78,18 @@ pub fn run(args: WorkerArgs) -> Result<()> {
         } else {
             None
         };
-        println!("kvfleet worker {id}: grpc://{addr} (model {})", args.model);
+        // The engine is up: from here on `/health` answers 200.
+        let metrics = match &args.metrics {
+            Some(a) => Some(serve_metrics(a).await?),
+            None => None,
+        };
+        match &metrics {
+            Some((maddr, _)) => println!(
+                "kvfleet worker {id}: grpc://{addr} (model {}), metrics http://{maddr}",
+                args.model
+            ),
+            None => println!("kvfleet worker {id}: grpc://{addr} (model {})", args.model),
+        }
         std::io::stdout().flush()?;
         let served = serve_service(service, listener, shutdown_signal())
             .await
@@ -82,6 +97,25 @@ pub fn run(args: WorkerArgs) -> Result<()> {
         if let Some(c) = control {
             c.shutdown().await;
         }
+        if let Some((_, task)) = metrics {
+            task.abort();
+        }
         served
     })
+}
+
+/// Serves `/metrics` and `/health` on `addr` in the background; returns the bound
+/// address and the server task.
+async fn serve_metrics(addr: &str) -> Result<(std::net::SocketAddr, tokio::task::JoinHandle<()>)> {
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("binding --metrics {addr}"))?;
+    let bound = listener.local_addr()?;
+    let app = kvfleet_router::http_front::metrics_app();
+    let task = tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, app).await {
+            tracing::warn!("metrics server stopped: {e}");
+        }
+    });
+    Ok((bound, task))
 }

@@ -568,7 +568,14 @@ impl Fleet {
             total_blocks: l.total_blocks as usize,
             ..WorkerLoad::default()
         };
-        let _ = self.kv().update_load(conn.id(), report);
+        let applied_seq = {
+            let mut kv = self.kv();
+            let _ = kv.update_load(conn.id(), report);
+            kv.last_seq(conn.id()).unwrap_or(0)
+        };
+        // Events the worker has published that this router's index has not applied yet
+        // (from the gRPC stream or, with Kafka, from the event topic).
+        m::worker_events_behind(conn.id(), l.last_event_seq.saturating_sub(applied_seq));
         m::worker_load(
             conn.id(),
             l.running.into(),

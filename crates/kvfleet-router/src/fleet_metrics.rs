@@ -56,6 +56,10 @@ fn describe() {
     );
     describe_counter!("kvfleet_routed_total", "Requests routed to each worker.");
     describe_gauge!(
+        "kvfleet_router_worker_events_behind",
+        "KV events a worker published that this router's index has not applied (last poll)."
+    );
+    describe_gauge!(
         "kvfleet_router_worker_running",
         "Sequences running on a worker (last poll)."
     );
@@ -158,6 +162,13 @@ pub fn worker_load(worker: &str, running: u64, waiting: u64, free: u64, cached: 
     gauge!("kvfleet_router_worker_free_blocks", "worker" => w.clone()).set(free as f64);
     gauge!("kvfleet_router_worker_cached_blocks", "worker" => w.clone()).set(cached as f64);
     gauge!("kvfleet_router_worker_queued_prefill_tokens", "worker" => w).set(queued as f64);
+}
+
+/// How many KV events a worker has published beyond those this router's index applied
+/// (the event-stream lag, sampled at each load poll).
+pub fn worker_events_behind(worker: &str, behind: u64) {
+    gauge!("kvfleet_router_worker_events_behind", "worker" => worker.to_string())
+        .set(behind as f64);
 }
 
 /// A fork-group request landed on (or off) its group's first worker; `ratio` is the

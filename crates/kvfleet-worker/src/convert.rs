@@ -77,8 +77,13 @@ pub fn u32_of(n: usize) -> u32 {
     u32::try_from(n).unwrap_or(u32::MAX)
 }
 
-/// The `Load` answer from an engine snapshot.
-pub fn load_response(worker_id: &str, load: &EngineLoad, stats: &EngineStats) -> pb::LoadResponse {
+/// The `Load` answer from an engine snapshot and the seq of the newest KV event.
+pub fn load_response(
+    worker_id: &str,
+    load: &EngineLoad,
+    stats: &EngineStats,
+    last_event_seq: u64,
+) -> pb::LoadResponse {
     pb::LoadResponse {
         worker_id: worker_id.to_string(),
         running: u32_of(load.running),
@@ -93,6 +98,7 @@ pub fn load_response(worker_id: &str, load: &EngineLoad, stats: &EngineStats) ->
         generated_tokens: stats.generated_tokens,
         preemptions: stats.preemptions,
         steps: stats.steps,
+        last_event_seq,
     }
 }
 

@@ -310,6 +310,7 @@ impl Worker for WorkerService {
             &self.info.worker_id,
             &snap.load,
             &snap.stats,
+            self.event_log().last_seq(),
         )))
     }
 

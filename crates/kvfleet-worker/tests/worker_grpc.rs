@@ -241,6 +241,9 @@ async fn kv_events_replay_then_live_and_match_the_cache_dump() {
         .map(|b| (b.hash, b.parent_hash))
         .collect();
     assert_eq!(dumped, cache, "dump equals the cache the events describe");
+    // Load carries the newest event's seq: routers compare it with their index's to
+    // export how far behind the event stream they are.
+    assert_eq!(load(&mut client).await.last_event_seq, dump.seq);
     handle.shutdown().await.unwrap();
 }
 

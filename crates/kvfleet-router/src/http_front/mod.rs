@@ -64,6 +64,14 @@ pub fn app(fleet: Arc<Fleet>) -> Router {
         .with_state(fleet)
 }
 
+/// `/metrics` and `/health` alone, for a process that serves no API (`kvfleet worker
+/// --metrics`): the process-wide recorder's series, and 200 while the process runs.
+pub fn metrics_app() -> Router {
+    Router::new()
+        .route("/metrics", get(admin::metrics))
+        .route("/health", get(|| async { "ok" }))
+}
+
 /// Parses a JSON body into `T`, as a 400 with serde's message on failure.
 fn parse_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
     serde_json::from_slice(body).map_err(|e| ApiError::invalid(format!("invalid JSON body: {e}")))

@@ -1,0 +1,164 @@
+#!/usr/bin/env python3
+"""Lints and renders helm/kvfleet with a real Helm, then validates what it renders.
+
+Helm is Helm v4's Go SDK as a C library (`libhelm_c`), from the PyPI wheel
+`helm-python-sdk`: `helm lint` and `helm template` run in-process, offline. Every
+rendered object is validated against the Kubernetes JSON schemas of the
+`kubernetes-validate` package (strict: unknown fields fail) for the oldest and newest
+Kubernetes the chart supports; ServiceMonitor and PrometheusRule against the strict
+CRD subsets in tests/schemas/. Negative cases prove each stage can fail: values the
+chart must refuse, and a corrupted object the schemas must reject.
+
+Prints one JSON report on stdout; exits non-zero if any check failed.
+Run by tests/e2e_deploy_assets.rs (`cargo test --test e2e_deploy_assets`).
+"""
+
+import copy
+import json
+import os
+import sys
+
+import helm_python as helm
+import jsonschema
+import kubernetes_validate
+import yaml
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+CHART = os.path.join(ROOT, "helm", "kvfleet")
+EXAMPLES = ["values-single-node", "values-2routers-8gpu", "values-external"]
+# The chart's own defaults (direct mode: no etcd, the router gets --workers) are checked
+# like an example.
+DEFAULTS = "defaults"
+KUBE_VERSIONS = ["1.25.0", "1.37.0"]
+CRD_SCHEMAS = os.path.join(ROOT, "tests", "schemas", "monitoring.coreos.com-v1.json")
+
+
+def crd_validator(kind):
+    with open(CRD_SCHEMAS) as f:
+        root = json.load(f)
+    schema = dict(root, **{"$ref": f"#/$defs/{kind}"})
+    return jsonschema.Draft202012Validator(schema)
+
+
+CRDS = {k: crd_validator(k) for k in ["ServiceMonitor", "PrometheusRule"]}
+
+
+def validate(obj):
+    """Errors of one object against its schema(s), [] when valid."""
+    errors = []
+    kind = obj.get("kind")
+    if kind in CRDS:
+        errors += [f"{kind}: {'.'.join(map(str, e.path))}: {e.message}"
+                   for e in CRDS[kind].iter_errors(obj)]
+        return errors
+    for v in KUBE_VERSIONS:
+        try:
+            kubernetes_validate.validate(obj, v, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            path = ".".join(str(p) for p in e.path)
+            errors.append(f"{kind} {obj['metadata']['name']} (k8s {v}): {path}: {e.message}")
+        except kubernetes_validate.SchemaNotFoundError:
+            errors.append(f"no schema for {kind} {obj.get('apiVersion')} (k8s {v})")
+    return errors
+
+
+def render(values):
+    with helm.Chart.load(CHART) as chart:
+        out = chart.render(values, name="kvfleet", namespace="llm", is_install=True)
+    objs = []
+    for path, text in sorted(out.items()):
+        if path.endswith("NOTES.txt") or not text.strip():
+            continue
+        for doc in yaml.safe_load_all(text):
+            if doc:
+                objs.append((path, doc))
+    return objs
+
+
+def load_values(name):
+    if name == DEFAULTS:
+        return {}
+    with open(os.path.join(CHART, "examples", f"{name}.yaml")) as f:
+        return yaml.safe_load(f)
+
+
+def main():
+    report = {"helm_sdk": helm.helm_sdk_version(), "helm_c": helm.helm_c_version(),
+              "kubernetes_validate": kubernetes_validate.__version__
+              if hasattr(kubernetes_validate, "__version__") else "?",
+              "kube_versions": KUBE_VERSIONS, "examples": {}, "negative": {}, "ok": True}
+    for name in EXAMPLES + [DEFAULTS]:
+        values = load_values(name)
+        lint = helm.lint(CHART, values, strict=True, namespace="llm")
+        # Severity 2 = warning, 3 = error; strict treats warnings as failures too.
+        lint_problems = [m for m in lint["messages"] if m["severity"] >= 2] + lint["errors"]
+        objs = render(values)
+        kinds = {}
+        errors = []
+        for _, obj in objs:
+            kinds[obj["kind"]] = kinds.get(obj["kind"], 0) + 1
+            errors += validate(obj)
+        entry = {"lint_problems": lint_problems, "objects": len(objs), "kinds": kinds,
+                 "validation_errors": errors,
+                 "ok": not lint_problems and not errors and len(objs) > 0}
+        # What each example must show.
+        deploy = [o for _, o in objs if o["kind"] == "Deployment"][0]
+        sts = [o for _, o in objs if o["kind"] == "StatefulSet" and "worker" in o["metadata"]["name"]][0]
+        entry["router_args"] = deploy["spec"]["template"]["spec"]["containers"][0]["args"]
+        entry["worker_args"] = sts["spec"]["template"]["spec"]["containers"][0]["args"]
+        entry["config"] = [o for _, o in objs if o["kind"] == "ConfigMap"
+                           and o["metadata"]["name"].endswith("-config")][0]["data"]
+        entry["worker_replicas"] = sts["spec"]["replicas"]
+        entry["worker_limits"] = sts["spec"]["template"]["spec"]["containers"][0]["resources"].get("limits", {})
+        # Dashboards ship as sidecar-labelled ConfigMaps holding the JSON unchanged.
+        shipped = {}
+        for _, o in objs:
+            if o["kind"] == "ConfigMap" and o["metadata"].get("labels", {}).get("grafana_dashboard") == "1":
+                for fname, text in o["data"].items():
+                    with open(os.path.join(CHART, "dashboards", fname)) as f:
+                        same = json.loads(text) == json.load(f)
+                    shipped[fname] = same
+        entry["dashboards"] = shipped
+        dash_files = sorted(f for f in os.listdir(os.path.join(CHART, "dashboards")) if f.endswith(".json"))
+        if sorted(shipped) != dash_files or not all(shipped.values()):
+            entry["ok"] = False
+        report["examples"][name] = entry
+        report["ok"] &= entry["ok"]
+
+    # The chart refuses combinations that cannot work.
+    bad_values = {
+        "two_routers_without_etcd": {"router": {"replicas": 2}},
+        "kafka_without_etcd": {"kafka": {"brokers": ["k:9092"]}},
+        "model_dir_without_volume": {"config": {"model": "/models/x"}},
+    }
+    for case, values in bad_values.items():
+        try:
+            render(values)
+            refused = False
+        except helm.HelmError as e:
+            refused = "more than one router" in str(e) or "needs etcd" in str(e) or "modelVolume" in str(e)
+        report["negative"][case] = {"refused": refused}
+        report["ok"] &= refused
+
+    # The schemas reject a broken object (proves validation is not vacuous).
+    objs = render(load_values("values-2routers-8gpu"))
+    deploy = copy.deepcopy([o for _, o in objs if o["kind"] == "Deployment"][0])
+    deploy["spec"]["replicas"] = "two"
+    deploy["spec"]["template"]["spec"]["containers"][0]["livenessProbe"]["httpGett"] = {}
+    rule = copy.deepcopy([o for _, o in objs if o["kind"] == "PrometheusRule"][0])
+    rule["spec"]["groups"][0]["rules"][0]["for"] = "ten minutes"
+    monitor = copy.deepcopy([o for _, o in objs if o["kind"] == "ServiceMonitor"][0])
+    monitor["spec"]["endpoints"][0]["intervall"] = "10s"
+    for case, obj in [("deployment_bad_fields", deploy), ("prometheusrule_bad_duration", rule),
+                      ("servicemonitor_unknown_field", monitor)]:
+        errs = validate(obj)
+        report["negative"][case] = {"rejected": bool(errs), "errors": errs[:2]}
+        report["ok"] &= bool(errs)
+
+    json.dump(report, sys.stdout, indent=2)
+    print()
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
