@@ -42,6 +42,18 @@ fi
 export KVFLEET_TANSU_BIN
 # tansu writes gigabytes under debug logging; the tests start it without RUST_LOG.
 
+# Real headless Chromium for the dashboard test (tests/e2e_dashboard.rs): Debian's
+# `chromium`, driven by playwright-core (pinned in tests/browser/package-lock.json).
+if [ -z "${KVFLEET_CHROMIUM:-}" ] && ! command -v chromium >/dev/null; then
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium >/dev/null
+fi
+export KVFLEET_CHROMIUM="${KVFLEET_CHROMIUM:-$(command -v chromium)}"
+if ! [ -d tests/browser/node_modules/playwright-core ]; then
+  (cd tests/browser && npm ci --no-audit --no-fund --loglevel=error)
+fi
+
 # Tests run with optimised dependencies (see [profile.*] in Cargo.toml): the model tests
 # do real matrix work and would crawl at opt-level 0.
 cargo test --workspace --locked 2>&1
