@@ -468,7 +468,7 @@ impl DecisionLog {
             })
             .collect();
         let mut recent: Vec<(&u64, &Group)> = self.groups.iter().collect();
-        recent.sort_unstable_by(|a, b| b.1.last_tick.cmp(&a.1.last_tick));
+        recent.sort_unstable_by_key(|(_, g)| std::cmp::Reverse(g.last_tick));
         let groups = recent
             .into_iter()
             .take(GROUPS_SHOWN)
