@@ -9,6 +9,14 @@ if ! command -v cargo >/dev/null; then
   exit 1
 fi
 
+# Debian packages, with one `apt-get update` however many blocks below need one.
+APT_UPDATED=""
+apt_install() {
+  local sudo=""; [ "$(id -u)" -ne 0 ] && sudo="sudo"
+  if [ -z "$APT_UPDATED" ]; then $sudo apt-get update -qq; APT_UPDATED=1; fi
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "$@" >/dev/null
+}
+
 # The official OpenAI Python client, driven against `kvfleet up` by tests/e2e_openai_client.rs.
 if ! python3 -c "import openai" 2>/dev/null; then
   python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore openai
@@ -21,9 +29,7 @@ fi
 need_etcd() { [ -z "${KVFLEET_ETCD_BIN:-}" ] && ! command -v etcd >/dev/null; }
 need_protoc() { [ -z "${PROTOC:-}" ] && ! command -v protoc >/dev/null; }
 if need_etcd || need_protoc; then
-  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq etcd-server protobuf-compiler >/dev/null
+  apt_install etcd-server protobuf-compiler
 fi
 export KVFLEET_ETCD_BIN="${KVFLEET_ETCD_BIN:-$(command -v etcd)}"
 export PROTOC="${PROTOC:-$(command -v protoc)}"
@@ -56,12 +62,20 @@ export KVFLEET_PYTHON="${KVFLEET_PYTHON:-$(command -v python3)}"
 # its own on a free loopback port with a temporary data directory; the Debian package's
 # own service is not used (and not started where there is no init system).
 if [ -z "${KVFLEET_PROMETHEUS_BIN:-}" ] && ! command -v prometheus >/dev/null; then
-  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+  apt_install --no-install-recommends prometheus
 fi
 export KVFLEET_PROMETHEUS_BIN="${KVFLEET_PROMETHEUS_BIN:-$(command -v prometheus)}"
 export KVFLEET_PROMTOOL_BIN="${KVFLEET_PROMTOOL_BIN:-$(command -v promtool)}"
+
+# Real headless Chromium for the dashboard test (tests/e2e_dashboard.rs): Debian's
+# `chromium`, driven by playwright-core (pinned in tests/browser/package-lock.json).
+if [ -z "${KVFLEET_CHROMIUM:-}" ] && ! command -v chromium >/dev/null; then
+  apt_install chromium
+fi
+export KVFLEET_CHROMIUM="${KVFLEET_CHROMIUM:-$(command -v chromium)}"
+if ! [ -d tests/browser/node_modules/playwright-core ]; then
+  (cd tests/browser && npm ci --no-audit --no-fund --loglevel=error)
+fi
 
 # Tests run with optimised dependencies (see [profile.*] in Cargo.toml): the model tests
 # do real matrix work and would crawl at opt-level 0.

@@ -132,6 +132,12 @@ impl Cluster {
             .expect("text")
     }
 
+    /// Stops the router and its workers now (dropping does it too).
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
     /// Sum of prompt tokens actually computed by all workers, from `/fleet`.
     pub fn fleet_prompt_tokens_computed(&self) -> u64 {
         let f = self.get("/fleet");

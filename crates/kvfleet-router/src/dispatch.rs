@@ -2,7 +2,8 @@
 //! worker while it has not started (no message received yet).
 
 use crate::control_hooks::{PlacementRef, RequestFacts};
-use crate::fleet::{DecisionRecord, Fleet};
+use crate::decision_log::NewDecision;
+use crate::fleet::{unix_ms, Fleet};
 use crate::fleet_metrics as m;
 use crate::openai::error::ApiError;
 use crate::policy::PolicyKind;
@@ -35,6 +36,9 @@ pub struct GenerationSpec {
     pub session: Option<String>,
     /// Routing policy.
     pub policy: PolicyKind,
+    /// The HTTP endpoint it came in on (`chat`, `completions`, `forks`), for the
+    /// decision log.
+    pub endpoint: &'static str,
 }
 
 /// A request the chosen worker accepted: its first message is in hand. `T` is the
@@ -42,6 +46,8 @@ pub struct GenerationSpec {
 pub struct Dispatched<T = pb::GenerateResponse> {
     /// The serving worker.
     pub worker: String,
+    /// The request id the worker knows it by.
+    pub request_id: String,
     /// The first message (usage of the prompt; maybe tokens).
     pub first: T,
     /// The rest of the stream.
@@ -63,6 +69,8 @@ pub struct InflightGuard {
     pub predicted_cached_tokens: usize,
     /// Policy that chose the worker.
     pub policy: &'static str,
+    /// The request's entry in the fleet's decision log.
+    pub decision_seq: u64,
 }
 
 impl Drop for InflightGuard {
@@ -175,12 +183,13 @@ where
             decision.timings.scoring_ns + decision.timings.reserve_ns,
         );
         let worker = decision.worker.to_string();
-        let guard = InflightGuard {
+        let mut guard = InflightGuard {
             fleet: fleet.clone(),
             worker: worker.clone(),
             prefill_tokens: decision.prefill_tokens,
             predicted_cached_tokens: decision.predicted_cached_tokens,
             policy: decision.policy,
+            decision_seq: 0,
         };
         // The request never reached the worker: its reservation must not steer siblings.
         let cancel_reservation = || {
@@ -205,15 +214,27 @@ where
         match tokio::time::timeout(fleet.config.first_message_timeout, call).await {
             Ok(Ok((stream, Some(first)))) => {
                 m::routed(&worker, decision.policy);
-                fleet.record_decision(DecisionRecord {
-                    at_ms: fleet.now_ms(),
-                    worker: worker.clone(),
-                    policy: decision.policy,
-                    prompt_tokens: spec.token_ids.len(),
-                    predicted_cached_tokens: decision.predicted_cached_tokens,
-                    prefix_root: spec.hashes.first().map(|h| h.to_string()),
-                    fork_group: spec.fork_group.clone(),
-                });
+                guard.decision_seq = fleet.record_decision(
+                    NewDecision {
+                        unix_ms: unix_ms(),
+                        at_ms: fleet.now_ms(),
+                        request_id: spec.request_id.clone(),
+                        endpoint: spec.endpoint,
+                        worker: worker.clone(),
+                        policy: decision.policy,
+                        prompt_tokens: spec.token_ids.len(),
+                        predicted_cached_tokens: decision.predicted_cached_tokens,
+                        fork_group: spec.fork_group.clone(),
+                        session: spec.session.clone(),
+                        decision_us: (decision.timings.index_lookup_ns
+                            + decision.timings.scoring_ns
+                            + decision.timings.reserve_ns)
+                            / 1000,
+                        accept_us: started.elapsed().as_micros() as u64,
+                        attempts: attempt as u32 + 1,
+                    },
+                    &spec.hashes,
+                );
                 let facts = RequestFacts {
                     cache_salt: spec.cache_salt.clone(),
                     fork_group: spec.fork_group.clone(),
@@ -226,6 +247,7 @@ where
                 };
                 return Ok(Dispatched {
                     worker,
+                    request_id: spec.request_id.clone(),
                     first,
                     stream,
                     guard,

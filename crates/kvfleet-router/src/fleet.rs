@@ -8,6 +8,7 @@
 //! index (so nothing is routed to it) until it answers again.
 
 use crate::control_hooks::ControlHooks;
+use crate::decision_log::{DecisionLog, NewDecision};
 use crate::events::{RouterKvEvent, RouterKvEventKind};
 use crate::fleet_metrics as m;
 use crate::incremental_tokenizer::IncrementalTokenizer;
@@ -124,24 +125,7 @@ struct WorkerSlot {
     task: Option<JoinHandle<()>>,
 }
 
-/// A routing decision as recorded for the dashboard.
-#[derive(Clone, Debug, serde::Serialize)]
-pub struct DecisionRecord {
-    /// Milliseconds since the router started.
-    pub at_ms: u64,
-    /// Chosen worker.
-    pub worker: String,
-    /// Policy that chose it.
-    pub policy: &'static str,
-    /// Prompt tokens.
-    pub prompt_tokens: usize,
-    /// Cached tokens the router predicted.
-    pub predicted_cached_tokens: usize,
-    /// First block hash of the prompt (the prefix root), hex.
-    pub prefix_root: Option<String>,
-    /// Fork group, if any.
-    pub fork_group: Option<String>,
-}
+pub use crate::decision_log::DecisionRecord;
 
 /// The router's fleet: shared by every HTTP handler.
 pub struct Fleet {
@@ -155,13 +139,10 @@ pub struct Fleet {
     tokenize_cache: Mutex<IncrementalTokenizer>,
     sessions: Mutex<SessionStore>,
     fork_groups: Mutex<ForkGroups>,
-    decisions: Mutex<VecDeque<DecisionRecord>>,
+    decisions: Mutex<DecisionLog>,
     started: Instant,
     hooks: RwLock<Option<Arc<dyn ControlHooks>>>,
 }
-
-/// Recent routing decisions kept for the dashboard.
-const DECISIONS_KEPT: usize = 256;
 
 #[derive(Default)]
 struct ForkGroups {
@@ -194,7 +175,7 @@ impl Fleet {
             tokenize_cache: Mutex::new(cache),
             sessions: Mutex::new(sessions),
             fork_groups: Mutex::new(ForkGroups::default()),
-            decisions: Mutex::new(VecDeque::new()),
+            decisions: Mutex::new(DecisionLog::new()),
             started: Instant::now(),
             hooks: RwLock::new(None),
         }))
@@ -335,8 +316,9 @@ impl Fleet {
         self.kv().remove_worker(id);
     }
 
-    /// Records a routing decision for the dashboard and fork-group co-location.
-    pub fn record_decision(&self, rec: DecisionRecord) {
+    /// Records a routing decision for the dashboard and fork-group co-location;
+    /// returns its number in the decision log, for [`Self::decision_outcome`].
+    pub fn record_decision(&self, rec: NewDecision, hashes: &[BlockHash]) -> u64 {
         if let Some(group) = &rec.fork_group {
             let mut fg = lock(&self.fork_groups);
             let first = match fg.first_worker.get(group) {
@@ -359,16 +341,28 @@ impl Fleet {
             }
             m::fork_group(colocated, fg.colocated as f64 / fg.total as f64);
         }
-        let mut d = lock(&self.decisions);
-        d.push_back(rec);
-        while d.len() > DECISIONS_KEPT {
-            d.pop_front();
-        }
+        lock(&self.decisions).record(rec, hashes)
+    }
+
+    /// Fills in a logged decision's cached tokens and, when given, its outcome.
+    pub fn decision_outcome(
+        &self,
+        seq: u64,
+        actual_cached_tokens: Option<usize>,
+        outcome: Option<&'static str>,
+    ) {
+        let now = unix_ms();
+        lock(&self.decisions).complete(seq, actual_cached_tokens, outcome, now);
     }
 
     /// The most recent routing decisions, oldest first.
     pub fn recent_decisions(&self) -> Vec<DecisionRecord> {
-        lock(&self.decisions).iter().cloned().collect()
+        lock(&self.decisions).decisions()
+    }
+
+    /// The decision log (locked), for the dashboard's snapshot.
+    pub fn decision_log(&self) -> MutexGuard<'_, DecisionLog> {
+        lock(&self.decisions)
     }
 
     /// Fork-group requests served by their group's first worker / all of them.
@@ -620,6 +614,14 @@ impl Fleet {
             let _ = self.poll_load(&c).await;
         }
     }
+}
+
+/// Wall-clock Unix milliseconds (0 before 1970).
+pub fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
 }
 
 /// Converts a wire event into the router's own type.

@@ -27,12 +27,14 @@
 //! - [`agent_status`]: the status bar's request fields and server-observed values.
 //! - [`control_hooks`]: where a control plane (placement shared by several routers,
 //!   usage records) joins the request path.
+//! - [`decision_log`]: the bounded log of recent decisions behind `/dashboard`.
 //! - [`dispatch`]: route a request, start it on a worker, retry while not started.
 //! - [`openai`] and [`http_front`]: the OpenAI-compatible HTTP API.
 //! - [`fleet_metrics`]: the Prometheus metrics.
 
 pub mod agent_status;
 pub mod control_hooks;
+pub mod decision_log;
 pub mod dispatch;
 pub mod events;
 pub mod fleet;

@@ -2,8 +2,8 @@
 
 use super::relay::{collect, relay_sse, ChunkWriter};
 use super::{
-    insert_header, parse_body, prepare, request_id, session_id, sse_response, tokenize_chat,
-    unix_now, unix_now_ms, Prepared, RequestMeta, PREFIX_BREAK_HEADER, SESSION_TURN_HEADER,
+    insert_header, parse_body, prepare, session_id, sse_response, tokenize_chat, unix_now,
+    unix_now_ms, Prepared, RequestMeta, PREFIX_BREAK_HEADER, SESSION_TURN_HEADER,
 };
 use crate::agent_status::StatusMode;
 use crate::fleet::Fleet;
@@ -37,6 +37,7 @@ pub async fn chat_completions(
         ));
     }
     let meta = RequestMeta::from_headers(
+        "chat",
         &fleet,
         &headers,
         &req.model,
@@ -127,7 +128,8 @@ pub async fn chat_completions(
             insert_header(&mut worker_header, PREFIX_BREAK_HEADER, &b.header_value());
         }
     }
-    let id = format!("chatcmpl-{}", request_id());
+    // The router's request id, so a response can be found in the decision log.
+    let id = format!("chatcmpl-{}", dispatched.request_id);
     let created = unix_now();
     let model = meta.model_id.clone();
     let want_tools = !tools.is_empty();

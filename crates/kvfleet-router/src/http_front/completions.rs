@@ -1,7 +1,7 @@
 //! `POST /v1/completions`: a prompt given as text or as token ids.
 
 use super::relay::{collect, relay_sse, ChunkWriter};
-use super::{parse_body, prepare, request_id, sse_response, unix_now, Prepared, RequestMeta};
+use super::{parse_body, prepare, sse_response, unix_now, Prepared, RequestMeta};
 use crate::fleet::Fleet;
 use crate::openai::error::ApiError;
 use crate::openai::types::{Completion, CompletionChoice, CompletionRequest, PromptInput, Usage};
@@ -23,6 +23,7 @@ pub async fn completions(
         return Err(ApiError::invalid_param("echo", "echo is not supported"));
     }
     let meta = RequestMeta::from_headers(
+        "completions",
         &fleet,
         &headers,
         &req.model,
@@ -48,7 +49,8 @@ pub async fn completions(
         dispatched,
         worker_header,
     } = prepare(&fleet, &meta, ids, None, &req.sampling).await?;
-    let id = format!("cmpl-{}", request_id());
+    // The router's request id, so a response can be found in the decision log.
+    let id = format!("cmpl-{}", dispatched.request_id);
     let created = unix_now();
     let model = meta.model_id.clone();
     if req.sampling.stream {

@@ -131,6 +131,7 @@ pub async fn forks(
         ));
     }
     let meta = RequestMeta::from_headers(
+        "forks",
         &fleet,
         &headers,
         &req.model,
@@ -178,6 +179,7 @@ pub async fn forks(
             fork_group: Some(group.clone()),
             session: meta.session.clone(),
             policy: meta.policy,
+            endpoint: "forks",
         };
         let fleet = fleet.clone();
         let part = part.to_vec();
@@ -204,7 +206,7 @@ pub async fn forks(
             })
             .await?;
             let indices: Vec<usize> = part.iter().map(|(i, _)| *i).collect();
-            collect_fork(&fleet, d, &indices).await
+            collect_fork(&fleet, d, &indices, spec.token_ids.len()).await
         }
     });
     let results = join_all(calls).await;
@@ -295,11 +297,13 @@ struct ChildOut {
 }
 
 /// Reads a Fork stream to its end; children are reported under their request-wide
-/// `indices` (the call's child i is `indices[i]`).
+/// `indices` (the call's child i is `indices[i]`). `prefix_tokens` is the shared
+/// prefix the call was routed by.
 async fn collect_fork(
     fleet: &Fleet,
     mut d: Dispatched<pb::ForkResponse>,
     indices: &[usize],
+    prefix_tokens: usize,
 ) -> Result<(String, Vec<(usize, ChildOut)>), ApiError> {
     let mut outs: Vec<ChildOut> = indices.iter().map(|_| ChildOut::default()).collect();
     let mut tallies: Vec<Tally> = indices.iter().map(|_| Tally::new(d.started)).collect();
@@ -313,15 +317,22 @@ async fn collect_fork(
                 out.finish = Some(f);
             }
         }
-        msg = d.stream.message().await.map_err(|s| {
-            ApiError::internal(format!(
-                "worker {} failed mid-fork: {}",
-                d.worker,
-                s.message()
-            ))
-        })?;
+        msg = match d.stream.message().await {
+            Ok(m) => m,
+            Err(s) => {
+                fleet.decision_outcome(d.guard.decision_seq, None, Some("worker_error"));
+                return Err(ApiError::internal(format!(
+                    "worker {} failed mid-fork: {}",
+                    d.worker,
+                    s.message()
+                )));
+            }
+        };
     }
     let mut done = Vec::with_capacity(outs.len());
+    // The call's decision covers the shared prefix: the part of it every child got
+    // from cache.
+    let mut prefix_cached: Option<usize> = None;
     for (k, mut out) in outs.into_iter().enumerate() {
         let outcome = if out.finish.is_some() {
             "ok"
@@ -330,7 +341,14 @@ async fn collect_fork(
         };
         out.usage = tallies[k].close_counts(d.guard.policy, outcome);
         fleet.report_usage(&d, &out.usage, tallies[k].ttft());
+        let cached = out
+            .usage
+            .prompt_tokens_details
+            .cached_tokens
+            .min(prefix_tokens);
+        prefix_cached = Some(prefix_cached.map_or(cached, |c| c.min(cached)));
         if out.finish.is_none() {
+            fleet.decision_outcome(d.guard.decision_seq, prefix_cached, Some("worker_error"));
             return Err(ApiError::internal(format!(
                 "worker {} ended fork child {k} early",
                 d.worker
@@ -338,6 +356,7 @@ async fn collect_fork(
         }
         done.push((indices[k], out));
     }
+    fleet.decision_outcome(d.guard.decision_seq, prefix_cached, Some("ok"));
     Ok((d.worker, done))
 }
 

@@ -1,5 +1,6 @@
 //! The OpenAI-compatible HTTP front (axum): `/v1/chat/completions`, `/v1/completions`,
-//! `/v1/models`, plus `/health`, `/metrics` (Prometheus) and `/fleet` (JSON state).
+//! `/v1/models`, plus `/health`, `/metrics` (Prometheus), `/fleet` (JSON state) and
+//! `/dashboard` (the live cache map, with its JSON at `/dashboard/state`).
 //!
 //! Every handler ends in either a response or an [`ApiError`] with an OpenAI error
 //! body; nothing on a request path panics.
@@ -7,6 +8,7 @@
 mod admin;
 mod chat;
 mod completions;
+mod dashboard;
 mod forks;
 mod relay;
 
@@ -59,6 +61,8 @@ pub fn app(fleet: Arc<Fleet>) -> Router {
         .route("/health", get(admin::health))
         .route("/metrics", get(admin::metrics))
         .route("/fleet", get(admin::fleet_state))
+        .route("/dashboard", get(dashboard::page))
+        .route("/dashboard/state", get(dashboard::state))
         .fallback(admin::not_found)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(fleet)
@@ -79,6 +83,7 @@ fn parse_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError
 
 /// Request facts every endpoint needs.
 struct RequestMeta {
+    endpoint: &'static str,
     model_id: String,
     context: usize,
     policy: PolicyKind,
@@ -89,6 +94,7 @@ struct RequestMeta {
 
 impl RequestMeta {
     fn from_headers(
+        endpoint: &'static str,
         fleet: &Fleet,
         headers: &HeaderMap,
         model: &str,
@@ -113,6 +119,7 @@ impl RequestMeta {
             .and_then(|v| v.to_str().ok())
             .map(str::to_string);
         Ok(RequestMeta {
+            endpoint,
             model_id,
             context,
             policy,
@@ -182,6 +189,7 @@ async fn prepare(
         fork_group: meta.fork_group.clone(),
         session: meta.session.clone(),
         policy: meta.policy,
+        endpoint: meta.endpoint,
     };
     let dispatched = match dispatch(fleet, &spec).await {
         Ok(d) => d,
@@ -197,6 +205,10 @@ async fn prepare(
             return Err(e);
         }
     };
+    // A Generate stream's first message carries the prompt's usage: the dashboard
+    // learns the actual cached tokens as soon as the worker has admitted the request.
+    let cached = dispatched.first.usage.map(|u| u.cached_tokens as usize);
+    fleet.decision_outcome(dispatched.guard.decision_seq, cached, None);
     let mut worker_header = HeaderMap::new();
     insert_header(&mut worker_header, WORKER_HEADER, &dispatched.worker);
     Ok(Prepared {

@@ -121,6 +121,11 @@ impl Tally {
             usage.prompt_tokens_details.cached_tokens,
         );
         fleet.report_usage(d, &usage, self.ttft());
+        fleet.decision_outcome(
+            d.guard.decision_seq,
+            Some(usage.prompt_tokens_details.cached_tokens),
+            Some(outcome),
+        );
         usage
     }
 }

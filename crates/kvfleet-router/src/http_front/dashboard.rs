@@ -1,0 +1,253 @@
+//! `GET /dashboard`: the live cache map, one self-contained page (HTML, CSS and JS
+//! embedded in the binary: the fleet's machines may be offline), and
+//! `GET /dashboard/state`: the JSON snapshot the page polls.
+//!
+//! The snapshot's fields (all token counts are prompt tokens):
+//!
+//! - `generated_unix_ms`, `uptime_ms`, `model`, `block_size`, `cached_token_price`
+//!   (the fraction of the input price a cached token is billed at: 0.1).
+//! - `last_seq`: number of the newest routing decision (grows with traffic).
+//! - `totals`: `requests`, `prompt_tokens`, `predicted_cached_tokens`,
+//!   `known_requests` / `known_prompt_tokens` / `cached_tokens` (requests whose usage
+//!   has arrived), `cached_ratio` (cached ÷ prompt of those), `realized_discount`
+//!   (input cost saved: `cached_ratio × (1 − cached_token_price)`), `ok`, `failed`,
+//!   `in_flight`, `workers`, `healthy_workers`, `indexed_blocks`, `reservations`,
+//!   `fork_groups_colocated` / `fork_group_requests`.
+//! - `workers[]`: `id`, `endpoint`, `healthy`, `routed`; `hit_ratio`, `prompt_tokens`,
+//!   `cached_tokens` (cumulative) and `hit_ratio_1m`, `requests_1m` (last minute);
+//!   from the worker's last load report `running`, `waiting`, `queued_prefill_tokens`,
+//!   `free_blocks`, `cached_blocks`, `total_blocks`; from the router's index
+//!   `indexed_blocks`, `reservations`, `inflight_requests`.
+//! - `prefix_groups[]` (the [`GROUPS_SHOWN`](crate::decision_log::GROUPS_SHOWN) most
+//!   recently routed, newest first): `id` (hex), `label` (fork group or session),
+//!   `requests`, `hit_ratio`, `blocks` (blocks of its latest prompt, capped),
+//!   `last_worker`, `last_unix_ms`, and `holders`: worker id → how many of those
+//!   blocks the prefix index says the worker holds, in prefix order.
+//! - `decisions[]`: the newest routing decisions first (`?decisions=N`, default 60, at
+//!   most [`DECISIONS_KEPT`](crate::decision_log::DECISIONS_KEPT)); fields as in
+//!   [`DecisionRecord`](crate::decision_log::DecisionRecord).
+//!
+//! The snapshot takes the decision log's lock once and the routing core's lock once,
+//! for a few prefix lookups: its cost is bounded whatever the traffic or index size.
+
+use crate::decision_log::{LogSnapshot, DECISIONS_KEPT};
+use crate::fleet::{unix_ms, Fleet};
+use axum::extract::{RawQuery, State};
+use axum::http::header;
+use axum::response::{Html, IntoResponse, Response};
+use axum::Json;
+use serde_json::{json, Map, Value};
+use std::sync::Arc;
+
+/// The page: markup, style and script in one file.
+const PAGE: &str = include_str!("dashboard.html");
+
+/// What a cached prompt token is billed at, as a fraction of an uncached one.
+pub const CACHED_TOKEN_PRICE: f64 = 0.1;
+
+/// Decisions a snapshot carries unless `?decisions=N` says otherwise.
+const DEFAULT_DECISIONS: usize = 60;
+
+/// `GET /dashboard`.
+pub async fn page() -> Response {
+    ([(header::CACHE_CONTROL, "no-store")], Html(PAGE)).into_response()
+}
+
+/// `GET /dashboard/state`: the snapshot described in the module docs.
+pub async fn state(State(fleet): State<Arc<Fleet>>, RawQuery(query): RawQuery) -> Response {
+    let limit = query
+        .as_deref()
+        .unwrap_or("")
+        .split('&')
+        .find_map(|kv| kv.strip_prefix("decisions="))
+        .and_then(|v| v.parse::<usize>().ok())
+        .unwrap_or(DEFAULT_DECISIONS)
+        .min(DECISIONS_KEPT);
+    (
+        [(header::CACHE_CONTROL, "no-store")],
+        Json(snapshot(&fleet, limit)),
+    )
+        .into_response()
+}
+
+fn ratio(num: u64, den: u64) -> f64 {
+    if den == 0 {
+        0.0
+    } else {
+        num as f64 / den as f64
+    }
+}
+
+/// Builds the dashboard's JSON snapshot with at most `limit` decisions.
+pub fn snapshot(fleet: &Fleet, limit: usize) -> Value {
+    let now = unix_ms();
+    let log: LogSnapshot = fleet.decision_log().snapshot(limit, now);
+    let statuses = fleet.worker_statuses();
+    // One pass under the routing core's lock: per-worker index counts and where each
+    // shown group's blocks are held.
+    let (router, holders) = {
+        let kv = fleet.kv();
+        let router = kv.snapshot();
+        let holders: Vec<Map<String, Value>> = log
+            .groups
+            .iter()
+            .map(|g| {
+                let m = kv.index().find_matches(&g.chain);
+                router
+                    .workers
+                    .iter()
+                    .map(|w| {
+                        let depth = m.depth(crate::registry::WorkerIdx(w.index));
+                        (w.id.clone(), json!(depth))
+                    })
+                    .collect()
+            })
+            .collect();
+        (router, holders)
+    };
+    let (colocated, fork_requests) = fleet.fork_colocation();
+
+    let hits = |id: &str| log.workers.iter().find(|w| w.worker == id);
+    let workers: Vec<Value> = statuses
+        .iter()
+        .map(|s| {
+            let h = hits(&s.id);
+            let r = router.workers.iter().find(|w| w.id == s.id);
+            let l = s.load.clone().unwrap_or_default();
+            json!({
+                "id": s.id,
+                "endpoint": s.endpoint,
+                "healthy": s.healthy,
+                "routed": h.map_or(0, |h| h.routed),
+                "hit_ratio": h.map_or(0.0, |h| h.total.hit_ratio),
+                "prompt_tokens": h.map_or(0, |h| h.total.prompt_tokens),
+                "cached_tokens": h.map_or(0, |h| h.total.cached_tokens),
+                "hit_ratio_1m": h.map_or(0.0, |h| h.last_minute.hit_ratio),
+                "requests_1m": h.map_or(0, |h| h.last_minute.requests),
+                "running": l.running,
+                "waiting": l.waiting,
+                "queued_prefill_tokens": l.queued_prefill_tokens,
+                "free_blocks": l.free_blocks,
+                "cached_blocks": l.cached_blocks,
+                "total_blocks": l.total_blocks,
+                "indexed_blocks": r.map_or(0, |r| r.cached_blocks),
+                "reservations": r.map_or(0, |r| r.reservations),
+                "inflight_requests": r.map_or(0, |r| r.load.inflight_requests),
+            })
+        })
+        .collect();
+    let groups: Vec<Value> = log
+        .groups
+        .iter()
+        .zip(holders)
+        .map(|(g, holders)| {
+            json!({
+                "id": g.id,
+                "label": g.label,
+                "requests": g.requests,
+                "hit_ratio": g.hits.hit_ratio,
+                "blocks": g.chain.len(),
+                "last_worker": g.last_worker,
+                "last_unix_ms": g.last_unix_ms,
+                "holders": holders,
+            })
+        })
+        .collect();
+    let t = &log.totals;
+    let cached_ratio = ratio(t.known.cached_tokens, t.known.prompt_tokens);
+    json!({
+        "generated_unix_ms": now,
+        "uptime_ms": fleet.now_ms(),
+        "model": fleet.model().map(|m| m.0),
+        "block_size": router.block_size,
+        "cached_token_price": CACHED_TOKEN_PRICE,
+        "last_seq": log.last_seq,
+        "totals": {
+            "requests": t.requests,
+            "prompt_tokens": t.prompt_tokens,
+            "predicted_cached_tokens": t.predicted_cached_tokens,
+            "known_requests": t.known.requests,
+            "known_prompt_tokens": t.known.prompt_tokens,
+            "cached_tokens": t.known.cached_tokens,
+            "cached_ratio": cached_ratio,
+            "realized_discount": cached_ratio * (1.0 - CACHED_TOKEN_PRICE),
+            "ok": t.ok,
+            "failed": t.failed,
+            "in_flight": t.requests.saturating_sub(t.ok + t.failed),
+            "workers": statuses.len(),
+            "healthy_workers": statuses.iter().filter(|s| s.healthy).count(),
+            "indexed_blocks": router.indexed_blocks,
+            "reservations": router.reservations,
+            "fork_groups_colocated": colocated,
+            "fork_group_requests": fork_requests,
+        },
+        "workers": workers,
+        "prefix_groups": groups,
+        "decisions": log.decisions,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::decision_log::{NewDecision, GROUPS_SHOWN};
+    use crate::fleet::FleetConfig;
+    use kvfleet_core::BlockHash;
+
+    fn routed(fleet: &Fleet, i: u64) -> u64 {
+        let hashes: Vec<BlockHash> = (0..10).map(|b| BlockHash(i * 100 + b)).collect();
+        fleet.record_decision(
+            NewDecision {
+                unix_ms: unix_ms(),
+                at_ms: i,
+                request_id: format!("req-{i}"),
+                endpoint: "completions",
+                worker: format!("w{}", i % 3),
+                policy: "cache-aware",
+                prompt_tokens: 160,
+                predicted_cached_tokens: 0,
+                fork_group: None,
+                session: None,
+                decision_us: 3,
+                accept_us: 500,
+                attempts: 1,
+            },
+            &hashes,
+        )
+    }
+
+    #[test]
+    fn the_snapshot_is_bounded_newest_first_and_counts_cached_tokens() {
+        let fleet = Fleet::new(FleetConfig::default()).expect("fleet");
+        for i in 0..400 {
+            let seq = routed(&fleet, i);
+            fleet.decision_outcome(seq, Some(if i % 2 == 0 { 96 } else { 0 }), Some("ok"));
+        }
+        let s = snapshot(&fleet, 10_000);
+        let decisions = s["decisions"].as_array().expect("decisions");
+        assert_eq!(decisions.len(), DECISIONS_KEPT);
+        assert_eq!(decisions[0]["request_id"], "req-399");
+        assert_eq!(decisions[0]["seq"], 400);
+        assert_eq!(decisions[0]["actual_cached_tokens"], 0);
+        assert_eq!(decisions[1]["actual_cached_tokens"], 96);
+        assert_eq!(s["last_seq"], 400);
+        assert_eq!(
+            s["prefix_groups"].as_array().map(Vec::len),
+            Some(GROUPS_SHOWN)
+        );
+        assert_eq!(s["prefix_groups"][0]["requests"], 1);
+        assert_eq!(s["prefix_groups"][0]["blocks"], 10);
+        let t = &s["totals"];
+        assert_eq!(t["requests"], 400);
+        assert_eq!(t["cached_tokens"], 200 * 96);
+        assert_eq!(t["known_prompt_tokens"], 400 * 160);
+        assert_eq!(t["cached_ratio"], 0.3);
+        assert_eq!(t["in_flight"], 0);
+        let discount = t["realized_discount"].as_f64().expect("discount");
+        assert!((discount - 0.27).abs() < 1e-12, "{discount}");
+        assert_eq!(
+            snapshot(&fleet, 5)["decisions"].as_array().map(Vec::len),
+            Some(5)
+        );
+    }
+}
