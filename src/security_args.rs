@@ -25,6 +25,10 @@ pub struct SecurityArgs {
     /// the model's context.
     #[arg(long)]
     pub max_prompt_tokens: Option<usize>,
+    /// Most tokens per completion: the default `max_tokens` and the largest accepted
+    /// (400 beyond); default: the rest of the model's context.
+    #[arg(long)]
+    pub max_completion_tokens: Option<usize>,
     /// Requests running at once across all tenants.
     #[arg(long, default_value_t = 1024)]
     pub max_inflight: usize,
@@ -60,6 +64,7 @@ impl SecurityArgs {
         let limits = Limits {
             max_body_bytes: self.max_body_bytes,
             max_prompt_tokens: self.max_prompt_tokens,
+            max_completion_tokens: self.max_completion_tokens.filter(|n| *n > 0),
             max_inflight: self.max_inflight.max(1),
             max_queued: self.max_queued,
             queue_timeout: Duration::from_secs_f64(self.queue_timeout_s),

@@ -21,6 +21,9 @@ pub struct Limits {
     /// Most prompt tokens of one request (400 `context_length_exceeded` beyond); the
     /// model's context length applies anyway.
     pub max_prompt_tokens: Option<usize>,
+    /// Most tokens one request may generate: the default `max_tokens`, and the
+    /// largest accepted (400 beyond).
+    pub max_completion_tokens: Option<usize>,
     /// Requests running at once across all tenants.
     pub max_inflight: usize,
     /// Requests waiting for a running slot; beyond, 429 at once.
@@ -36,6 +39,7 @@ impl Default for Limits {
         Limits {
             max_body_bytes: 32 << 20,
             max_prompt_tokens: None,
+            max_completion_tokens: None,
             max_inflight: 1024,
             max_queued: 4096,
             queue_timeout: Duration::from_secs(30),

@@ -152,7 +152,8 @@ pub async fn forks(
     }
     let shared = shared_prefix_len(&children);
     let longest = children.iter().map(Vec::len).max().unwrap_or(0);
-    let sampling = sampling_params(&req.sampling, longest, meta.context)?;
+    let mut sampling = sampling_params(&req.sampling, longest, meta.context)?;
+    meta.admitted.cap_completion(&req.sampling, &mut sampling)?;
     // The shared prefix is prefilled once; every child adds its tail and budget.
     let cost = shared
         + children

@@ -27,6 +27,8 @@ pub struct Admitted {
     pub tenant: Arc<TenantState>,
     /// Most prompt tokens a request may carry.
     pub max_prompt_tokens: Option<usize>,
+    /// Most tokens a request may generate.
+    pub max_completion_tokens: Option<usize>,
 }
 
 impl Admitted {
@@ -43,6 +45,33 @@ impl Admitted {
         } else {
             self.tenant.tenant.name.clone()
         }
+    }
+
+    /// Applies the router's completion cap to `params`: the default when the client
+    /// set no `max_tokens`, a 400 when it asked for more.
+    pub fn cap_completion(
+        &self,
+        fields: &crate::openai::types::SamplingFields,
+        params: &mut kvfleet_proto::v1::SamplingParams,
+    ) -> Result<(), ApiError> {
+        let Some(cap) = self.max_completion_tokens else {
+            return Ok(());
+        };
+        let cap = i32::try_from(cap).unwrap_or(i32::MAX);
+        if params.max_tokens <= cap {
+            return Ok(());
+        }
+        if fields.max_completion_tokens.or(fields.max_tokens).is_some() {
+            return Err(ApiError::invalid_param(
+                "max_tokens",
+                format!(
+                    "max_tokens is {}; this router allows at most {cap}",
+                    params.max_tokens
+                ),
+            ));
+        }
+        params.max_tokens = cap;
+        Ok(())
     }
 
     /// Checks the (longest) prompt's length and charges the tenant's token bucket
@@ -153,6 +182,7 @@ pub async fn gate(State(adm): State<Arc<Admission>>, mut req: Request, next: Nex
     req.extensions_mut().insert(Admitted {
         tenant,
         max_prompt_tokens: adm.limits.max_prompt_tokens,
+        max_completion_tokens: adm.limits.max_completion_tokens,
     });
     let response = next.run(req).await;
     // A body over the limit without a Content-Length is cut by the body-limit layer,

@@ -101,6 +101,7 @@ fn admitted(ext: Option<axum::Extension<Admitted>>) -> Admitted {
             Admitted {
                 tenant: adm.default_tenant(),
                 max_prompt_tokens: None,
+                max_completion_tokens: None,
             }
         }
     }
@@ -207,7 +208,8 @@ async fn prepare(
     cacheable_len: Option<usize>,
     sampling: &SamplingFields,
 ) -> Result<Prepared, ApiError> {
-    let params = sampling_params(sampling, ids.len(), meta.context)?;
+    let mut params = sampling_params(sampling, ids.len(), meta.context)?;
+    meta.admitted.cap_completion(sampling, &mut params)?;
     meta.admitted
         .charge(ids.len(), ids.len() + params.max_tokens.max(0) as usize)?;
     let t = Instant::now();

@@ -2,12 +2,15 @@
 //! ([`super::ROUTES`]; a test keeps the two in step), for client generators and API
 //! fuzzers such as schemathesis.
 
+use crate::fleet::Fleet;
+use axum::extract::State;
 use axum::Json;
 use serde_json::{json, Value};
+use std::sync::Arc;
 
 /// `GET /openapi.json`.
-pub async fn serve() -> Json<Value> {
-    Json(document())
+pub async fn serve(State(fleet): State<Arc<Fleet>>) -> Json<Value> {
+    Json(document(fleet.model().map(|m| m.0).as_deref()))
 }
 
 fn error_responses() -> Value {
@@ -67,7 +70,7 @@ fn ok_json_or_stream(schema: &str) -> Value {
 
 fn sampling_properties() -> Value {
     json!({
-        "max_tokens": {"type": "integer", "minimum": 1, "nullable": true},
+        "max_tokens": {"type": "integer", "minimum": 1, "nullable": true, "example": 16},
         "max_completion_tokens": {"type": "integer", "minimum": 1, "nullable": true},
         "temperature": {"type": "number", "minimum": 0, "nullable": true},
         "top_p": {"type": "number", "exclusiveMinimum": true, "minimum": 0, "maximum": 1, "nullable": true},
@@ -97,8 +100,13 @@ fn merged(base: Value, extra: Value) -> Value {
     out
 }
 
-/// The OpenAPI document.
-pub fn document() -> Value {
+/// The OpenAPI document; `model` (the served model, once a worker joined) is given as
+/// the example of every `model` field, so example requests reach a worker.
+pub fn document(model: Option<&str>) -> Value {
+    let model_schema = match model {
+        Some(m) => json!({"type": "string", "example": m}),
+        None => json!({"type": "string"}),
+    };
     let message = json!({
         "type": "object",
         "required": ["role"],
@@ -184,7 +192,7 @@ pub fn document() -> Value {
                     "type": "object",
                     "required": ["model", "messages"],
                     "properties": merged(sampling_properties(), json!({
-                        "model": {"type": "string"},
+                        "model": model_schema.clone(),
                         "messages": {"type": "array", "minItems": 1,
                             "items": {"$ref": "#/components/schemas/ChatMessage"}},
                         "tools": {"type": "array", "nullable": true,
@@ -211,7 +219,7 @@ pub fn document() -> Value {
                     "type": "object",
                     "required": ["model", "prompt"],
                     "properties": merged(sampling_properties(), json!({
-                        "model": {"type": "string"},
+                        "model": model_schema.clone(),
                         "prompt": {"oneOf": [
                             {"type": "string"},
                             {"type": "array", "items": {"type": "integer", "minimum": 0}},
@@ -241,7 +249,7 @@ pub fn document() -> Value {
                     "type": "object",
                     "required": ["model", "messages", "directives"],
                     "properties": merged(sampling_properties(), json!({
-                        "model": {"type": "string"},
+                        "model": model_schema,
                         "messages": {"type": "array", "minItems": 1,
                             "items": {"$ref": "#/components/schemas/ChatMessage"}},
                         "tools": {"type": "array", "nullable": true,
@@ -342,7 +350,7 @@ mod tests {
 
     #[test]
     fn every_route_is_documented_and_nothing_else() {
-        let doc = document();
+        let doc = document(Some("tiny"));
         let paths = doc["paths"].as_object().unwrap();
         for (method, path) in super::super::ROUTES {
             assert!(
@@ -356,7 +364,7 @@ mod tests {
 
     #[test]
     fn every_reference_resolves() {
-        let doc = document();
+        let doc = document(Some("tiny"));
         let text = doc.to_string();
         let schemas = doc["components"]["schemas"].as_object().unwrap();
         let mut refs = 0;
