@@ -125,7 +125,7 @@ mod tests {
         // Found by schemathesis: a 4-byte character in a stop string panicked the
         // engine thread while checking for a partial match.
         let stop = "\u{e09e3}\u{fb}".to_string();
-        let mut m = StopMatcher::new(&[stop.clone()]);
+        let mut m = StopMatcher::new(std::slice::from_ref(&stop));
         assert_eq!(m.push("ab").emit, "ab");
         assert_eq!(m.push("\u{fb}\u{e09e3}").emit, "\u{fb}");
         let c = m.push("\u{fb}!");

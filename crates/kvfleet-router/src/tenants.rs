@@ -251,7 +251,7 @@ mod tests {
         let h = hash_key("k");
         for (text, line) in [
             ("sha256:zz tenant=a".to_string(), 1),
-            (format!("{h}"), 1),
+            (h.clone(), 1),
             (format!("{h} tenant=a colour=red"), 1),
             (format!("{h} tenant=a max_concurrent=0"), 1),
             (format!("{h} tenant=a\n{h} tenant=b"), 2),
