@@ -41,7 +41,10 @@ fn every_documented_operation_is_served() {
 fn schemathesis_finds_no_server_errors() {
     // A small completion cap keeps generated requests quick on the tiny model.
     let c = Cluster::up(&["--workers", "1", "--max-completion-tokens", "8"]);
+    // schemathesis keeps state under its working directory: keep it out of the tree.
+    let scratch = tempfile::tempdir().expect("tempdir");
     let out = Command::new("python3")
+        .current_dir(scratch.path())
         .args([
             "-c",
             "import sys; from schemathesis.cli import schemathesis; sys.argv[0] = 'st'; schemathesis()",
