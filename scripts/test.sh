@@ -22,6 +22,11 @@ if ! python3 -c "import openai" 2>/dev/null; then
   python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore openai
 fi
 
+# schemathesis (PyPI), the OpenAPI fuzzer tests/e2e_openapi.rs runs against `kvfleet up`.
+if ! python3 -c "import schemathesis.cli" 2>/dev/null; then
+  python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore 'schemathesis>=4,<5'
+fi
+
 # Real services for the control-plane tests (crates/kvfleet-control/tests/conformance.rs,
 # tests/e2e_control_plane.rs): Debian's etcd server, and `protoc` for etcd-client's build.
 # The tests start their own etcd on free loopback ports; a system etcd the package may

@@ -4,6 +4,7 @@ mod bench_cmd;
 mod control_plane;
 mod generate;
 mod router_cmd;
+mod security_args;
 mod serve_args;
 mod sim_cmd;
 mod trace_cmd;
@@ -36,6 +37,8 @@ enum Command {
     Sim(sim_cmd::SimArgs),
     /// Usage traces: `kvfleet trace export --kafka BROKERS --out FILE`.
     Trace(trace_cmd::TraceArgs),
+    /// API keys: `kvfleet keys hash --tenant NAME < key` prints a keys-file line.
+    Keys(security_args::KeysArgs),
 }
 
 fn main() {
@@ -48,6 +51,7 @@ fn main() {
         Command::Bench(args) => bench_cmd::run(args),
         Command::Sim(args) => sim_cmd::run(args),
         Command::Trace(args) => trace_cmd::run(args),
+        Command::Keys(args) => security_args::run(args),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

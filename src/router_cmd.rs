@@ -26,6 +26,8 @@ pub struct RouterArgs {
     #[command(flatten)]
     routing: RoutingArgs,
     #[command(flatten)]
+    security: crate::security_args::SecurityArgs,
+    #[command(flatten)]
     control: ControlArgs,
     /// This router's id (default `router-<http port>`): its KV event consumer group is
     /// `kvfleet-router-<id>`, resumed after a restart.
@@ -41,6 +43,7 @@ pub fn run(args: RouterArgs) -> Result<()> {
     init_logging();
     let rt = crate::serve_args::runtime()?;
     rt.block_on(async move {
+        let admission = args.security.admission()?;
         fleet_metrics::prometheus_handle();
         let mut config = args.routing.fleet_config(&args.model, args.block_size);
         // With Kafka, every worker's KV events come from the stream.
@@ -83,7 +86,7 @@ pub fn run(args: RouterArgs) -> Result<()> {
             }
         );
         std::io::stdout().flush()?;
-        axum::serve(listener, http_front::app(fleet))
+        axum::serve(listener, http_front::app_with(fleet, admission))
             .with_graceful_shutdown(shutdown_signal())
             .await
             .context("serving HTTP")?;

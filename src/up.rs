@@ -25,6 +25,8 @@ pub struct UpArgs {
     engine: EngineArgs,
     #[command(flatten)]
     routing: RoutingArgs,
+    #[command(flatten)]
+    security: crate::security_args::SecurityArgs,
 }
 
 /// Runs the embedded cluster until Ctrl-C / SIGTERM.
@@ -36,6 +38,7 @@ pub fn run(args: UpArgs) -> Result<()> {
 
 async fn serve(args: UpArgs) -> Result<()> {
     anyhow::ensure!(args.workers > 0, "--workers must be at least 1");
+    let admission = args.security.admission()?;
     fleet_metrics::prometheus_handle();
     kvfleet_worker::describe_metrics();
     // Load the weights once; every in-process worker shares them.
@@ -71,7 +74,7 @@ async fn serve(args: UpArgs) -> Result<()> {
         args.routing.policy.as_str()
     );
     std::io::stdout().flush()?;
-    axum::serve(listener, http_front::app(fleet))
+    axum::serve(listener, http_front::app_with(fleet, admission))
         .with_graceful_shutdown(shutdown_signal())
         .await
         .context("serving HTTP")?;

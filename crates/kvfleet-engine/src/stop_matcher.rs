@@ -37,7 +37,12 @@ impl StopMatcher {
 
     /// Adds newly decoded text and returns what may be emitted.
     pub fn push(&mut self, delta: &str) -> StopCheck {
-        let search_from = self.emitted.saturating_sub(self.max_len);
+        let mut search_from = self.emitted.saturating_sub(self.max_len);
+        // Stop strings and generated text are arbitrary UTF-8: step back to a char
+        // boundary rather than slice inside a character.
+        while !self.text.is_char_boundary(search_from) {
+            search_from -= 1;
+        }
         self.text.push_str(delta);
         if self.stops.is_empty() {
             return StopCheck {
@@ -65,7 +70,7 @@ impl StopMatcher {
         let mut safe = self.text.len();
         for s in &self.stops {
             for k in (1..s.len()).rev() {
-                if self.text.len() >= k && self.text.ends_with(&s[..k]) && s.is_char_boundary(k) {
+                if s.is_char_boundary(k) && self.text.len() >= k && self.text.ends_with(&s[..k]) {
                     safe = safe.min(self.text.len() - k);
                     break;
                 }
@@ -113,6 +118,19 @@ mod tests {
         assert!(c.stopped);
         assert_eq!(c.emit, "");
         assert_eq!(m.emitted_text(), "hello ");
+    }
+
+    #[test]
+    fn multibyte_stop_strings_do_not_panic() {
+        // Found by schemathesis: a 4-byte character in a stop string panicked the
+        // engine thread while checking for a partial match.
+        let stop = "\u{e09e3}\u{fb}".to_string();
+        let mut m = StopMatcher::new(std::slice::from_ref(&stop));
+        assert_eq!(m.push("ab").emit, "ab");
+        assert_eq!(m.push("\u{fb}\u{e09e3}").emit, "\u{fb}");
+        let c = m.push("\u{fb}!");
+        assert!(c.stopped);
+        assert_eq!(m.emitted_text(), "ab\u{fb}");
     }
 
     #[test]

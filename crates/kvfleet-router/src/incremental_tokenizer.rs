@@ -187,11 +187,19 @@ fn safe_split(tokenizer: &dyn Tokenizer, text: &str, at: usize) -> bool {
     if at == 0 || at == text.len() {
         return true;
     }
-    let tail = &text[at..];
+    let Some(tail) = text.get(at..) else {
+        return false;
+    };
     if !tail.starts_with('<') {
         return false;
     }
-    match tail[..tail.len().min(64)].find('>') {
+    // A special token is short; look at most 64 bytes ahead, cut on a char boundary
+    // (the text is user input and may hold multi-byte characters there).
+    let mut window = tail.len().min(64);
+    while !tail.is_char_boundary(window) {
+        window -= 1;
+    }
+    match tail[..window].find('>') {
         Some(end) => tokenizer.token_id(&tail[..=end]).is_some(),
         None => false,
     }
@@ -201,6 +209,14 @@ fn safe_split(tokenizer: &dyn Tokenizer, text: &str, at: usize) -> bool {
 mod tests {
     use super::*;
     use kvfleet_core::tokenizer::ByteTokenizer;
+
+    #[test]
+    fn split_check_survives_multibyte_text_after_a_tag() {
+        // 63 ASCII bytes then a two-byte character straddling the 64-byte window
+        // (found by schemathesis: it panicked the router).
+        let text = format!("x<{}þ>", "a".repeat(62));
+        assert!(!safe_split(&ByteTokenizer::new(), &text, 1));
+    }
 
     fn conversation(turns: usize) -> Vec<ChatMessage> {
         let mut m = vec![ChatMessage::system("You are a careful agent. ".repeat(50))];

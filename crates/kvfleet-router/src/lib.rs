@@ -29,9 +29,12 @@
 //!   usage records) joins the request path.
 //! - [`decision_log`]: the bounded log of recent decisions behind `/dashboard`.
 //! - [`dispatch`]: route a request, start it on a worker, retry while not started.
+//! - [`tenants`] and [`admission`]: API keys, tenants and their cache namespaces,
+//!   and the limits a request is admitted under.
 //! - [`openai`] and [`http_front`]: the OpenAI-compatible HTTP API.
 //! - [`fleet_metrics`]: the Prometheus metrics.
 
+pub mod admission;
 pub mod agent_status;
 pub mod control_hooks;
 pub mod decision_log;
@@ -51,6 +54,7 @@ pub mod prompt_model;
 pub mod registry;
 pub mod reservations;
 pub mod sessions;
+pub mod tenants;
 pub mod worker_conn;
 
 pub use events::{CacheDump, RouterKvEvent, RouterKvEventKind};

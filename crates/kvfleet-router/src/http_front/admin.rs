@@ -79,5 +79,6 @@ pub async fn not_found() -> ApiError {
         kind: "invalid_request_error",
         param: None,
         code: Some("not_found"),
+        retry_after: None,
     }
 }

@@ -27,6 +27,7 @@ use std::sync::Arc;
 pub async fn chat_completions(
     State(fleet): State<Arc<Fleet>>,
     headers: HeaderMap,
+    admitted: Option<axum::Extension<super::gate::Admitted>>,
     body: Bytes,
 ) -> Result<Response, ApiError> {
     let req: ChatCompletionRequest = parse_body(&body)?;
@@ -40,6 +41,7 @@ pub async fn chat_completions(
         "chat",
         &fleet,
         &headers,
+        super::admitted(admitted),
         &req.model,
         req.sampling.cache_salt.as_deref(),
     )?;

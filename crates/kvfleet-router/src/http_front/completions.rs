@@ -16,6 +16,7 @@ use std::sync::Arc;
 pub async fn completions(
     State(fleet): State<Arc<Fleet>>,
     headers: HeaderMap,
+    admitted: Option<axum::Extension<super::gate::Admitted>>,
     body: Bytes,
 ) -> Result<Response, ApiError> {
     let req: CompletionRequest = parse_body(&body)?;
@@ -26,6 +27,7 @@ pub async fn completions(
         "completions",
         &fleet,
         &headers,
+        super::admitted(admitted),
         &req.model,
         req.sampling.cache_salt.as_deref(),
     )?;

@@ -109,6 +109,7 @@ pub struct ForkResponseBody {
 pub async fn forks(
     State(fleet): State<Arc<Fleet>>,
     headers: HeaderMap,
+    admitted: Option<axum::Extension<super::gate::Admitted>>,
     body: Bytes,
 ) -> Result<Response, ApiError> {
     let req: ForkRequestBody = parse_body(&body)?;
@@ -134,6 +135,7 @@ pub async fn forks(
         "forks",
         &fleet,
         &headers,
+        super::admitted(admitted),
         &req.model,
         req.sampling.cache_salt.as_deref(),
     )?;
@@ -151,7 +153,15 @@ pub async fn forks(
     }
     let shared = shared_prefix_len(&children);
     let longest = children.iter().map(Vec::len).max().unwrap_or(0);
-    let sampling = sampling_params(&req.sampling, longest, meta.context)?;
+    let mut sampling = sampling_params(&req.sampling, longest, meta.context)?;
+    meta.admitted.cap_completion(&req.sampling, &mut sampling)?;
+    // The shared prefix is prefilled once; every child adds its tail and budget.
+    let cost = shared
+        + children
+            .iter()
+            .map(|c| c.len() - shared + sampling.max_tokens.max(0) as usize)
+            .sum::<usize>();
+    meta.admitted.charge(longest, cost)?;
     let seed = kvfleet_core::namespace_seed(&meta.model_id, &meta.cache_salt);
     let prefix = children[0][..shared].to_vec();
     let hashes = kvfleet_core::hash_blocks(seed, &prefix, fleet.config.router.block_size);
@@ -183,9 +193,10 @@ pub async fn forks(
         };
         let fleet = fleet.clone();
         let part = part.to_vec();
+        let usage_tenant = meta.usage_tenant.clone();
         async move {
             let block_size = fleet.config.router.block_size as u32;
-            let d = dispatch_with(&fleet, &spec, |conn| {
+            let mut d = dispatch_with(&fleet, &spec, |conn| {
                 let req = pb::ForkRequest {
                     request_id: spec.request_id.clone(),
                     model: String::new(),
@@ -205,6 +216,7 @@ pub async fn forks(
                 async move { conn.fork(req).await }
             })
             .await?;
+            d.facts.cache_salt = usage_tenant;
             let indices: Vec<usize> = part.iter().map(|(i, _)| *i).collect();
             collect_fork(&fleet, d, &indices, spec.token_ids.len()).await
         }

@@ -1,6 +1,8 @@
 //! The OpenAI-compatible HTTP front (axum): `/v1/chat/completions`, `/v1/completions`,
-//! `/v1/models`, plus `/health`, `/metrics` (Prometheus), `/fleet` (JSON state) and
-//! `/dashboard` (the live cache map, with its JSON at `/dashboard/state`).
+//! `/v1/models`, `/v1/forks`, plus `/health`, `/metrics` (Prometheus), `/fleet` (JSON
+//! state), `/dashboard` (the live cache map, with its JSON at `/dashboard/state`) and
+//! `/openapi.json` (the OpenAPI document of all of them). Every request passes
+//! [`gate::gate`] first: API key, body size, admission limits.
 //!
 //! Every handler ends in either a response or an [`ApiError`] with an OpenAI error
 //! body; nothing on a request path panics.
@@ -10,8 +12,11 @@ mod chat;
 mod completions;
 mod dashboard;
 mod forks;
+pub mod gate;
+pub mod openapi;
 mod relay;
 
+use crate::admission::{Admission, Limits};
 use crate::dispatch::{dispatch, Dispatched, GenerationSpec};
 use crate::fleet::Fleet;
 use crate::fleet_metrics as m;
@@ -26,6 +31,7 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
+use gate::Admitted;
 use kvfleet_core::chat::{ChatMessage, ToolDefinition};
 use std::convert::Infallible;
 use std::future::Future;
@@ -48,11 +54,31 @@ pub const PREFIX_BREAK_HEADER: &str = "x-kvfleet-prefix-break";
 /// Response header: this request's turn number in its session.
 pub const SESSION_TURN_HEADER: &str = "x-kvfleet-session-turn";
 
-/// Largest request body accepted (long agent prompts run to hundreds of KB).
+/// Largest request body accepted by default (long agent prompts run to hundreds of KB).
 pub const MAX_BODY_BYTES: usize = 32 << 20;
 
-/// The router's HTTP application.
+/// Every route the router serves, as (method, path): `/openapi.json` documents each.
+pub const ROUTES: &[(&str, &str)] = &[
+    ("post", "/v1/chat/completions"),
+    ("post", "/v1/completions"),
+    ("post", "/v1/forks"),
+    ("get", "/v1/models"),
+    ("get", "/health"),
+    ("get", "/metrics"),
+    ("get", "/fleet"),
+    ("get", "/dashboard"),
+    ("get", "/dashboard/state"),
+    ("get", "/openapi.json"),
+];
+
+/// The router's HTTP application, open (no API keys) with the default limits.
 pub fn app(fleet: Arc<Fleet>) -> Router {
+    app_with(fleet, Arc::new(Admission::new(Limits::default(), None)))
+}
+
+/// The router's HTTP application behind `admission` (keys and limits).
+pub fn app_with(fleet: Arc<Fleet>, admission: Arc<Admission>) -> Router {
+    let body_limit = admission.limits.max_body_bytes;
     Router::new()
         .route("/v1/chat/completions", post(chat::chat_completions))
         .route("/v1/completions", post(completions::completions))
@@ -63,8 +89,10 @@ pub fn app(fleet: Arc<Fleet>) -> Router {
         .route("/fleet", get(admin::fleet_state))
         .route("/dashboard", get(dashboard::page))
         .route("/dashboard/state", get(dashboard::state))
+        .route("/openapi.json", get(openapi::serve))
         .fallback(admin::not_found)
-        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(DefaultBodyLimit::max(body_limit))
+        .layer(axum::middleware::from_fn_with_state(admission, gate::gate))
         .with_state(fleet)
 }
 
@@ -74,6 +102,23 @@ pub fn metrics_app() -> Router {
     Router::new()
         .route("/metrics", get(admin::metrics))
         .route("/health", get(|| async { "ok" }))
+}
+
+/// The request's admission facts; a handler reached without the gate (not through
+/// [`app_with`]) runs as the open default tenant.
+fn admitted(ext: Option<axum::Extension<Admitted>>) -> Admitted {
+    match ext {
+        Some(axum::Extension(a)) => a,
+        None => {
+            static OPEN: std::sync::OnceLock<Arc<Admission>> = std::sync::OnceLock::new();
+            let adm = OPEN.get_or_init(|| Arc::new(Admission::new(Limits::default(), None)));
+            Admitted {
+                tenant: adm.default_tenant(),
+                max_prompt_tokens: None,
+                max_completion_tokens: None,
+            }
+        }
+    }
 }
 
 /// Parses a JSON body into `T`, as a 400 with serde's message on failure.
@@ -88,8 +133,12 @@ struct RequestMeta {
     context: usize,
     policy: PolicyKind,
     fork_group: Option<String>,
+    /// The tenant's cache salt: tenant namespace and the request's own salt.
     cache_salt: String,
     session: Option<String>,
+    admitted: Admitted,
+    /// The tenant name usage records carry.
+    usage_tenant: String,
 }
 
 impl RequestMeta {
@@ -97,6 +146,7 @@ impl RequestMeta {
         endpoint: &'static str,
         fleet: &Fleet,
         headers: &HeaderMap,
+        admitted: Admitted,
         model: &str,
         salt: Option<&str>,
     ) -> Result<Self, ApiError> {
@@ -124,8 +174,10 @@ impl RequestMeta {
             context,
             policy,
             fork_group,
-            cache_salt: salt.unwrap_or_default().to_string(),
+            cache_salt: admitted.cache_salt(salt),
             session: session_id(headers, None)?,
+            usage_tenant: admitted.usage_tenant(salt.unwrap_or_default()),
+            admitted,
         })
     }
 }
@@ -173,7 +225,10 @@ async fn prepare(
     cacheable_len: Option<usize>,
     sampling: &SamplingFields,
 ) -> Result<Prepared, ApiError> {
-    let params = sampling_params(sampling, ids.len(), meta.context)?;
+    let mut params = sampling_params(sampling, ids.len(), meta.context)?;
+    meta.admitted.cap_completion(sampling, &mut params)?;
+    meta.admitted
+        .charge(ids.len(), ids.len() + params.max_tokens.max(0) as usize)?;
     let t = Instant::now();
     let seed = kvfleet_core::namespace_seed(&meta.model_id, &meta.cache_salt);
     let cacheable = cacheable_len.unwrap_or(ids.len()).min(ids.len());
@@ -192,7 +247,10 @@ async fn prepare(
         endpoint: meta.endpoint,
     };
     let dispatched = match dispatch(fleet, &spec).await {
-        Ok(d) => d,
+        Ok(mut d) => {
+            d.facts.cache_salt = meta.usage_tenant.clone();
+            d
+        }
         Err(e) => {
             m::request_done(
                 meta.policy.as_str(),

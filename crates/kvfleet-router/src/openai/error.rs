@@ -19,6 +19,8 @@ pub struct ApiError {
     pub param: Option<String>,
     /// Machine-readable code, if any.
     pub code: Option<&'static str>,
+    /// Seconds the client should wait before retrying (`Retry-After`), for 429s.
+    pub retry_after: Option<u64>,
 }
 
 impl ApiError {
@@ -30,6 +32,7 @@ impl ApiError {
             kind: "invalid_request_error",
             param: None,
             code: None,
+            retry_after: None,
         }
     }
 
@@ -49,6 +52,7 @@ impl ApiError {
             kind: "invalid_request_error",
             param: Some("model".into()),
             code: Some("model_not_found"),
+            retry_after: None,
         }
     }
 
@@ -69,6 +73,7 @@ impl ApiError {
             kind: "server_error",
             param: None,
             code: Some("no_worker_available"),
+            retry_after: None,
         }
     }
 
@@ -80,6 +85,59 @@ impl ApiError {
             kind: "server_error",
             param: None,
             code: None,
+            retry_after: None,
+        }
+    }
+
+    /// 401: no API key, or one that is not configured.
+    pub fn unauthorized(message: impl Into<String>) -> Self {
+        ApiError {
+            status: StatusCode::UNAUTHORIZED,
+            message: message.into(),
+            kind: "invalid_request_error",
+            param: None,
+            code: Some("invalid_api_key"),
+            retry_after: None,
+        }
+    }
+
+    /// 403: a valid key that may not use this resource.
+    pub fn forbidden(message: impl Into<String>) -> Self {
+        ApiError {
+            status: StatusCode::FORBIDDEN,
+            message: message.into(),
+            kind: "permission_error",
+            param: None,
+            code: Some("insufficient_permissions"),
+            retry_after: None,
+        }
+    }
+
+    /// 413: the request body exceeds the router's limit.
+    pub fn too_large(limit: usize) -> Self {
+        ApiError {
+            status: StatusCode::PAYLOAD_TOO_LARGE,
+            message: format!("the request body exceeds the limit of {limit} bytes"),
+            kind: "invalid_request_error",
+            param: None,
+            code: Some("request_too_large"),
+            retry_after: None,
+        }
+    }
+
+    /// 429: a rate or concurrency limit; `kind` is OpenAI's `requests` or `tokens`.
+    pub fn rate_limited(
+        kind: &'static str,
+        message: impl Into<String>,
+        retry_after_s: u64,
+    ) -> Self {
+        ApiError {
+            status: StatusCode::TOO_MANY_REQUESTS,
+            message: message.into(),
+            kind,
+            param: None,
+            code: Some("rate_limit_exceeded"),
+            retry_after: Some(retry_after_s),
         }
     }
 
@@ -113,7 +171,12 @@ struct ErrorObject<'a> {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.status, Json(self.body())).into_response()
+        let mut r = (self.status, Json(self.body())).into_response();
+        if let Some(s) = self.retry_after {
+            r.headers_mut()
+                .insert(axum::http::header::RETRY_AFTER, s.into());
+        }
+        r
     }
 }
 
