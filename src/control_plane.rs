@@ -351,11 +351,13 @@ impl RouterControl {
             self.fleet.set_control_plane_up("etcd", false);
             loop {
                 tokio::time::sleep(ETCD_PROBE_INTERVAL).await;
-                let Ok(Ok(snap)) = tokio::time::timeout(ETCD_PROBE_TIMEOUT, membership.list()).await
+                let Ok(Ok(snap)) =
+                    tokio::time::timeout(ETCD_PROBE_TIMEOUT, membership.list()).await
                 else {
                     continue;
                 };
-                let w = tokio::time::timeout(ETCD_PROBE_TIMEOUT, membership.watch(snap.revision + 1));
+                let w =
+                    tokio::time::timeout(ETCD_PROBE_TIMEOUT, membership.watch(snap.revision + 1));
                 if let Ok(Ok(w)) = w.await {
                     initial = snap.workers;
                     watch = w;

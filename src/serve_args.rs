@@ -4,10 +4,10 @@ use clap::Args;
 use kvfleet_router::circuit_breaker::BreakerConfig;
 use kvfleet_router::worker_conn::ConnTimeouts;
 use kvfleet_router::{Fleet, FleetConfig, PolicyKind, RouterConfig};
+use kvfleet_worker::{WorkerConfig, WorkerModel};
 use std::future::IntoFuture;
 use std::sync::Arc;
 use std::time::Duration;
-use kvfleet_worker::{WorkerConfig, WorkerModel};
 
 /// Engine sizing of a worker.
 #[derive(Args, Clone, Debug)]
@@ -135,7 +135,10 @@ pub async fn serve_http_with_drain(
     let shutdown = async move {
         shutdown_signal().await;
         fleet.start_draining();
-        tracing::info!(?drain_timeout, "draining: no new connections, streams in flight finish");
+        tracing::info!(
+            ?drain_timeout,
+            "draining: no new connections, streams in flight finish"
+        );
         let _ = signalled_tx.send(());
     };
     let serve = axum::serve(listener, app).with_graceful_shutdown(shutdown);

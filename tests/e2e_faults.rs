@@ -2,9 +2,17 @@
 //! worker SIGKILLed mid-stream, a worker that hangs (SIGSTOP), and a rolling restart
 //! (SIGTERM a worker, restart it, then SIGTERM the router) while clients stream.
 //!
+//! Also here, to share one test binary: etcd unreachable (`faults/etcd_outage.rs`) and
+//! a gap in a worker's event sequence (`faults/event_gap.rs`).
+//!
 //! Each test prints its figures (`FIGURE …` lines) for docs/reliability.md.
 
 mod support;
+
+#[path = "faults/etcd_outage.rs"]
+mod etcd_outage;
+#[path = "faults/event_gap.rs"]
+mod event_gap;
 
 use serde_json::json;
 use std::io::{BufRead, BufReader};
@@ -31,7 +39,15 @@ const FAST_DEADLINES: &[&str] = &[
 
 fn worker(id: &str, grpc: &str) -> Proc {
     start(
-        &["worker", "--grpc", grpc, "--worker-id", id, "--drain-timeout", "20"],
+        &[
+            "worker",
+            "--grpc",
+            grpc,
+            "--worker-id",
+            id,
+            "--drain-timeout",
+            "20",
+        ],
         "grpc://",
     )
 }
@@ -96,6 +112,9 @@ fn metric(text: &str, series: &str) -> Option<f64> {
     text.lines()
         .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
 }
+
+/// One request's outcome: when it ended, its status, the worker that served it.
+type Outcome = (Instant, u16, Option<String>);
 
 /// How a streamed response ended.
 #[derive(Debug, PartialEq)]
@@ -211,7 +230,7 @@ fn a_hung_worker_trips_its_breaker_and_traffic_moves_away_then_returns() {
 
     // Traffic runs in the background; every outcome is kept.
     let stop = Arc::new(AtomicBool::new(false));
-    let log: Arc<Mutex<Vec<(Instant, u16, Option<String>)>>> = Arc::default();
+    let log: Arc<Mutex<Vec<Outcome>>> = Arc::default();
     let traffic = {
         let (stop, log, url) = (stop.clone(), log.clone(), url.clone());
         std::thread::spawn(move || {
@@ -266,7 +285,10 @@ fn a_hung_worker_trips_its_breaker_and_traffic_moves_away_then_returns() {
         .filter(|(t, ..)| *t > opened_at + Duration::from_millis(1600) && *t < open_until)
         .filter(|(.., w)| w.as_deref() == Some("w0"))
         .count();
-    assert_eq!(on_w0_while_open, 0, "traffic moved away from the open worker");
+    assert_eq!(
+        on_w0_while_open, 0,
+        "traffic moved away from the open worker"
+    );
     let served_while_open = log
         .iter()
         .filter(|(t, ..)| *t > opened_at && *t < open_until)
@@ -380,7 +402,10 @@ fn a_rolling_restart_loses_no_request() {
     let mut r = r;
     let status = r.child.wait().expect("router exits");
     let router_drain = t.elapsed();
-    assert!(status.success(), "the router exits 0 after draining: {status}");
+    assert!(
+        status.success(),
+        "the router exits 0 after draining: {status}"
+    );
     for c in clients {
         c.join().expect("client thread");
     }

@@ -15,9 +15,12 @@ use kvfleet_router::{PrefixIndex, WorkerIdx};
 use prost::Message;
 use std::sync::{Mutex, OnceLock};
 
+/// A fuzz target's body.
+pub type Target = fn(&[u8]);
+
 /// The fuzz targets, by name (the names of `fuzz/fuzz_targets/*.rs` and of the corpus
 /// directories).
-pub const TARGETS: &[(&str, fn(&[u8]))] = &[
+pub const TARGETS: &[(&str, Target)] = &[
     ("chat_request", chat_request),
     ("trace_line", trace_line),
     ("proto_decode", proto_decode),
@@ -68,7 +71,10 @@ pub fn trace_line(data: &[u8]) {
     let mut out = Vec::new();
     if trace.write(&mut out).is_ok() {
         let again = kvfleet_bench::trace::Trace::read(out.as_slice());
-        assert!(again.is_ok(), "a written trace does not read back: {again:?}");
+        assert!(
+            again.is_ok(),
+            "a written trace does not read back: {again:?}"
+        );
     }
 }
 
@@ -78,7 +84,11 @@ pub fn proto_decode(data: &[u8]) {
     fn round_trip<M: Message + Default + PartialEq + std::fmt::Debug>(data: &[u8]) {
         if let Ok(m) = M::decode(data) {
             let again = M::decode(m.encode_to_vec().as_slice());
-            assert_eq!(again.as_ref().ok(), Some(&m), "re-encoding changed the message");
+            assert_eq!(
+                again.as_ref().ok(),
+                Some(&m),
+                "re-encoding changed the message"
+            );
         }
     }
     round_trip::<pb::KvEventBatch>(data);
@@ -108,7 +118,11 @@ pub fn event_apply(data: &[u8]) {
             Ok(()) => assert!(index.last_seq(worker) >= before_seq),
             Err(_) => {
                 assert_eq!(index.last_seq(worker), before_seq, "a gap moved the seq");
-                assert_eq!(index.worker_block_count(worker), before, "a gap changed blocks");
+                assert_eq!(
+                    index.worker_block_count(worker),
+                    before,
+                    "a gap changed blocks"
+                );
             }
         }
         let blocks = index.worker_blocks(worker);
@@ -121,7 +135,11 @@ pub fn event_apply(data: &[u8]) {
     let seq = index.last_seq(worker);
     let count = index.worker_block_count(worker);
     index.rebuild_worker(worker, &dump, seq);
-    assert_eq!(index.worker_block_count(worker), count, "rebuild from own dump");
+    assert_eq!(
+        index.worker_block_count(worker),
+        count,
+        "rebuild from own dump"
+    );
     let chain: Vec<BlockHash> = dump.iter().map(|(h, _)| *h).collect();
     let m = index.find_matches(&chain);
     assert!(m.deepest() <= chain.len());

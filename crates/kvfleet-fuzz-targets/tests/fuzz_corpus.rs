@@ -16,7 +16,11 @@ fn every_corpus_input_runs_through_its_target_without_panicking() {
             target(&data);
             n += 1;
         }
-        assert!(n >= 3, "target {name} has only {n} seeds in {}", dir.display());
+        assert!(
+            n >= 3,
+            "target {name} has only {n} seeds in {}",
+            dir.display()
+        );
         eprintln!("{name}: {n} inputs replayed");
     }
 }

@@ -210,7 +210,10 @@ mod tests {
         );
         assert!(b.routable(t5));
         b.request_started(t5);
-        assert!(!b.routable(t5 + Duration::from_secs(1)), "one probe at a time");
+        assert!(
+            !b.routable(t5 + Duration::from_secs(1)),
+            "one probe at a time"
+        );
         assert!(
             b.routable(t5 + Duration::from_secs(5)),
             "an unanswered probe is replaced after a cool-down"

@@ -256,7 +256,10 @@ impl Fleet {
             if up {
                 tracing::info!(component, "control plane reachable");
             } else {
-                tracing::warn!(component, "control plane unreachable: serving on what is known");
+                tracing::warn!(
+                    component,
+                    "control plane unreachable: serving on what is known"
+                );
             }
         }
         m::control_plane_up(component, up);
@@ -333,7 +336,12 @@ impl Fleet {
     }
 
     fn breaker_transition(&self, id: &str, (from, to): (CircuitState, CircuitState)) {
-        tracing::warn!(worker = id, from = from.as_str(), to = to.as_str(), "circuit breaker");
+        tracing::warn!(
+            worker = id,
+            from = from.as_str(),
+            to = to.as_str(),
+            "circuit breaker"
+        );
         m::circuit(id, from, to);
     }
 
@@ -664,7 +672,7 @@ impl Fleet {
                 tokio::select! {
                     batch = stream.next() => match batch {
                         Some(Ok(batch)) => {
-                            if !self.kv().worker_index(&id).is_some() {
+                            if self.kv().worker_index(&id).is_none() {
                                 // Dropped from routing after a failed request: reconnect
                                 // and re-register rather than resync forever.
                                 return "dropped from routing".to_string();

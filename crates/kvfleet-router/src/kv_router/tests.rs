@@ -533,16 +533,28 @@ fn fenced_workers_are_skipped_even_when_pinned_or_holding_the_prefix() {
     for policy in [PolicyKind::CacheAware, PolicyKind::RoundRobin] {
         for i in 0..4 {
             let d = r.route(&h, t.len(), policy, 1 + i).unwrap();
-            assert_ne!(&*d.worker, holder.as_str(), "{policy:?} routed to a fenced worker");
+            assert_ne!(
+                &*d.worker,
+                holder.as_str(),
+                "{policy:?} routed to a fenced worker"
+            );
         }
     }
     let pinned = r
         .route_pinned(&h, t.len(), Some(&holder), PolicyKind::CacheAware, 10)
         .unwrap();
-    assert_ne!(&*pinned.worker, holder.as_str(), "a pin on a fenced worker is dropped");
+    assert_ne!(
+        &*pinned.worker,
+        holder.as_str(),
+        "a pin on a fenced worker is dropped"
+    );
     r.set_fenced(&holder, false);
     let back = r.route(&h, t.len(), PolicyKind::CacheAware, 20).unwrap();
-    assert_eq!(&*back.worker, holder.as_str(), "unfenced, the prefix holder wins again");
+    assert_eq!(
+        &*back.worker,
+        holder.as_str(),
+        "unfenced, the prefix holder wins again"
+    );
 }
 
 #[test]
@@ -550,5 +562,7 @@ fn all_workers_fenced_is_no_workers() {
     let mut r = router(1);
     r.set_fenced("w0", true);
     let t = tokens(8, 32);
-    assert!(r.route(&hashes(&t), t.len(), PolicyKind::RoundRobin, 0).is_err());
+    assert!(r
+        .route(&hashes(&t), t.len(), PolicyKind::RoundRobin, 0)
+        .is_err());
 }

@@ -73,7 +73,9 @@ async fn an_event_gap_resyncs_the_workers_index_from_its_dump() {
     let conn = WorkerConn::connect(&addr).await.expect("connect");
 
     // Real cached blocks: one generation of a 4-block prompt.
-    let tokens: Vec<u32> = (0..(4 * DEFAULT_BLOCK_SIZE as u32)).map(|i| 97 + i % 26).collect();
+    let tokens: Vec<u32> = (0..(4 * DEFAULT_BLOCK_SIZE as u32))
+        .map(|i| 97 + i % 26)
+        .collect();
     let hashes = hash_blocks(namespace_seed("tiny", ""), &tokens, DEFAULT_BLOCK_SIZE);
     let mut stream = conn
         .generate(pb::GenerateRequest {
