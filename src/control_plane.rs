@@ -313,15 +313,19 @@ impl RouterControl {
             }
         }
         tasks.push(tokio::spawn(me.clone().follow_placements(rev + 1)));
-        let membership = KvMembership::new(kv);
+        let membership = Arc::new(KvMembership::new(kv));
         let snapshot = membership.list().await.context("listing workers")?;
         let watch = membership
             .watch(snapshot.revision + 1)
             .await
             .context("watching workers")?;
-        tasks.push(tokio::spawn(
-            me.clone().follow_members(snapshot.workers, watch),
-        ));
+        fleet.set_control_plane_up("etcd", true);
+        tasks.push(tokio::spawn(me.clone().follow_members_forever(
+            membership.clone(),
+            snapshot.workers,
+            watch,
+        )));
+        tasks.push(tokio::spawn(probe_etcd(fleet.clone(), membership)));
         *lock(&me.tasks) = tasks;
         fleet.set_control_hooks(me.clone());
         Ok(me)
@@ -331,6 +335,37 @@ impl RouterControl {
     pub fn shutdown(&self) {
         for t in lock(&self.tasks).drain(..) {
             t.abort();
+        }
+    }
+
+    /// Follows membership; when the watch fails (etcd unreachable) keeps serving on
+    /// the workers it knows and lists + watches again once etcd answers.
+    async fn follow_members_forever(
+        self: Arc<Self>,
+        membership: Arc<KvMembership<EtcdKv>>,
+        mut initial: Vec<WorkerRecord>,
+        mut watch: kvfleet_control::WatchStream<MemberEvent>,
+    ) {
+        loop {
+            self.clone().follow_members(initial, watch).await;
+            self.fleet.set_control_plane_up("etcd", false);
+            loop {
+                tokio::time::sleep(ETCD_PROBE_INTERVAL).await;
+                let Ok(Ok(snap)) =
+                    tokio::time::timeout(ETCD_PROBE_TIMEOUT, membership.list()).await
+                else {
+                    continue;
+                };
+                let w =
+                    tokio::time::timeout(ETCD_PROBE_TIMEOUT, membership.watch(snap.revision + 1));
+                if let Ok(Ok(w)) = w.await {
+                    initial = snap.workers;
+                    watch = w;
+                    break;
+                }
+            }
+            tracing::info!("membership watch resumed");
+            self.fleet.set_control_plane_up("etcd", true);
         }
     }
 
@@ -440,11 +475,15 @@ impl RouterControl {
         loop {
             match sub.next(Duration::from_millis(500)).await {
                 Ok(Some(rec)) => {
+                    self.fleet.set_control_plane_up("kafka", true);
                     self.apply_record(&rec).await;
                     pending = Some(rec);
                 }
-                Ok(None) => {}
+                Ok(None) => self.fleet.set_control_plane_up("kafka", true),
                 Err(e) => {
+                    // Unreachable: routing goes on from the router's own reservations
+                    // and load polls; the stream resumes from the committed offset.
+                    self.fleet.set_control_plane_up("kafka", false);
                     tracing::warn!("KV event stream: {e}");
                     tokio::time::sleep(Duration::from_millis(500)).await;
                 }
@@ -549,5 +588,23 @@ impl ControlHooks for RouterControl {
         if tx.try_send(rec).is_err() {
             tracing::warn!("usage record dropped: the publisher is behind");
         }
+    }
+}
+
+/// How often etcd's reachability is checked.
+const ETCD_PROBE_INTERVAL: Duration = Duration::from_secs(1);
+/// Deadline of one etcd probe (a membership list).
+const ETCD_PROBE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Lists membership every [`ETCD_PROBE_INTERVAL`]: a cut connection may leave a watch
+/// silent rather than failed, so reachability is probed, not inferred from the watch.
+async fn probe_etcd(fleet: Arc<Fleet>, membership: Arc<KvMembership<EtcdKv>>) {
+    loop {
+        tokio::time::sleep(ETCD_PROBE_INTERVAL).await;
+        let up = matches!(
+            tokio::time::timeout(ETCD_PROBE_TIMEOUT, membership.list()).await,
+            Ok(Ok(_))
+        );
+        fleet.set_control_plane_up("etcd", up);
     }
 }

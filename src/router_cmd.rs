@@ -1,7 +1,7 @@
 //! `kvfleet router`: one router process in front of worker processes.
 
 use crate::control_plane::{ControlArgs, RouterControl, RouterControlConfig};
-use crate::serve_args::{init_logging, shutdown_signal, RoutingArgs};
+use crate::serve_args::{init_logging, serve_http_with_drain, RoutingArgs};
 use anyhow::{Context, Result};
 use clap::Args;
 use kvfleet_router::{fleet_metrics, http_front, Fleet};
@@ -86,8 +86,8 @@ pub fn run(args: RouterArgs) -> Result<()> {
             }
         );
         std::io::stdout().flush()?;
-        axum::serve(listener, http_front::app_with(fleet, admission))
-            .with_graceful_shutdown(shutdown_signal())
+        let drain = std::time::Duration::from_secs(args.routing.drain_timeout);
+        serve_http_with_drain(listener, http_front::app_with(fleet.clone(), admission), fleet, drain)
             .await
             .context("serving HTTP")?;
         if let Some(c) = control {

@@ -1,8 +1,13 @@
 //! Arguments shared by the serving commands (`up`, `worker`, `router`).
 
 use clap::Args;
-use kvfleet_router::{FleetConfig, PolicyKind, RouterConfig};
+use kvfleet_router::circuit_breaker::BreakerConfig;
+use kvfleet_router::worker_conn::ConnTimeouts;
+use kvfleet_router::{Fleet, FleetConfig, PolicyKind, RouterConfig};
 use kvfleet_worker::{WorkerConfig, WorkerModel};
+use std::future::IntoFuture;
+use std::sync::Arc;
+use std::time::Duration;
 
 /// Engine sizing of a worker.
 #[derive(Args, Clone, Debug)]
@@ -44,6 +49,30 @@ pub struct RoutingArgs {
     /// or random (a request may pick another with header `x-kvfleet-policy`).
     #[arg(long, default_value = "cache-aware")]
     pub policy: PolicyKind,
+    /// First-token deadline (ms): a worker that sends nothing for a request this long
+    /// counts a failure on its breaker and the request is retried elsewhere.
+    #[arg(long, default_value_t = 120_000)]
+    pub first_token_timeout_ms: u64,
+    /// Stall deadline (ms): the longest gap between two messages of a started stream;
+    /// past it the client gets an error event and the worker a breaker failure.
+    #[arg(long, default_value_t = 60_000)]
+    pub stall_timeout_ms: u64,
+    /// Connect deadline (ms) of router→worker connections.
+    #[arg(long, default_value_t = 2_000)]
+    pub connect_timeout_ms: u64,
+    /// Deadline (ms) of unary worker calls: Info, Load, CacheDump, Abort.
+    #[arg(long, default_value_t = 10_000)]
+    pub rpc_timeout_ms: u64,
+    /// Consecutive failures (errors, missed deadlines) that open a worker's circuit
+    /// breaker, taking it out of routing.
+    #[arg(long, default_value_t = 3)]
+    pub breaker_failures: u32,
+    /// How long (ms) an open breaker keeps its worker out before one probe request.
+    #[arg(long, default_value_t = 5_000)]
+    pub breaker_cooldown_ms: u64,
+    /// On SIGTERM, how long (s) streams in flight may take to finish before exit.
+    #[arg(long, default_value_t = 30)]
+    pub drain_timeout: u64,
 }
 
 impl RoutingArgs {
@@ -56,6 +85,16 @@ impl RoutingArgs {
                 ..RouterConfig::default()
             },
             default_policy: self.policy,
+            first_message_timeout: Duration::from_millis(self.first_token_timeout_ms.max(1)),
+            stall_timeout: Duration::from_millis(self.stall_timeout_ms.max(1)),
+            conn_timeouts: ConnTimeouts {
+                connect: Duration::from_millis(self.connect_timeout_ms.max(1)),
+                unary: Duration::from_millis(self.rpc_timeout_ms.max(1)),
+            },
+            breaker: BreakerConfig {
+                failure_threshold: self.breaker_failures.max(1),
+                cooldown: Duration::from_millis(self.breaker_cooldown_ms),
+            },
             ..FleetConfig::default()
         }
     }
@@ -81,6 +120,44 @@ pub async fn shutdown_signal() {
         _ = ctrl_c => {},
         _ = term => {},
     }
+}
+
+/// Serves `app` on `listener` until Ctrl-C / SIGTERM, then drains: `/health` turns
+/// 503 `draining`, the listener stops accepting, and streams in flight get up to
+/// `drain_timeout` to finish. Returns once they have (or the time is up).
+pub async fn serve_http_with_drain(
+    listener: tokio::net::TcpListener,
+    app: axum::Router,
+    fleet: Arc<Fleet>,
+    drain_timeout: Duration,
+) -> anyhow::Result<()> {
+    let (signalled_tx, signalled_rx) = tokio::sync::oneshot::channel::<()>();
+    let shutdown = async move {
+        shutdown_signal().await;
+        fleet.start_draining();
+        tracing::info!(
+            ?drain_timeout,
+            "draining: no new connections, streams in flight finish"
+        );
+        let _ = signalled_tx.send(());
+    };
+    let serve = axum::serve(listener, app).with_graceful_shutdown(shutdown);
+    let started = std::time::Instant::now();
+    let deadline = async move {
+        if signalled_rx.await.is_ok() {
+            tokio::time::sleep(drain_timeout).await;
+        } else {
+            std::future::pending::<()>().await;
+        }
+    };
+    tokio::select! {
+        r = serve.into_future() => {
+            r?;
+            tracing::info!(secs = started.elapsed().as_secs_f64(), "drained");
+        }
+        _ = deadline => tracing::warn!("drain timeout: exiting with streams still open"),
+    }
+    Ok(())
 }
 
 /// Logs to stderr, filtered by `RUST_LOG` (default `info`).

@@ -1,7 +1,7 @@
 //! `kvfleet up`: the embedded cluster — one router and N workers in one process, each
 //! worker with its own engine and block pool, talking real gRPC over loopback.
 
-use crate::serve_args::{init_logging, shutdown_signal, EngineArgs, RoutingArgs};
+use crate::serve_args::{init_logging, serve_http_with_drain, EngineArgs, RoutingArgs};
 use anyhow::{Context, Result};
 use clap::Args;
 use kvfleet_engine::load_model;
@@ -74,8 +74,8 @@ async fn serve(args: UpArgs) -> Result<()> {
         args.routing.policy.as_str()
     );
     std::io::stdout().flush()?;
-    axum::serve(listener, http_front::app_with(fleet, admission))
-        .with_graceful_shutdown(shutdown_signal())
+    let drain = std::time::Duration::from_secs(args.routing.drain_timeout);
+    serve_http_with_drain(listener, http_front::app_with(fleet.clone(), admission), fleet, drain)
         .await
         .context("serving HTTP")?;
     for w in workers {

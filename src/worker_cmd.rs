@@ -34,6 +34,9 @@ pub struct WorkerArgs {
     /// `/health` (200 once the engine is up); off unless given.
     #[arg(long)]
     metrics: Option<String>,
+    /// On SIGTERM, how long (s) running sequences may take to finish before exit.
+    #[arg(long, default_value_t = 30)]
+    drain_timeout: u64,
 }
 
 /// Serves until Ctrl-C / SIGTERM.
@@ -91,12 +94,32 @@ pub fn run(args: WorkerArgs) -> Result<()> {
             None => println!("kvfleet worker {id}: grpc://{addr} (model {})", args.model),
         }
         std::io::stdout().flush()?;
-        let served = serve_service(service, listener, shutdown_signal())
-            .await
-            .context("serving gRPC");
-        if let Some(c) = control {
-            c.shutdown().await;
-        }
+        // SIGTERM: leave membership first (routers stop sending), then stop accepting;
+        // new Generate calls get UNAVAILABLE (the router retries elsewhere) while the
+        // running ones finish, within --drain-timeout.
+        let (signalled_tx, signalled_rx) = tokio::sync::oneshot::channel::<()>();
+        let shutdown = async move {
+            shutdown_signal().await;
+            let _ = signalled_tx.send(());
+            if let Some(c) = control {
+                c.shutdown().await;
+            }
+        };
+        let drain = std::time::Duration::from_secs(args.drain_timeout);
+        let deadline = async move {
+            if signalled_rx.await.is_ok() {
+                tokio::time::sleep(drain).await;
+            } else {
+                std::future::pending::<()>().await;
+            }
+        };
+        let served = tokio::select! {
+            r = serve_service(service, listener, shutdown) => r.context("serving gRPC"),
+            _ = deadline => {
+                tracing::warn!("drain timeout: exiting with sequences still running");
+                Ok(())
+            }
+        };
         if let Some((_, task)) = metrics {
             task.abort();
         }

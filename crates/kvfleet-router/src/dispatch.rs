@@ -132,20 +132,24 @@ where
         _ => None,
     };
     let mut claim_pending = placement.is_some() && pin.is_none();
-    let route = |pin: Option<&str>| {
-        fleet.kv().route_pinned(
+    // Workers this request already failed on: a retry goes elsewhere.
+    let mut tried: Vec<String> = Vec::new();
+    let route = |pin: Option<&str>, tried: &[String]| {
+        fleet.kv().route_excluding(
             &spec.hashes,
             spec.token_ids.len(),
             pin,
             spec.policy,
             fleet.now_ms(),
+            tried,
         )
     };
     for attempt in 0..fleet.config.max_attempts.max(1) {
         if attempt > 0 {
             m::retry();
         }
-        let mut decision = match route(pin.as_deref()) {
+        fleet.refresh_breakers();
+        let mut decision = match route(pin.as_deref(), &tried) {
             Ok(d) => d,
             Err(e) => {
                 last_error = e.to_string();
@@ -167,7 +171,7 @@ where
                         let _ = kv.request_finished(&chosen, decision.prefill_tokens);
                     }
                     pin = Some(owner);
-                    decision = match route(pin.as_deref()) {
+                    decision = match route(pin.as_deref(), &tried) {
                         Ok(d) => d,
                         Err(e) => {
                             last_error = e.to_string();
@@ -183,6 +187,7 @@ where
             decision.timings.scoring_ns + decision.timings.reserve_ns,
         );
         let worker = decision.worker.to_string();
+        tried.push(worker.clone());
         let mut guard = InflightGuard {
             fleet: fleet.clone(),
             worker: worker.clone(),
@@ -197,11 +202,14 @@ where
                 fleet.kv().cancel_reservation(r);
             }
         };
+        // The connection failed: out of the index until its supervisor reconnects.
         let give_up_on_worker = |why: String| {
             cancel_reservation();
             fleet.worker_failed(&worker);
+            fleet.breaker_failure(&worker);
             why
         };
+        fleet.breaker_request_started(&worker);
         let Some(conn) = fleet.conn(&worker) else {
             last_error = give_up_on_worker(format!("worker {worker} is not connected"));
             continue;
@@ -213,6 +221,7 @@ where
         };
         match tokio::time::timeout(fleet.config.first_message_timeout, call).await {
             Ok(Ok((stream, Some(first)))) => {
+                fleet.breaker_success(&worker);
                 m::routed(&worker, decision.policy);
                 guard.decision_seq = fleet.record_decision(
                     NewDecision {
@@ -257,6 +266,7 @@ where
             }
             Ok(Ok((_, None))) => {
                 cancel_reservation();
+                fleet.breaker_failure(&worker);
                 last_error = format!("worker {worker} closed the stream before answering");
             }
             Ok(Err(status)) => match status.code() {
@@ -265,7 +275,8 @@ where
                     return Err(ApiError::invalid(status.message().to_string()));
                 }
                 Code::ResourceExhausted => {
-                    // Busy, not broken: try another worker without dropping this one.
+                    // Busy, not broken: try another worker without dropping this one
+                    // (and without counting against its breaker).
                     cancel_reservation();
                     last_error = format!("worker {worker} is overloaded: {}", status.message());
                 }
@@ -275,11 +286,20 @@ where
                 }
             },
             Err(_) => {
-                let _ = conn.abort(&spec.request_id).await;
-                last_error = give_up_on_worker(format!(
+                // A hung worker would hold the abort for a whole unary deadline: send
+                // it in the background.
+                let id = spec.request_id.clone();
+                tokio::spawn(async move {
+                    let _ = conn.abort(&id).await;
+                });
+                m::deadline_exceeded(&worker, "first_token");
+                // Missed the deadline: the breaker decides when it is out, not one miss.
+                cancel_reservation();
+                fleet.breaker_failure(&worker);
+                last_error = format!(
                     "worker {worker} did not answer within {:?}",
                     fleet.config.first_message_timeout
-                ));
+                );
             }
         }
     }

@@ -7,6 +7,7 @@
 //! event sequence numbers triggers another dump; a lost worker is dropped from the
 //! index (so nothing is routed to it) until it answers again.
 
+use crate::circuit_breaker::{BreakerConfig, CircuitBreaker, CircuitState};
 use crate::control_hooks::ControlHooks;
 use crate::decision_log::{DecisionLog, NewDecision};
 use crate::events::{RouterKvEvent, RouterKvEventKind};
@@ -18,11 +19,12 @@ use crate::policy::PolicyKind;
 use crate::prefix_index::IndexError;
 use crate::prompt_model::PromptModel;
 use crate::sessions::SessionStore;
-use crate::worker_conn::{ConnError, WorkerConn};
+use crate::worker_conn::{ConnError, ConnTimeouts, WorkerConn};
 use futures::StreamExt;
 use kvfleet_core::BlockHash;
 use kvfleet_proto::v1 as pb;
 use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
 use tokio::task::JoinHandle;
@@ -39,9 +41,17 @@ pub struct FleetConfig {
     pub default_policy: PolicyKind,
     /// How often each worker's load is polled.
     pub load_poll_interval: Duration,
-    /// How long to wait for a request's first message from a worker before trying
-    /// another one (the request has not started there, or is stuck).
+    /// First-token deadline: how long to wait for a request's first message from a
+    /// worker before trying another one (the request has not started there, or the
+    /// worker hangs).
     pub first_message_timeout: Duration,
+    /// Stall deadline: the longest gap between two messages of a started stream; past
+    /// it the client gets an error and the worker a failure on its breaker.
+    pub stall_timeout: Duration,
+    /// Connect and unary-call (Info, Load, CacheDump, Abort) deadlines.
+    pub conn_timeouts: ConnTimeouts,
+    /// Per-worker circuit breaker settings.
+    pub breaker: BreakerConfig,
     /// Most workers tried for one request.
     pub max_attempts: usize,
     /// Conversations remembered for incremental tokenization.
@@ -67,6 +77,9 @@ impl Default for FleetConfig {
             default_policy: PolicyKind::CacheAware,
             load_poll_interval: Duration::from_millis(100),
             first_message_timeout: Duration::from_secs(120),
+            stall_timeout: Duration::from_secs(60),
+            conn_timeouts: ConnTimeouts::default(),
+            breaker: BreakerConfig::default(),
             max_attempts: 3,
             tokenizer_cache_entries: 4096,
             session_capacity: 4096,
@@ -88,6 +101,8 @@ pub struct WorkerStatus {
     pub healthy: bool,
     /// Last load report.
     pub load: Option<LoadReport>,
+    /// Its circuit breaker's state.
+    pub circuit: CircuitState,
 }
 
 /// A worker's last `Load` answer.
@@ -142,6 +157,18 @@ pub struct Fleet {
     decisions: Mutex<DecisionLog>,
     started: Instant,
     hooks: RwLock<Option<Arc<dyn ControlHooks>>>,
+    breakers: Mutex<HashMap<String, CircuitBreaker>>,
+    draining: AtomicBool,
+    control_plane: Mutex<BTreeMap<&'static str, ComponentStatus>>,
+}
+
+/// Whether a control-plane component (etcd, Kafka) is reachable, and since when.
+#[derive(Clone, Copy, Debug)]
+pub struct ComponentStatus {
+    /// Reachable at the last attempt.
+    pub up: bool,
+    /// When it last changed.
+    pub since: Instant,
 }
 
 #[derive(Default)]
@@ -178,7 +205,125 @@ impl Fleet {
             decisions: Mutex::new(DecisionLog::new()),
             started: Instant::now(),
             hooks: RwLock::new(None),
+            breakers: Mutex::new(HashMap::new()),
+            draining: AtomicBool::new(false),
+            control_plane: Mutex::new(BTreeMap::new()),
         }))
+    }
+
+    /// Starts a graceful shutdown: `/health` answers 503 `draining` from now on.
+    pub fn start_draining(&self) {
+        self.draining.store(true, Ordering::SeqCst);
+    }
+
+    /// Whether a graceful shutdown has started.
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::SeqCst)
+    }
+
+    /// Records whether control-plane `component` (`etcd`, `kafka`) is reachable; sets
+    /// `kvfleet_control_plane_up{component}`.
+    pub fn set_control_plane_up(&self, component: &'static str, up: bool) {
+        let mut cp = lock(&self.control_plane);
+        let changed = cp.get(component).is_none_or(|s| s.up != up);
+        if changed {
+            cp.insert(
+                component,
+                ComponentStatus {
+                    up,
+                    since: Instant::now(),
+                },
+            );
+            if up {
+                tracing::info!(component, "control plane reachable");
+            } else {
+                tracing::warn!(
+                    component,
+                    "control plane unreachable: serving on what is known"
+                );
+            }
+        }
+        m::control_plane_up(component, up);
+    }
+
+    /// Every control-plane component reported so far.
+    pub fn control_plane_status(&self) -> BTreeMap<&'static str, ComponentStatus> {
+        lock(&self.control_plane).clone()
+    }
+
+    /// Whether worker `id` may be routed to now by its breaker (moving an open
+    /// breaker whose cool-down passed to half-open).
+    fn refresh_breaker(&self, id: &str, b: &mut CircuitBreaker, now: Instant) {
+        if let Some(t) = b.poll(now) {
+            self.breaker_transition(id, t);
+        }
+        self.kv().set_fenced(id, !b.routable(now));
+    }
+
+    /// Moves every open breaker whose cool-down has passed to half-open (and lets
+    /// its worker back into routing for one probe). Called before each routing.
+    pub fn refresh_breakers(&self) {
+        let now = Instant::now();
+        let mut br = lock(&self.breakers);
+        for (id, b) in br.iter_mut() {
+            if b.state() != CircuitState::Closed {
+                self.refresh_breaker(id, b, now);
+            }
+        }
+    }
+
+    /// A request was sent to worker `id` (in half-open: the probe; no other request
+    /// goes there until it is answered).
+    pub fn breaker_request_started(&self, id: &str) {
+        let now = Instant::now();
+        let mut br = lock(&self.breakers);
+        if let Some(b) = br.get_mut(id) {
+            if b.state() == CircuitState::HalfOpen {
+                b.request_started(now);
+                self.refresh_breaker(id, b, now);
+            }
+        }
+    }
+
+    /// Worker `id` answered a request.
+    pub fn breaker_success(&self, id: &str) {
+        let mut br = lock(&self.breakers);
+        if let Some(b) = br.get_mut(id) {
+            if let Some(t) = b.on_success() {
+                self.breaker_transition(id, t);
+            }
+            self.kv().set_fenced(id, false);
+        }
+    }
+
+    /// Worker `id` failed a request or missed a deadline.
+    pub fn breaker_failure(&self, id: &str) {
+        let now = Instant::now();
+        let mut br = lock(&self.breakers);
+        let b = br
+            .entry(id.to_string())
+            .or_insert_with(|| CircuitBreaker::new(self.config.breaker));
+        if let Some(t) = b.on_failure(now) {
+            self.breaker_transition(id, t);
+        }
+        self.kv().set_fenced(id, !b.routable(now));
+    }
+
+    /// Worker `id`'s breaker state.
+    pub fn circuit_state(&self, id: &str) -> CircuitState {
+        lock(&self.breakers)
+            .get(id)
+            .map_or(CircuitState::Closed, CircuitBreaker::state)
+    }
+
+    fn breaker_transition(&self, id: &str, (from, to): (CircuitState, CircuitState)) {
+        tracing::warn!(
+            worker = id,
+            from = from.as_str(),
+            to = to.as_str(),
+            "circuit breaker"
+        );
+        m::circuit(id, from, to);
     }
 
     /// Installs a control plane's hooks (placement, usage records).
@@ -293,6 +438,7 @@ impl Fleet {
                 endpoint: s.endpoint.clone(),
                 healthy: s.healthy,
                 load: s.load.clone(),
+                circuit: self.circuit_state(id),
             })
             .collect()
     }
@@ -399,7 +545,7 @@ impl Fleet {
 
     /// Connects to a worker and admits it (see [`Self::check_and_register`]).
     async fn connect_and_register(&self, endpoint: &str) -> Result<WorkerConn, String> {
-        let conn = WorkerConn::connect(endpoint)
+        let conn = WorkerConn::connect_with(endpoint, self.config.conn_timeouts)
             .await
             .map_err(|e| e.to_string())?;
         self.check_and_register(&conn).await?;
@@ -454,6 +600,9 @@ impl Fleet {
                 Err(e) => tracing::debug!(worker = %id, "reconnect failed: {e}"),
             }
             self.worker_failed(&id);
+            // A lost or unreachable worker counts against its breaker, so it stays out
+            // of routing for a cool-down after it answers again.
+            self.breaker_failure(&id);
             if let Ok(mut w) = self.workers.write() {
                 match w.get_mut(&id) {
                     Some(s) => s.conn = None,
@@ -471,7 +620,7 @@ impl Fleet {
     }
 
     async fn reconnect(&self, id: &str, endpoint: &str) -> Result<WorkerConn, String> {
-        let conn = WorkerConn::connect(endpoint)
+        let conn = WorkerConn::connect_with(endpoint, self.config.conn_timeouts)
             .await
             .map_err(|e| e.to_string())?;
         if conn.id() != id {
@@ -517,6 +666,11 @@ impl Fleet {
                 tokio::select! {
                     batch = stream.next() => match batch {
                         Some(Ok(batch)) => {
+                            if self.kv().worker_index(&id).is_none() {
+                                // Dropped from routing after a failed request: reconnect
+                                // and re-register rather than resync forever.
+                                return "dropped from routing".to_string();
+                            }
                             if let Err(e) = self.apply_batch(&id, &batch) {
                                 tracing::info!(worker = %id, "event gap ({e}); resyncing from a dump");
                                 if let Err(e) = self.resync(conn).await {
@@ -564,7 +718,13 @@ impl Fleet {
         };
         let applied_seq = {
             let mut kv = self.kv();
-            let _ = kv.update_load(conn.id(), report);
+            if kv.update_load(conn.id(), report).is_err() {
+                // Dropped from routing after a failed request: the supervisor reconnects
+                // and re-registers it.
+                return Err(ConnError::Status(tonic::Status::unavailable(
+                    "dropped from routing",
+                )));
+            }
             kv.last_seq(conn.id()).unwrap_or(0)
         };
         // Events the worker has published that this router's index has not applied yet

@@ -103,6 +103,22 @@ fn describe() {
         "kvfleet_retries_total",
         "Requests retried on another worker before they started."
     );
+    describe_gauge!(
+        "kvfleet_worker_circuit_state",
+        "A worker's circuit breaker: 0 closed, 1 open, 2 half-open."
+    );
+    describe_counter!(
+        "kvfleet_circuit_transitions_total",
+        "Circuit breaker state changes, by worker, from and to."
+    );
+    describe_gauge!(
+        "kvfleet_control_plane_up",
+        "Whether a control-plane component (etcd, kafka) was reachable at the last attempt."
+    );
+    describe_counter!(
+        "kvfleet_deadline_exceeded_total",
+        "Worker calls that missed a deadline, by stage (first_token, stall)."
+    );
     describe_counter!(
         "kvfleet_index_resyncs_total",
         "Prefix-index resyncs from a worker's CacheDump."
@@ -213,4 +229,31 @@ pub fn retry() {
 /// A prefix-index resync from a worker's dump.
 pub fn resync(worker: &str) {
     counter!("kvfleet_index_resyncs_total", "worker" => worker.to_string()).increment(1);
+}
+
+/// A worker's circuit breaker changed state.
+pub fn circuit(
+    worker: &str,
+    from: crate::circuit_breaker::CircuitState,
+    to: crate::circuit_breaker::CircuitState,
+) {
+    gauge!("kvfleet_worker_circuit_state", "worker" => worker.to_string()).set(to.gauge());
+    counter!(
+        "kvfleet_circuit_transitions_total",
+        "worker" => worker.to_string(),
+        "from" => from.as_str(),
+        "to" => to.as_str()
+    )
+    .increment(1);
+}
+
+/// Whether a control-plane component is reachable.
+pub fn control_plane_up(component: &'static str, up: bool) {
+    gauge!("kvfleet_control_plane_up", "component" => component).set(if up { 1.0 } else { 0.0 });
+}
+
+/// A worker call missed its deadline at `stage` (`first_token`, `stall`).
+pub fn deadline_exceeded(worker: &str, stage: &'static str) {
+    counter!("kvfleet_deadline_exceeded_total", "worker" => worker.to_string(), "stage" => stage)
+        .increment(1);
 }

@@ -206,6 +206,9 @@ pub struct KvRouter {
     consistent_hash: ConsistentHash,
     random: RandomPolicy,
     predictions: PredictionStats,
+    // Workers kept out of routing (an open circuit breaker), by id: survives the
+    // worker's removal and re-registration.
+    fenced: std::collections::HashSet<String>,
     // Scratch buffers reused by every route.
     matches: Matches,
     candidates: Vec<Candidate>,
@@ -231,6 +234,7 @@ impl KvRouter {
             consistent_hash: ConsistentHash::new(config.consistent_hash.clone()),
             random: RandomPolicy::new(config.random_seed),
             predictions: PredictionStats::default(),
+            fenced: std::collections::HashSet::new(),
             matches: Matches::new(),
             candidates: Vec::new(),
             config,
@@ -318,6 +322,21 @@ impl KvRouter {
             *slot = None;
         }
         true
+    }
+
+    /// Keeps worker `id` out of routing (`true`) or lets it back (`false`); its index
+    /// entries stay. A fenced worker named by a pin is not routed to either.
+    pub fn set_fenced(&mut self, id: &str, fenced: bool) {
+        if fenced {
+            self.fenced.insert(id.to_owned());
+        } else {
+            self.fenced.remove(id);
+        }
+    }
+
+    /// Whether worker `id` is kept out of routing.
+    pub fn is_fenced(&self, id: &str) -> bool {
+        self.fenced.contains(id)
     }
 
     /// Takes a load report of worker `id` (its polled fields; the router keeps its own
@@ -446,7 +465,24 @@ impl KvRouter {
         policy: PolicyKind,
         now_ms: u64,
     ) -> Result<RouteDecision, RouteError> {
-        let pin = pinned.and_then(|id| self.registry.get(id));
+        self.route_excluding(hashes, prompt_tokens, pinned, policy, now_ms, &[])
+    }
+
+    /// [`Self::route_pinned`] that skips the workers in `exclude` (those a retried
+    /// request already failed on).
+    pub fn route_excluding(
+        &mut self,
+        hashes: &[BlockHash],
+        prompt_tokens: usize,
+        pinned: Option<&str>,
+        policy: PolicyKind,
+        now_ms: u64,
+        exclude: &[String],
+    ) -> Result<RouteDecision, RouteError> {
+        // A pin on a fenced worker is dropped: the request goes elsewhere.
+        let pin = pinned
+            .filter(|id| !self.fenced.contains(*id) && !exclude.iter().any(|x| x == id))
+            .and_then(|id| self.registry.get(id));
         self.reservations.expire(now_ms);
         if self.registry.is_empty() {
             return Err(RouteError::NoWorkers);
@@ -470,7 +506,10 @@ impl KvRouter {
             // Both lists are sorted by index: merge instead of searching.
             while found.next_if(|m| m.worker < worker).is_some() {}
             let depth = found.next_if(|m| m.worker == worker).map_or(0, |m| m.depth);
-            if pin.is_some_and(|p| p != worker) {
+            if pin.is_some_and(|p| p != worker)
+                || (!self.fenced.is_empty() && self.fenced.contains(&*e.id))
+                || exclude.iter().any(|x| **x == *e.id)
+            {
                 continue;
             }
             candidates.push(Candidate {

@@ -18,6 +18,7 @@
 //!
 //! - [`incremental_tokenizer`]: per-conversation token memo, so a new turn tokenizes
 //!   only its tail.
+//! - [`circuit_breaker`]: per-worker breaker that takes failing workers out of routing.
 //! - [`prompt_model`]: the tokenizer and chat template of the served model.
 //! - [`worker_conn`]: a gRPC connection to one worker.
 //! - [`fleet`]: the live fleet — supervisors that follow each worker's KV events and
@@ -36,6 +37,7 @@
 
 pub mod admission;
 pub mod agent_status;
+pub mod circuit_breaker;
 pub mod control_hooks;
 pub mod decision_log;
 pub mod dispatch;

@@ -5,10 +5,28 @@ use kvfleet_proto::v1::worker_client::WorkerClient;
 use std::time::Duration;
 use tonic::transport::{Channel, Endpoint};
 
-/// How long a connection attempt may take.
+/// How long a connection attempt may take (default).
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
-/// Deadline of unary calls (Info, Load, CacheDump, Abort).
+/// Deadline of unary calls (Info, Load, CacheDump, Abort) (default).
 pub const UNARY_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The deadlines of one connection.
+#[derive(Clone, Copy, Debug)]
+pub struct ConnTimeouts {
+    /// TCP connect.
+    pub connect: Duration,
+    /// Every unary call (Info, Load, CacheDump, Abort).
+    pub unary: Duration,
+}
+
+impl Default for ConnTimeouts {
+    fn default() -> Self {
+        ConnTimeouts {
+            connect: CONNECT_TIMEOUT,
+            unary: UNARY_TIMEOUT,
+        }
+    }
+}
 
 /// A connected worker.
 #[derive(Clone, Debug)]
@@ -18,6 +36,7 @@ pub struct WorkerConn {
     /// What the worker said about itself.
     pub info: pb::InfoResponse,
     client: WorkerClient<Channel>,
+    timeouts: ConnTimeouts,
 }
 
 /// Why talking to a worker failed.
@@ -35,8 +54,14 @@ pub enum ConnError {
 }
 
 impl WorkerConn {
-    /// Connects to `endpoint` (`host:port` or `http://host:port`) and asks for its Info.
+    /// Connects to `endpoint` (`host:port` or `http://host:port`) and asks for its Info,
+    /// with the default deadlines.
     pub async fn connect(endpoint: &str) -> Result<Self, ConnError> {
+        Self::connect_with(endpoint, ConnTimeouts::default()).await
+    }
+
+    /// [`Self::connect`] with these deadlines.
+    pub async fn connect_with(endpoint: &str, timeouts: ConnTimeouts) -> Result<Self, ConnError> {
         let uri = if endpoint.contains("://") {
             endpoint.to_string()
         } else {
@@ -44,25 +69,28 @@ impl WorkerConn {
         };
         let ep = Endpoint::from_shared(uri.clone())
             .map_err(|e| ConnError::Endpoint(uri.clone(), e.to_string()))?
-            .connect_timeout(CONNECT_TIMEOUT)
+            .connect_timeout(timeouts.connect)
             .tcp_nodelay(true)
             .http2_keep_alive_interval(Duration::from_secs(10))
             .keep_alive_timeout(Duration::from_secs(5));
-        let channel = ep
-            .connect()
+        // The connect timeout covers TCP only; a process that accepts but never answers
+        // (stopped, hung) must not hold the HTTP/2 handshake forever either.
+        let channel = tokio::time::timeout(timeouts.connect + timeouts.unary, ep.connect())
             .await
+            .map_err(|_| ConnError::Connect(uri.clone(), "handshake timed out".into()))?
             .map_err(|e| ConnError::Connect(uri.clone(), e.to_string()))?;
         let mut client = WorkerClient::new(channel)
             .max_decoding_message_size(256 << 20)
             .max_encoding_message_size(256 << 20);
         let info = client
-            .info(with_deadline(pb::InfoRequest {}))
+            .info(with_deadline(pb::InfoRequest {}, timeouts.unary))
             .await?
             .into_inner();
         Ok(WorkerConn {
             endpoint: uri,
             info,
             client,
+            timeouts,
         })
     }
 
@@ -76,7 +104,7 @@ impl WorkerConn {
         Ok(self
             .client
             .clone()
-            .load(with_deadline(pb::LoadRequest {}))
+            .load(self.deadline(pb::LoadRequest {}))
             .await?
             .into_inner())
     }
@@ -86,7 +114,7 @@ impl WorkerConn {
         Ok(self
             .client
             .clone()
-            .cache_dump(with_deadline(pb::CacheDumpRequest {}))
+            .cache_dump(self.deadline(pb::CacheDumpRequest {}))
             .await?
             .into_inner())
     }
@@ -126,7 +154,7 @@ impl WorkerConn {
         Ok(self
             .client
             .clone()
-            .abort(with_deadline(pb::AbortRequest {
+            .abort(self.deadline(pb::AbortRequest {
                 request_id: request_id.to_string(),
             }))
             .await?
@@ -135,8 +163,16 @@ impl WorkerConn {
     }
 }
 
-fn with_deadline<T>(msg: T) -> tonic::Request<T> {
+impl WorkerConn {
+    fn deadline<T>(&self, msg: T) -> tonic::Request<T> {
+        with_deadline(msg, self.timeouts.unary)
+    }
+}
+
+/// A request carrying a gRPC deadline, also enforced on this side: a peer that never
+/// answers (a stopped process) still ends the call.
+fn with_deadline<T>(msg: T, timeout: Duration) -> tonic::Request<T> {
     let mut r = tonic::Request::new(msg);
-    r.set_timeout(UNARY_TIMEOUT);
+    r.set_timeout(timeout);
     r
 }

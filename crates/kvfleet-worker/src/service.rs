@@ -123,6 +123,15 @@ impl WorkerService {
         WorkerServer::new(self)
     }
 
+    /// A draining worker (graceful shutdown started) takes no new request: UNAVAILABLE
+    /// tells the router to send it elsewhere.
+    fn check_not_draining(&self) -> Result<(), Status> {
+        if *self.closing.borrow() {
+            return Err(Status::unavailable("worker is draining"));
+        }
+        Ok(())
+    }
+
     /// Checks what can be checked without the engine: model id and block size.
     fn check_request(
         &self,
@@ -194,6 +203,7 @@ impl Worker for WorkerService {
         request: Request<pb::GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
         let received_at = Instant::now();
+        self.check_not_draining()?;
         let req = request.into_inner();
         self.check_request(&req.model, req.block_size, &req.block_hashes)?;
         let params = convert::sampling_params(req.sampling.as_ref())?;
@@ -226,6 +236,7 @@ impl Worker for WorkerService {
         request: Request<pb::ForkRequest>,
     ) -> Result<Response<Self::ForkStream>, Status> {
         let received_at = Instant::now();
+        self.check_not_draining()?;
         let req = request.into_inner();
         self.check_request(&req.model, req.block_size, &req.block_hashes)?;
         if req.prefix_token_ids.is_empty() {

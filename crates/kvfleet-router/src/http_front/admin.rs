@@ -29,20 +29,40 @@ pub async fn models(State(fleet): State<Arc<Fleet>>) -> Json<ModelList> {
     })
 }
 
-/// `GET /health`: 200 while at least one worker can be routed to, 503 otherwise.
+/// `GET /health`: 200 while at least one worker can be routed to, 503 otherwise or
+/// once a graceful shutdown has started (`"status": "draining"`). With a control plane,
+/// `membership` (etcd) and `events` (Kafka) say whether it is reachable; `stale` means
+/// the router serves on what it last knew.
 pub async fn health(State(fleet): State<Arc<Fleet>>) -> Response {
     let healthy = fleet.healthy_workers();
-    let body = serde_json::json!({
-        "status": if healthy > 0 { "ok" } else { "no_workers" },
+    let draining = fleet.is_draining();
+    let status = match (draining, healthy > 0) {
+        (true, _) => "draining",
+        (false, true) => "ok",
+        (false, false) => "no_workers",
+    };
+    let mut body = serde_json::json!({
+        "status": status,
         "healthy_workers": healthy,
         "workers": fleet.worker_statuses().len(),
     });
-    let status = if healthy > 0 {
+    for (component, s) in fleet.control_plane_status() {
+        let key = match component {
+            "etcd" => "membership",
+            "kafka" => "events",
+            other => other,
+        };
+        body[key] = serde_json::json!({
+            "status": if s.up { "live" } else { "stale" },
+            "since_s": s.since.elapsed().as_secs_f64(),
+        });
+    }
+    let code = if status == "ok" {
         StatusCode::OK
     } else {
         StatusCode::SERVICE_UNAVAILABLE
     };
-    (status, Json(body)).into_response()
+    (code, Json(body)).into_response()
 }
 
 /// `GET /metrics`: Prometheus text exposition.

@@ -130,6 +130,46 @@ impl Tally {
     }
 }
 
+/// Why the next message of a started stream did not come.
+enum NextError {
+    /// The worker (or its connection) failed.
+    Failed(tonic::Status),
+    /// Nothing came within the stall deadline.
+    Stalled(std::time::Duration),
+}
+
+impl NextError {
+    fn message(&self, worker: &str) -> String {
+        match self {
+            NextError::Failed(s) => {
+                format!("worker {worker} failed mid-generation: {}", s.message())
+            }
+            NextError::Stalled(d) => {
+                format!("worker {worker} sent nothing for {d:?} mid-generation")
+            }
+        }
+    }
+}
+
+/// The stream's next message within the stall deadline; a failure or stall counts
+/// against the worker's breaker.
+async fn next_message(
+    fleet: &Fleet,
+    d: &mut Dispatched,
+) -> Result<Option<pb::GenerateResponse>, NextError> {
+    let limit = fleet.config.stall_timeout;
+    let err = match tokio::time::timeout(limit, d.stream.message()).await {
+        Ok(Ok(next)) => return Ok(next),
+        Ok(Err(s)) => NextError::Failed(s),
+        Err(_) => {
+            m::deadline_exceeded(&d.worker, "stall");
+            NextError::Stalled(limit)
+        }
+    };
+    fleet.breaker_failure(&d.worker);
+    Err(err)
+}
+
 /// Reads the whole stream.
 pub async fn collect(fleet: &Fleet, mut d: Dispatched) -> Result<(Collected, String), ApiError> {
     let mut tally = Tally::new(d.started);
@@ -142,15 +182,11 @@ pub async fn collect(fleet: &Fleet, mut d: Dispatched) -> Result<(Collected, Str
             out.finish = Some(f);
             break;
         }
-        match d.stream.message().await {
+        match next_message(fleet, &mut d).await {
             Ok(next) => msg = next,
-            Err(s) => {
+            Err(e) => {
                 tally.close(fleet, &d, "worker_error");
-                return Err(ApiError::internal(format!(
-                    "worker {} failed mid-generation: {}",
-                    d.worker,
-                    s.message()
-                )));
+                return Err(ApiError::worker_failed(e.message(&d.worker)));
             }
         }
     }
@@ -161,7 +197,7 @@ pub async fn collect(fleet: &Fleet, mut d: Dispatched) -> Result<(Collected, Str
     };
     out.usage = tally.close(fleet, &d, outcome);
     if out.finish.is_none() {
-        return Err(ApiError::internal(format!(
+        return Err(ApiError::worker_failed(format!(
             "worker {} ended the stream early",
             d.worker
         )));
@@ -213,16 +249,11 @@ pub async fn relay_sse(
             send(chunks).await;
             return;
         }
-        match d.stream.message().await {
+        match next_message(&fleet, &mut d).await {
             Ok(next) => msg = next,
-            Err(s) => {
+            Err(e) => {
                 tally.close(&fleet, &d, "worker_error");
-                let _ = send(vec![error_chunk(&format!(
-                    "worker {} failed mid-generation: {}",
-                    d.worker,
-                    s.message()
-                ))])
-                .await;
+                let _ = send(vec![error_chunk(&e.message(&d.worker))]).await;
                 return;
             }
         }
@@ -231,5 +262,5 @@ pub async fn relay_sse(
 
 /// An OpenAI-style error object sent as an SSE event (what OpenAI clients raise on).
 fn error_chunk(message: &str) -> String {
-    ApiError::internal(message).body().to_string()
+    ApiError::worker_failed(message).body().to_string()
 }

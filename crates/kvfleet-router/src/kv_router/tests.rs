@@ -520,3 +520,49 @@ fn snapshot_reports_blocks_load_and_inflight() {
     assert_eq!(w1.load.running, 3);
     assert_eq!(w1.load.prefill_tokens_since_poll, 0, "the report covers it");
 }
+
+#[test]
+fn fenced_workers_are_skipped_even_when_pinned_or_holding_the_prefix() {
+    let mut r = router(2);
+    let t = tokens(7, 64);
+    let h = hashes(&t);
+    let first = r.route(&h, t.len(), PolicyKind::CacheAware, 0).unwrap();
+    let holder = first.worker.to_string();
+    r.set_fenced(&holder, true);
+    assert!(r.is_fenced(&holder));
+    for policy in [PolicyKind::CacheAware, PolicyKind::RoundRobin] {
+        for i in 0..4 {
+            let d = r.route(&h, t.len(), policy, 1 + i).unwrap();
+            assert_ne!(
+                &*d.worker,
+                holder.as_str(),
+                "{policy:?} routed to a fenced worker"
+            );
+        }
+    }
+    let pinned = r
+        .route_pinned(&h, t.len(), Some(&holder), PolicyKind::CacheAware, 10)
+        .unwrap();
+    assert_ne!(
+        &*pinned.worker,
+        holder.as_str(),
+        "a pin on a fenced worker is dropped"
+    );
+    r.set_fenced(&holder, false);
+    let back = r.route(&h, t.len(), PolicyKind::CacheAware, 20).unwrap();
+    assert_eq!(
+        &*back.worker,
+        holder.as_str(),
+        "unfenced, the prefix holder wins again"
+    );
+}
+
+#[test]
+fn all_workers_fenced_is_no_workers() {
+    let mut r = router(1);
+    r.set_fenced("w0", true);
+    let t = tokens(8, 32);
+    assert!(r
+        .route(&hashes(&t), t.len(), PolicyKind::RoundRobin, 0)
+        .is_err());
+}

@@ -141,6 +141,18 @@ impl ApiError {
         }
     }
 
+    /// 502: the worker serving the request failed or stalled after it started (it
+    /// cannot be retried elsewhere: tokens may already have been produced).
+    pub fn worker_failed(message: impl Into<String>) -> Self {
+        ApiError {
+            status: StatusCode::BAD_GATEWAY,
+            message: message.into(),
+            kind: "server_error",
+            param: None,
+            code: Some("worker_failed"),
+        }
+    }
+
     /// The JSON body.
     pub fn body(&self) -> serde_json::Value {
         serde_json::to_value(ErrorBody {

@@ -1,0 +1,146 @@
+//! The bodies of the fuzz targets in `fuzz/` (run with cargo-fuzz), kept here so that
+//! the regular test suite replays each target's seed corpus through the same code
+//! (`tests/fuzz_corpus.rs`) without cargo-fuzz or a nightly toolchain.
+//!
+//! Every function takes arbitrary bytes. Errors on bad input are expected; a panic
+//! (including a failed invariant check below) is a finding.
+
+use kvfleet_core::BlockHash;
+use kvfleet_proto::v1 as pb;
+use kvfleet_router::fleet::router_event;
+use kvfleet_router::incremental_tokenizer::IncrementalTokenizer;
+use kvfleet_router::openai::types::ChatCompletionRequest;
+use kvfleet_router::prompt_model::PromptModel;
+use kvfleet_router::{PrefixIndex, WorkerIdx};
+use prost::Message;
+use std::sync::{Mutex, OnceLock};
+
+/// A fuzz target's body.
+pub type Target = fn(&[u8]);
+
+/// The fuzz targets, by name (the names of `fuzz/fuzz_targets/*.rs` and of the corpus
+/// directories).
+pub const TARGETS: &[(&str, Target)] = &[
+    ("chat_request", chat_request),
+    ("trace_line", trace_line),
+    ("proto_decode", proto_decode),
+    ("event_apply", event_apply),
+];
+
+/// Request JSON → chat request → rendered with the chat template → token ids, through
+/// the router's incremental tokenizer (whose conversation memo persists across inputs,
+/// as in the server). Checks that the incremental ids equal a fresh tokenization of the
+/// rendered prompt.
+pub fn chat_request(data: &[u8]) {
+    static MODEL: OnceLock<Option<PromptModel>> = OnceLock::new();
+    static MEMO: OnceLock<Mutex<IncrementalTokenizer>> = OnceLock::new();
+    let Ok(req) = serde_json::from_slice::<ChatCompletionRequest>(data) else {
+        return;
+    };
+    let Some(model) = MODEL.get_or_init(|| PromptModel::load("tiny").ok()) else {
+        return;
+    };
+    let tools = req.tools.unwrap_or_default();
+    let Ok(full) = model.chat_template.render(&req.messages, &tools, true) else {
+        return;
+    };
+    let memo = MEMO.get_or_init(|| Mutex::new(IncrementalTokenizer::new(64)));
+    let mut memo = memo.lock().unwrap_or_else(|p| p.into_inner());
+    let Ok(prompt) = memo.tokenize(
+        &req.model,
+        &model.chat_template,
+        model.tokenizer.as_ref(),
+        &req.messages,
+        &tools,
+    ) else {
+        return;
+    };
+    if let Ok(direct) = model.tokenizer.encode(&full) {
+        assert_eq!(prompt.ids, direct, "incremental tokenization diverged");
+    }
+    assert!(prompt.reused <= prompt.ids.len());
+    assert!(prompt.history_len <= prompt.ids.len());
+}
+
+/// Bytes as a JSONL trace (the `kvfleet-bench` trace reader); a trace that reads must
+/// write and read back to the same records.
+pub fn trace_line(data: &[u8]) {
+    let Ok(trace) = kvfleet_bench::trace::Trace::read(data) else {
+        return;
+    };
+    let mut out = Vec::new();
+    if trace.write(&mut out).is_ok() {
+        let again = kvfleet_bench::trace::Trace::read(out.as_slice());
+        assert!(
+            again.is_ok(),
+            "a written trace does not read back: {again:?}"
+        );
+    }
+}
+
+/// Bytes as each worker-protocol message; what decodes must re-encode and decode to
+/// an equal message.
+pub fn proto_decode(data: &[u8]) {
+    fn round_trip<M: Message + Default + PartialEq + std::fmt::Debug>(data: &[u8]) {
+        if let Ok(m) = M::decode(data) {
+            let again = M::decode(m.encode_to_vec().as_slice());
+            assert_eq!(
+                again.as_ref().ok(),
+                Some(&m),
+                "re-encoding changed the message"
+            );
+        }
+    }
+    round_trip::<pb::KvEventBatch>(data);
+    round_trip::<pb::GenerateRequest>(data);
+    round_trip::<pb::GenerateResponse>(data);
+    round_trip::<pb::CacheDumpResponse>(data);
+    round_trip::<pb::LoadResponse>(data);
+    round_trip::<pb::ForkRequest>(data);
+}
+
+/// Bytes as a `KvEventBatch` applied to the router's prefix index (two workers, the
+/// first byte picks which): after every event the index's own views of the worker
+/// agree, a gap leaves it untouched, and a rebuild from its own dump changes nothing.
+pub fn event_apply(data: &[u8]) {
+    let Some((&pick, rest)) = data.split_first() else {
+        return;
+    };
+    let Ok(batch) = pb::KvEventBatch::decode(rest) else {
+        return;
+    };
+    let mut index = PrefixIndex::new();
+    let worker = WorkerIdx((pick % 2) as u32);
+    for e in &batch.events {
+        let before_seq = index.last_seq(worker);
+        let before = index.worker_block_count(worker);
+        match index.apply(worker, &router_event(e)) {
+            Ok(()) => assert!(index.last_seq(worker) >= before_seq),
+            Err(_) => {
+                assert_eq!(index.last_seq(worker), before_seq, "a gap moved the seq");
+                assert_eq!(
+                    index.worker_block_count(worker),
+                    before,
+                    "a gap changed blocks"
+                );
+            }
+        }
+        let blocks = index.worker_blocks(worker);
+        assert_eq!(blocks.len(), index.worker_block_count(worker));
+        for (h, _) in &blocks {
+            assert!(index.holds(worker, *h), "listed block {h} not held");
+        }
+    }
+    let dump = index.worker_blocks(worker);
+    let seq = index.last_seq(worker);
+    let count = index.worker_block_count(worker);
+    index.rebuild_worker(worker, &dump, seq);
+    assert_eq!(
+        index.worker_block_count(worker),
+        count,
+        "rebuild from own dump"
+    );
+    let chain: Vec<BlockHash> = dump.iter().map(|(h, _)| *h).collect();
+    let m = index.find_matches(&chain);
+    assert!(m.deepest() <= chain.len());
+}

@@ -1,0 +1,425 @@
+//! Faults against real processes (two `kvfleet worker`s and a `kvfleet router`): a
+//! worker SIGKILLed mid-stream, a worker that hangs (SIGSTOP), and a rolling restart
+//! (SIGTERM a worker, restart it, then SIGTERM the router) while clients stream.
+//!
+//! Also here, to share one test binary: etcd unreachable (`faults/etcd_outage.rs`) and
+//! a gap in a worker's event sequence (`faults/event_gap.rs`).
+//!
+//! Each test prints its figures (`FIGURE …` lines) for docs/reliability.md.
+
+mod support;
+
+#[path = "faults/etcd_outage.rs"]
+mod etcd_outage;
+#[path = "faults/event_gap.rs"]
+mod event_gap;
+
+use serde_json::json;
+use std::io::{BufRead, BufReader};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use support::{filler, start, Proc};
+
+/// Router flags with short deadlines, so a hang is detected within the test.
+const FAST_DEADLINES: &[&str] = &[
+    "--first-token-timeout-ms",
+    "1500",
+    "--stall-timeout-ms",
+    "1500",
+    "--rpc-timeout-ms",
+    "1000",
+    "--connect-timeout-ms",
+    "500",
+    "--breaker-failures",
+    "2",
+    "--breaker-cooldown-ms",
+    "2000",
+];
+
+fn worker(id: &str, grpc: &str) -> Proc {
+    start(
+        &[
+            "worker",
+            "--grpc",
+            grpc,
+            "--worker-id",
+            id,
+            "--drain-timeout",
+            "20",
+        ],
+        "grpc://",
+    )
+}
+
+fn router(workers: &str, extra: &[&str]) -> Proc {
+    let mut args = vec!["router", "--http", "127.0.0.1:0", "--workers", workers];
+    args.extend_from_slice(extra);
+    start(&args, "http://")
+}
+
+fn client() -> reqwest::blocking::Client {
+    reqwest::blocking::Client::builder()
+        .timeout(Duration::from_secs(60))
+        .build()
+        .expect("client")
+}
+
+fn signal(p: &Proc, sig: &str) {
+    let ok = std::process::Command::new("kill")
+        .args([format!("-{sig}"), p.child.id().to_string()])
+        .status()
+        .expect("run kill")
+        .success();
+    assert!(ok, "kill -{sig} failed");
+}
+
+fn body(i: u32, max_tokens: u32, stream: bool) -> serde_json::Value {
+    json!({
+        "model": "tiny",
+        "messages": [{"role": "user", "content": filler(i, 200)}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": true,
+        "stream": stream,
+    })
+}
+
+/// Sends one non-streaming round-robin request: (status, serving worker).
+fn send(http: &reqwest::blocking::Client, url: &str, i: u32) -> (u16, Option<String>) {
+    match http
+        .post(format!("{url}/v1/chat/completions"))
+        .header("x-kvfleet-policy", "round-robin")
+        .json(&body(i, 4, false))
+        .send()
+    {
+        Ok(r) => {
+            let worker = r
+                .headers()
+                .get("x-kvfleet-worker")
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string);
+            let status = r.status().as_u16();
+            let _ = r.bytes();
+            (status, worker)
+        }
+        Err(_) => (0, None),
+    }
+}
+
+/// The value of metric line `name{labels}` in a Prometheus exposition.
+fn metric(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
+}
+
+/// One request's outcome: when it ended, its status, the worker that served it.
+type Outcome = (Instant, u16, Option<String>);
+
+/// How a streamed response ended.
+#[derive(Debug, PartialEq)]
+enum StreamEnd {
+    /// `data: [DONE]` after the tokens.
+    Done,
+    /// An OpenAI-style error object, then the end of the stream.
+    Error(String),
+    /// The stream ended (or failed) with neither.
+    Cut,
+}
+
+/// Reads an SSE response to its end; `on_first` runs once the first chunk came.
+fn read_stream(resp: reqwest::blocking::Response, mut on_first: impl FnMut()) -> StreamEnd {
+    let mut first = true;
+    let mut end = StreamEnd::Cut;
+    for line in BufReader::new(resp).lines() {
+        let Ok(line) = line else {
+            return StreamEnd::Cut;
+        };
+        let Some(data) = line.strip_prefix("data: ") else {
+            continue;
+        };
+        if first {
+            first = false;
+            on_first();
+        }
+        if data == "[DONE]" {
+            end = StreamEnd::Done;
+        } else if let Ok(v) = serde_json::from_str::<serde_json::Value>(data) {
+            if let Some(e) = v.get("error") {
+                end = StreamEnd::Error(e["code"].as_str().unwrap_or_default().to_string());
+            }
+        }
+    }
+    end
+}
+
+#[test]
+fn a_worker_killed_mid_stream_ends_its_streams_with_an_error_and_loses_nothing_else() {
+    let w0 = worker("w0", "127.0.0.1:0");
+    let w1 = worker("w1", "127.0.0.1:0");
+    let r = router(&format!("{},{}", w0.addr, w1.addr), FAST_DEADLINES);
+    let url = format!("http://{}", r.addr);
+    let http = client();
+    // Round-robin alternates: one of two streams lands on w0.
+    let mut w0 = w0;
+    let mut killed_at = None;
+    let mut end = None;
+    for i in 0..4 {
+        let resp = http
+            .post(format!("{url}/v1/chat/completions"))
+            .header("x-kvfleet-policy", "round-robin")
+            .json(&body(i, 2000, true))
+            .send()
+            .expect("stream request");
+        assert_eq!(resp.status().as_u16(), 200);
+        let on_w0 = resp
+            .headers()
+            .get("x-kvfleet-worker")
+            .is_some_and(|v| v == "w0");
+        if !on_w0 {
+            drop(resp);
+            continue;
+        }
+        let child = &mut w0.child;
+        end = Some(read_stream(resp, || {
+            child.kill().expect("SIGKILL w0");
+            killed_at = Some(Instant::now());
+        }));
+        break;
+    }
+    let killed_at = killed_at.expect("a stream landed on w0 and was killed mid-way");
+    let to_error = killed_at.elapsed();
+    let _ = w0.child.wait();
+    assert_eq!(
+        end,
+        Some(StreamEnd::Error("worker_failed".into())),
+        "the client gets an error event, then the end of the stream"
+    );
+    // Requests that had not started: all answered, by w1.
+    let mut answered = 0;
+    for i in 100..110 {
+        let (s, w) = send(&http, &url, i);
+        assert_eq!(s, 200, "request {i} after the kill");
+        assert_eq!(w.as_deref(), Some("w1"));
+        answered += 1;
+    }
+    eprintln!(
+        "FIGURE sigkill: kill -> client error event {:.1} ms; after the kill {answered}/10 answered, 0 lost",
+        to_error.as_secs_f64() * 1e3
+    );
+}
+
+#[test]
+fn a_hung_worker_trips_its_breaker_and_traffic_moves_away_then_returns() {
+    let w0 = worker("w0", "127.0.0.1:0");
+    let w1 = worker("w1", "127.0.0.1:0");
+    let r = router(&format!("{},{}", w0.addr, w1.addr), FAST_DEADLINES);
+    let url = format!("http://{}", r.addr);
+    let http = client();
+    let circuit = |http: &reqwest::blocking::Client| {
+        let text = http
+            .get(format!("{url}/metrics"))
+            .send()
+            .and_then(|r| r.text())
+            .unwrap_or_default();
+        metric(&text, "kvfleet_worker_circuit_state{worker=\"w0\"}")
+    };
+    for i in 0..6 {
+        assert_eq!(send(&http, &url, i).0, 200);
+    }
+
+    // Traffic runs in the background; every outcome is kept.
+    let stop = Arc::new(AtomicBool::new(false));
+    let log: Arc<Mutex<Vec<Outcome>>> = Arc::default();
+    let traffic = {
+        let (stop, log, url) = (stop.clone(), log.clone(), url.clone());
+        std::thread::spawn(move || {
+            let http = client();
+            let mut i = 1000;
+            while !stop.load(Ordering::SeqCst) {
+                let (s, w) = send(&http, &url, i);
+                log.lock().expect("log").push((Instant::now(), s, w));
+                i += 1;
+            }
+        })
+    };
+    std::thread::sleep(Duration::from_millis(500));
+    signal(&w0, "STOP");
+    let stopped_at = Instant::now();
+    let deadline = stopped_at + Duration::from_secs(30);
+    while circuit(&http) != Some(1.0) {
+        assert!(Instant::now() < deadline, "w0's breaker never opened");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let detect = stopped_at.elapsed();
+    std::thread::sleep(Duration::from_secs(2));
+    let open_until = Instant::now();
+    signal(&w0, "CONT");
+    let resumed_at = Instant::now();
+    let deadline = resumed_at + Duration::from_secs(30);
+    let recovered = loop {
+        let back = log
+            .lock()
+            .expect("log")
+            .iter()
+            .find(|(t, s, w)| *t > resumed_at && *s == 200 && w.as_deref() == Some("w0"))
+            .map(|(t, ..)| *t);
+        if let Some(t) = back {
+            break t - resumed_at;
+        }
+        assert!(Instant::now() < deadline, "traffic never returned to w0");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    stop.store(true, Ordering::SeqCst);
+    traffic.join().expect("traffic thread");
+    assert_eq!(circuit(&http), Some(0.0), "w0's breaker closed again");
+
+    let log = log.lock().expect("log");
+    let lost: Vec<_> = log.iter().filter(|(_, s, _)| *s != 200).collect();
+    assert!(lost.is_empty(), "requests lost: {lost:?}");
+    // Once the breaker was open, nothing went to w0 until it resumed.
+    let opened_at = stopped_at + detect;
+    let on_w0_while_open = log
+        .iter()
+        .filter(|(t, ..)| *t > opened_at + Duration::from_millis(1600) && *t < open_until)
+        .filter(|(.., w)| w.as_deref() == Some("w0"))
+        .count();
+    assert_eq!(
+        on_w0_while_open, 0,
+        "traffic moved away from the open worker"
+    );
+    let served_while_open = log
+        .iter()
+        .filter(|(t, ..)| *t > opened_at && *t < open_until)
+        .count();
+    assert!(served_while_open > 0, "w1 kept serving while w0 hung");
+    let text = http
+        .get(format!("{url}/metrics"))
+        .send()
+        .and_then(|r| r.text())
+        .unwrap_or_default();
+    let retries = metric(&text, "kvfleet_retries_total").unwrap_or(0.0);
+    eprintln!(
+        "FIGURE sigstop: detect (SIGSTOP -> breaker open) {:.0} ms; recover (SIGCONT -> first request served by w0) {:.0} ms; {} requests, 0 lost, {retries} retried elsewhere",
+        detect.as_secs_f64() * 1e3,
+        recovered.as_secs_f64() * 1e3,
+        log.len()
+    );
+}
+
+#[test]
+fn a_rolling_restart_loses_no_request() {
+    let w0 = worker("w0", "127.0.0.1:0");
+    let w1 = worker("w1", "127.0.0.1:0");
+    let w0_addr = w0.addr.clone();
+    let r = router(
+        &format!("{},{}", w0.addr, w1.addr),
+        &["--breaker-cooldown-ms", "500", "--drain-timeout", "30"],
+    );
+    let url = format!("http://{}", r.addr);
+
+    // Clients stream continuously until the router is told to stop.
+    let router_stopping = Arc::new(AtomicBool::new(false));
+    let (sent, done, lost) = (
+        Arc::new(AtomicU64::new(0)),
+        Arc::new(AtomicU64::new(0)),
+        Arc::new(Mutex::new(Vec::<String>::new())),
+    );
+    let clients: Vec<_> = (0..3)
+        .map(|c| {
+            let (stopping, sent, done, lost, url) = (
+                router_stopping.clone(),
+                sent.clone(),
+                done.clone(),
+                lost.clone(),
+                url.clone(),
+            );
+            std::thread::spawn(move || {
+                let http = client();
+                let mut i = c * 100_000;
+                while !stopping.load(Ordering::SeqCst) {
+                    i += 1;
+                    sent.fetch_add(1, Ordering::SeqCst);
+                    let end = match http
+                        .post(format!("{url}/v1/chat/completions"))
+                        .header("x-kvfleet-policy", "round-robin")
+                        .json(&body(i, 400, true))
+                        .send()
+                    {
+                        Ok(r) if r.status().is_success() => read_stream(r, || {}),
+                        Ok(r) => StreamEnd::Error(format!("status {}", r.status())),
+                        Err(e) => StreamEnd::Error(format!("send: {e}")),
+                    };
+                    match end {
+                        StreamEnd::Done => {
+                            done.fetch_add(1, Ordering::SeqCst);
+                        }
+                        other => lost.lock().expect("lost").push(format!("{i}: {other:?}")),
+                    }
+                }
+            })
+        })
+        .collect();
+
+    std::thread::sleep(Duration::from_secs(2));
+    // Rolling restart of w0: SIGTERM, wait for its drain, start it again on its port.
+    signal(&w0, "TERM");
+    let t = Instant::now();
+    let mut w0 = w0;
+    let status = w0.child.wait().expect("w0 exits");
+    let worker_drain = t.elapsed();
+    assert!(status.success(), "w0 exits 0 after draining: {status}");
+    std::thread::sleep(Duration::from_secs(1));
+    let _w0 = worker("w0", &w0_addr);
+    let http = client();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let fleet: serde_json::Value = http
+            .get(format!("{url}/fleet"))
+            .send()
+            .and_then(|r| r.json())
+            .unwrap_or_default();
+        let back = fleet["workers"].as_array().is_some_and(|ws| {
+            ws.iter()
+                .any(|w| w["id"] == "w0" && w["healthy"] == true && w["circuit"] == "closed")
+        });
+        if back {
+            break;
+        }
+        assert!(Instant::now() < deadline, "w0 never came back: {fleet}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    std::thread::sleep(Duration::from_secs(2));
+
+    // Then the router: SIGTERM while streams are in flight.
+    router_stopping.store(true, Ordering::SeqCst);
+    let in_flight = sent.load(Ordering::SeqCst)
+        - done.load(Ordering::SeqCst)
+        - lost.lock().expect("lost").len() as u64;
+    signal(&r, "TERM");
+    let t = Instant::now();
+    let mut r = r;
+    let status = r.child.wait().expect("router exits");
+    let router_drain = t.elapsed();
+    assert!(
+        status.success(),
+        "the router exits 0 after draining: {status}"
+    );
+    for c in clients {
+        c.join().expect("client thread");
+    }
+    let (sent, done) = (sent.load(Ordering::SeqCst), done.load(Ordering::SeqCst));
+    let lost = lost.lock().expect("lost");
+    assert!(lost.is_empty(), "lost {} of {sent}: {lost:?}", lost.len());
+    assert_eq!(done, sent);
+    assert!(
+        in_flight > 0,
+        "streams were in flight when the router got SIGTERM"
+    );
+    eprintln!(
+        "FIGURE rolling restart: {sent} streamed requests, {done} completed, 0 lost; {in_flight} in flight at the router's SIGTERM; worker drain {:.0} ms, router drain {:.0} ms",
+        worker_drain.as_secs_f64() * 1e3,
+        router_drain.as_secs_f64() * 1e3
+    );
+}
