@@ -4,6 +4,10 @@
 # Writes docs/soak.json and docs/plots/soak-rss.svg; fails if a request is lost or
 # the server died. Usage: SOAK_SECONDS=90 bash scripts/soak.sh
 # KVFLEET_BIN overrides the binary (default: a release build, built here).
+# SOAK_UP_ARGS: admission bounds of the server under test (default: 64 running, 64
+# queued, 10 s queue wait; beyond them it answers 429 with Retry-After). The client's
+# own in-flight cap (MAX_INFLIGHT, 1024) sits far above them, so overload reaches the
+# server and is refused there, not shed by the client.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${SOAK_SECONDS:=600}"
@@ -12,7 +16,9 @@ if [[ -z "${KVFLEET_BIN:-}" ]]; then
   KVFLEET_BIN=target/release/kvfleet
 fi
 log=$(mktemp)
-"$KVFLEET_BIN" up --http 127.0.0.1:0 --workers 2 --model tiny >"$log" 2>/dev/null &
+# shellcheck disable=SC2086 # word-splitting the flag list is intended
+"$KVFLEET_BIN" up --http 127.0.0.1:0 --workers 2 --model tiny \
+  ${SOAK_UP_ARGS:---max-inflight 64 --max-queued 64 --queue-timeout-s 10} >"$log" 2>/dev/null &
 pid=$!
 trap 'kill "$pid" 2>/dev/null || true; rm -f "$log"' EXIT
 url=""

@@ -150,6 +150,7 @@ impl ApiError {
             kind: "server_error",
             param: None,
             code: Some("worker_failed"),
+            retry_after: None,
         }
     }
 
