@@ -1,6 +1,7 @@
 //! `kvfleet router`: one router process in front of worker processes.
 
 use crate::control_plane::{ControlArgs, RouterControl, RouterControlConfig};
+use crate::http_serve::serve_http;
 use crate::serve_args::{init_logging, shutdown_signal, RoutingArgs};
 use anyhow::{Context, Result};
 use clap::Args;
@@ -29,6 +30,10 @@ pub struct RouterArgs {
     security: crate::security_args::SecurityArgs,
     #[command(flatten)]
     control: ControlArgs,
+    #[command(flatten)]
+    tls: crate::tls_args::HttpTlsArgs,
+    #[command(flatten)]
+    worker_tls: crate::tls_args::WorkerClientTlsArgs,
     /// This router's id (default `router-<http port>`): its KV event consumer group is
     /// `kvfleet-router-<id>`, resumed after a restart.
     #[arg(long)]
@@ -44,10 +49,12 @@ pub fn run(args: RouterArgs) -> Result<()> {
     let rt = crate::serve_args::runtime()?;
     rt.block_on(async move {
         let admission = args.security.admission()?;
+        let tls = args.tls.server_config()?;
         fleet_metrics::prometheus_handle();
         let mut config = args.routing.fleet_config(&args.model, args.block_size);
         // With Kafka, every worker's KV events come from the stream.
         config.follow_worker_events = args.control.kafka.is_none();
+        config.worker_tls = args.worker_tls.client_config()?;
         let fleet = Fleet::new(config).map_err(anyhow::Error::msg)?;
         for w in &args.workers {
             fleet
@@ -77,7 +84,8 @@ pub fn run(args: RouterArgs) -> Result<()> {
             )
         };
         println!(
-            "kvfleet router: http://{addr} ({} workers{})",
+            "kvfleet router: {}://{addr} ({} workers{})",
+            args.tls.scheme(),
             args.workers.len(),
             if control.is_some() {
                 ", more from membership"
@@ -86,10 +94,13 @@ pub fn run(args: RouterArgs) -> Result<()> {
             }
         );
         std::io::stdout().flush()?;
-        axum::serve(listener, http_front::app_with(fleet, admission))
-            .with_graceful_shutdown(shutdown_signal())
-            .await
-            .context("serving HTTP")?;
+        serve_http(
+            listener,
+            http_front::app_with(fleet, admission),
+            tls,
+            shutdown_signal(),
+        )
+        .await?;
         if let Some(c) = control {
             c.shutdown();
         }

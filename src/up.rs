@@ -1,6 +1,7 @@
 //! `kvfleet up`: the embedded cluster — one router and N workers in one process, each
 //! worker with its own engine and block pool, talking real gRPC over loopback.
 
+use crate::http_serve::serve_http;
 use crate::serve_args::{init_logging, shutdown_signal, EngineArgs, RoutingArgs};
 use anyhow::{Context, Result};
 use clap::Args;
@@ -27,6 +28,8 @@ pub struct UpArgs {
     routing: RoutingArgs,
     #[command(flatten)]
     security: crate::security_args::SecurityArgs,
+    #[command(flatten)]
+    tls: crate::tls_args::HttpTlsArgs,
 }
 
 /// Runs the embedded cluster until Ctrl-C / SIGTERM.
@@ -39,6 +42,7 @@ pub fn run(args: UpArgs) -> Result<()> {
 async fn serve(args: UpArgs) -> Result<()> {
     anyhow::ensure!(args.workers > 0, "--workers must be at least 1");
     let admission = args.security.admission()?;
+    let tls = args.tls.server_config()?;
     fleet_metrics::prometheus_handle();
     kvfleet_worker::describe_metrics();
     // Load the weights once; every in-process worker shares them.
@@ -68,16 +72,22 @@ async fn serve(args: UpArgs) -> Result<()> {
     let addr = listener.local_addr()?;
     // Scripts and tests read this line to find the port.
     println!(
-        "kvfleet up: http://{addr} ({} workers, model {}, policy {})",
+        "kvfleet up: {}://{addr} ({} workers, model {}, policy {})",
+        args.tls.scheme(),
         args.workers,
         model.id,
         args.routing.policy.as_str()
     );
     std::io::stdout().flush()?;
-    axum::serve(listener, http_front::app_with(fleet, admission))
-        .with_graceful_shutdown(shutdown_signal())
-        .await
-        .context("serving HTTP")?;
+    // The in-process workers stay on plaintext loopback: they are reachable only from
+    // this host, and this process is both ends of every connection.
+    serve_http(
+        listener,
+        http_front::app_with(fleet, admission),
+        tls,
+        shutdown_signal(),
+    )
+    .await?;
     for w in workers {
         let _ = w.shutdown().await;
     }

@@ -4,7 +4,7 @@ use crate::control_plane::{ControlArgs, WorkerControl};
 use crate::serve_args::{init_logging, shutdown_signal, EngineArgs};
 use anyhow::{Context, Result};
 use clap::Args;
-use kvfleet_worker::{serve_service, WorkerModel, WorkerService};
+use kvfleet_worker::{serve_service_tls, WorkerModel, WorkerService};
 use std::io::Write;
 
 /// Arguments of `kvfleet worker`.
@@ -30,6 +30,8 @@ pub struct WorkerArgs {
     /// Address routers connect to (default: the bound --grpc address).
     #[arg(long)]
     advertise: Option<String>,
+    #[command(flatten)]
+    tls: crate::tls_args::WorkerServerTlsArgs,
 }
 
 /// Serves until Ctrl-C / SIGTERM.
@@ -37,6 +39,7 @@ pub fn run(args: WorkerArgs) -> Result<()> {
     init_logging();
     let rt = crate::serve_args::runtime()?;
     rt.block_on(async move {
+        let tls = args.tls.server_config()?;
         kvfleet_router::fleet_metrics::prometheus_handle();
         kvfleet_worker::describe_metrics();
         let listener = tokio::net::TcpListener::bind(&args.grpc)
@@ -74,9 +77,13 @@ pub fn run(args: WorkerArgs) -> Result<()> {
         } else {
             None
         };
-        println!("kvfleet worker {id}: grpc://{addr} (model {})", args.model);
+        println!(
+            "kvfleet worker {id}: {}://{addr} (model {})",
+            if tls.is_some() { "grpcs" } else { "grpc" },
+            args.model
+        );
         std::io::stdout().flush()?;
-        let served = serve_service(service, listener, shutdown_signal())
+        let served = serve_service_tls(service, listener, tls, shutdown_signal())
             .await
             .context("serving gRPC");
         if let Some(c) = control {

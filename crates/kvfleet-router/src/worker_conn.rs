@@ -3,7 +3,7 @@
 use kvfleet_proto::v1 as pb;
 use kvfleet_proto::v1::worker_client::WorkerClient;
 use std::time::Duration;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::{Channel, ClientTlsConfig, Endpoint};
 
 /// How long a connection attempt may take.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
@@ -35,15 +35,31 @@ pub enum ConnError {
 }
 
 impl WorkerConn {
-    /// Connects to `endpoint` (`host:port` or `http://host:port`) and asks for its Info.
-    pub async fn connect(endpoint: &str) -> Result<Self, ConnError> {
+    /// Connects to `endpoint` (`host:port`, `http://host:port` or `https://host:port`)
+    /// and asks for its Info. With `tls`, the connection is TLS (a bare `host:port`
+    /// becomes `https://`) and the worker's certificate must verify against its CA.
+    pub async fn connect(endpoint: &str, tls: Option<&ClientTlsConfig>) -> Result<Self, ConnError> {
         let uri = if endpoint.contains("://") {
             endpoint.to_string()
+        } else if tls.is_some() {
+            format!("https://{endpoint}")
         } else {
             format!("http://{endpoint}")
         };
-        let ep = Endpoint::from_shared(uri.clone())
-            .map_err(|e| ConnError::Endpoint(uri.clone(), e.to_string()))?
+        let mut ep = Endpoint::from_shared(uri.clone())
+            .map_err(|e| ConnError::Endpoint(uri.clone(), e.to_string()))?;
+        if let Some(tls) = tls {
+            if !uri.starts_with("https://") {
+                return Err(ConnError::Endpoint(
+                    uri,
+                    "worker TLS is configured, so the endpoint must be https://".into(),
+                ));
+            }
+            ep = ep
+                .tls_config(tls.clone())
+                .map_err(|e| ConnError::Endpoint(uri.clone(), e.to_string()))?;
+        }
+        let ep = ep
             .connect_timeout(CONNECT_TIMEOUT)
             .tcp_nodelay(true)
             .http2_keep_alive_interval(Duration::from_secs(10))
@@ -51,7 +67,7 @@ impl WorkerConn {
         let channel = ep
             .connect()
             .await
-            .map_err(|e| ConnError::Connect(uri.clone(), e.to_string()))?;
+            .map_err(|e| ConnError::Connect(uri.clone(), error_chain(&e)))?;
         let mut client = WorkerClient::new(channel)
             .max_decoding_message_size(256 << 20)
             .max_encoding_message_size(256 << 20);
@@ -133,6 +149,19 @@ impl WorkerConn {
             .into_inner()
             .found)
     }
+}
+
+/// `e` and its sources, `: `-joined: tonic's transport error alone says only
+/// "transport error", its sources say why (e.g. an unknown certificate issuer).
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
 }
 
 fn with_deadline<T>(msg: T) -> tonic::Request<T> {
