@@ -3,10 +3,12 @@
 mod bench_cmd;
 mod control_plane;
 mod generate;
+mod http_serve;
 mod router_cmd;
 mod security_args;
 mod serve_args;
 mod sim_cmd;
+mod tls_args;
 mod trace_cmd;
 mod up;
 mod worker_cmd;

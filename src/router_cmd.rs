@@ -29,6 +29,10 @@ pub struct RouterArgs {
     security: crate::security_args::SecurityArgs,
     #[command(flatten)]
     control: ControlArgs,
+    #[command(flatten)]
+    tls: crate::tls_args::HttpTlsArgs,
+    #[command(flatten)]
+    worker_tls: crate::tls_args::WorkerClientTlsArgs,
     /// This router's id (default `router-<http port>`): its KV event consumer group is
     /// `kvfleet-router-<id>`, resumed after a restart.
     #[arg(long)]
@@ -44,10 +48,12 @@ pub fn run(args: RouterArgs) -> Result<()> {
     let rt = crate::serve_args::runtime()?;
     rt.block_on(async move {
         let admission = args.security.admission()?;
+        let tls = args.tls.server_config()?;
         fleet_metrics::prometheus_handle();
         let mut config = args.routing.fleet_config(&args.model, args.block_size);
         // With Kafka, every worker's KV events come from the stream.
         config.follow_worker_events = args.control.kafka.is_none();
+        config.worker_tls = args.worker_tls.client_config()?;
         let fleet = Fleet::new(config).map_err(anyhow::Error::msg)?;
         for w in &args.workers {
             fleet
@@ -77,7 +83,8 @@ pub fn run(args: RouterArgs) -> Result<()> {
             )
         };
         println!(
-            "kvfleet router: http://{addr} ({} workers{})",
+            "kvfleet router: {}://{addr} ({} workers{})",
+            args.tls.scheme(),
             args.workers.len(),
             if control.is_some() {
                 ", more from membership"
@@ -87,7 +94,7 @@ pub fn run(args: RouterArgs) -> Result<()> {
         );
         std::io::stdout().flush()?;
         let drain = std::time::Duration::from_secs(args.routing.drain_timeout);
-        serve_http_with_drain(listener, http_front::app_with(fleet.clone(), admission), fleet, drain)
+        serve_http_with_drain(listener, http_front::app_with(fleet.clone(), admission), tls, fleet, drain)
             .await
             .context("serving HTTP")?;
         if let Some(c) = control {

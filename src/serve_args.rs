@@ -128,6 +128,7 @@ pub async fn shutdown_signal() {
 pub async fn serve_http_with_drain(
     listener: tokio::net::TcpListener,
     app: axum::Router,
+    tls: Option<Arc<tokio_rustls::rustls::ServerConfig>>,
     fleet: Arc<Fleet>,
     drain_timeout: Duration,
 ) -> anyhow::Result<()> {
@@ -141,7 +142,7 @@ pub async fn serve_http_with_drain(
         );
         let _ = signalled_tx.send(());
     };
-    let serve = axum::serve(listener, app).with_graceful_shutdown(shutdown);
+    let serve = crate::http_serve::serve_http(listener, app, tls, shutdown);
     let started = std::time::Instant::now();
     let deadline = async move {
         if signalled_rx.await.is_ok() {
@@ -151,7 +152,7 @@ pub async fn serve_http_with_drain(
         }
     };
     tokio::select! {
-        r = serve.into_future() => {
+        r = serve => {
             r?;
             tracing::info!(secs = started.elapsed().as_secs_f64(), "drained");
         }

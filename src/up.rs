@@ -27,6 +27,8 @@ pub struct UpArgs {
     routing: RoutingArgs,
     #[command(flatten)]
     security: crate::security_args::SecurityArgs,
+    #[command(flatten)]
+    tls: crate::tls_args::HttpTlsArgs,
 }
 
 /// Runs the embedded cluster until Ctrl-C / SIGTERM.
@@ -39,6 +41,7 @@ pub fn run(args: UpArgs) -> Result<()> {
 async fn serve(args: UpArgs) -> Result<()> {
     anyhow::ensure!(args.workers > 0, "--workers must be at least 1");
     let admission = args.security.admission()?;
+    let tls = args.tls.server_config()?;
     fleet_metrics::prometheus_handle();
     kvfleet_worker::describe_metrics();
     // Load the weights once; every in-process worker shares them.
@@ -68,14 +71,15 @@ async fn serve(args: UpArgs) -> Result<()> {
     let addr = listener.local_addr()?;
     // Scripts and tests read this line to find the port.
     println!(
-        "kvfleet up: http://{addr} ({} workers, model {}, policy {})",
+        "kvfleet up: {}://{addr} ({} workers, model {}, policy {})",
+        args.tls.scheme(),
         args.workers,
         model.id,
         args.routing.policy.as_str()
     );
     std::io::stdout().flush()?;
     let drain = std::time::Duration::from_secs(args.routing.drain_timeout);
-    serve_http_with_drain(listener, http_front::app_with(fleet.clone(), admission), fleet, drain)
+    serve_http_with_drain(listener, http_front::app_with(fleet.clone(), admission), tls, fleet, drain)
         .await
         .context("serving HTTP")?;
     for w in workers {

@@ -4,7 +4,7 @@ use crate::control_plane::{ControlArgs, WorkerControl};
 use crate::serve_args::{init_logging, shutdown_signal, EngineArgs};
 use anyhow::{Context, Result};
 use clap::Args;
-use kvfleet_worker::{serve_service, WorkerModel, WorkerService};
+use kvfleet_worker::{serve_service_tls, WorkerModel, WorkerService};
 use std::io::Write;
 
 /// Arguments of `kvfleet worker`.
@@ -37,6 +37,8 @@ pub struct WorkerArgs {
     /// On SIGTERM, how long (s) running sequences may take to finish before exit.
     #[arg(long, default_value_t = 30)]
     drain_timeout: u64,
+    #[command(flatten)]
+    tls: crate::tls_args::WorkerServerTlsArgs,
 }
 
 /// Serves until Ctrl-C / SIGTERM.
@@ -44,6 +46,7 @@ pub fn run(args: WorkerArgs) -> Result<()> {
     init_logging();
     let rt = crate::serve_args::runtime()?;
     rt.block_on(async move {
+        let tls = args.tls.server_config()?;
         kvfleet_router::fleet_metrics::prometheus_handle();
         kvfleet_worker::describe_metrics();
         let listener = tokio::net::TcpListener::bind(&args.grpc)
@@ -86,12 +89,13 @@ pub fn run(args: WorkerArgs) -> Result<()> {
             Some(a) => Some(serve_metrics(a).await?),
             None => None,
         };
+        let scheme = if tls.is_some() { "grpcs" } else { "grpc" };
         match &metrics {
             Some((maddr, _)) => println!(
-                "kvfleet worker {id}: grpc://{addr} (model {}), metrics http://{maddr}",
+                "kvfleet worker {id}: {scheme}://{addr} (model {}), metrics http://{maddr}",
                 args.model
             ),
-            None => println!("kvfleet worker {id}: grpc://{addr} (model {})", args.model),
+            None => println!("kvfleet worker {id}: {scheme}://{addr} (model {})", args.model),
         }
         std::io::stdout().flush()?;
         // SIGTERM: leave membership first (routers stop sending), then stop accepting;
@@ -114,7 +118,7 @@ pub fn run(args: WorkerArgs) -> Result<()> {
             }
         };
         let served = tokio::select! {
-            r = serve_service(service, listener, shutdown) => r.context("serving gRPC"),
+            r = serve_service_tls(service, listener, tls, shutdown) => r.context("serving gRPC"),
             _ = deadline => {
                 tracing::warn!("drain timeout: exiting with sequences still running");
                 Ok(())

@@ -67,6 +67,10 @@ pub struct FleetConfig {
     /// control plane feeds the index from the event stream instead; supervisors then
     /// only poll load.
     pub follow_worker_events: bool,
+    /// TLS to workers (CA to verify them by, and a client certificate for workers that
+    /// require one); `None`: plaintext. With it, an endpoint without a scheme is
+    /// reached as `https://`.
+    pub worker_tls: Option<tonic::transport::ClientTlsConfig>,
 }
 
 impl Default for FleetConfig {
@@ -86,6 +90,7 @@ impl Default for FleetConfig {
             session_max_tokens: 256 * 1024,
             fork_children_per_worker: 32,
             follow_worker_events: true,
+            worker_tls: None,
         }
     }
 }
@@ -545,7 +550,11 @@ impl Fleet {
 
     /// Connects to a worker and admits it (see [`Self::check_and_register`]).
     async fn connect_and_register(&self, endpoint: &str) -> Result<WorkerConn, String> {
-        let conn = WorkerConn::connect_with(endpoint, self.config.conn_timeouts)
+        let conn = WorkerConn::connect_with(
+            endpoint,
+            self.config.conn_timeouts,
+            self.config.worker_tls.as_ref(),
+        )
             .await
             .map_err(|e| e.to_string())?;
         self.check_and_register(&conn).await?;
@@ -620,7 +629,11 @@ impl Fleet {
     }
 
     async fn reconnect(&self, id: &str, endpoint: &str) -> Result<WorkerConn, String> {
-        let conn = WorkerConn::connect_with(endpoint, self.config.conn_timeouts)
+        let conn = WorkerConn::connect_with(
+            endpoint,
+            self.config.conn_timeouts,
+            self.config.worker_tls.as_ref(),
+        )
             .await
             .map_err(|e| e.to_string())?;
         if conn.id() != id {

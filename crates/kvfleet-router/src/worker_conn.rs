@@ -3,7 +3,7 @@
 use kvfleet_proto::v1 as pb;
 use kvfleet_proto::v1::worker_client::WorkerClient;
 use std::time::Duration;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::{Channel, ClientTlsConfig, Endpoint};
 
 /// How long a connection attempt may take (default).
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
@@ -54,21 +54,41 @@ pub enum ConnError {
 }
 
 impl WorkerConn {
-    /// Connects to `endpoint` (`host:port` or `http://host:port`) and asks for its Info,
-    /// with the default deadlines.
-    pub async fn connect(endpoint: &str) -> Result<Self, ConnError> {
-        Self::connect_with(endpoint, ConnTimeouts::default()).await
+    /// Connects to `endpoint` (`host:port`, `http://host:port` or `https://host:port`)
+    /// and asks for its Info, with the default deadlines. With `tls`, the connection is
+    /// TLS (a bare `host:port` becomes `https://`) and the worker's certificate must
+    /// verify against its CA.
+    pub async fn connect(endpoint: &str, tls: Option<&ClientTlsConfig>) -> Result<Self, ConnError> {
+        Self::connect_with(endpoint, ConnTimeouts::default(), tls).await
     }
 
     /// [`Self::connect`] with these deadlines.
-    pub async fn connect_with(endpoint: &str, timeouts: ConnTimeouts) -> Result<Self, ConnError> {
+    pub async fn connect_with(
+        endpoint: &str,
+        timeouts: ConnTimeouts,
+        tls: Option<&ClientTlsConfig>,
+    ) -> Result<Self, ConnError> {
         let uri = if endpoint.contains("://") {
             endpoint.to_string()
+        } else if tls.is_some() {
+            format!("https://{endpoint}")
         } else {
             format!("http://{endpoint}")
         };
-        let ep = Endpoint::from_shared(uri.clone())
-            .map_err(|e| ConnError::Endpoint(uri.clone(), e.to_string()))?
+        let mut ep = Endpoint::from_shared(uri.clone())
+            .map_err(|e| ConnError::Endpoint(uri.clone(), e.to_string()))?;
+        if let Some(tls) = tls {
+            if !uri.starts_with("https://") {
+                return Err(ConnError::Endpoint(
+                    uri,
+                    "worker TLS is configured, so the endpoint must be https://".into(),
+                ));
+            }
+            ep = ep
+                .tls_config(tls.clone())
+                .map_err(|e| ConnError::Endpoint(uri.clone(), e.to_string()))?;
+        }
+        let ep = ep
             .connect_timeout(timeouts.connect)
             .tcp_nodelay(true)
             .http2_keep_alive_interval(Duration::from_secs(10))
@@ -78,7 +98,7 @@ impl WorkerConn {
         let channel = tokio::time::timeout(timeouts.connect + timeouts.unary, ep.connect())
             .await
             .map_err(|_| ConnError::Connect(uri.clone(), "handshake timed out".into()))?
-            .map_err(|e| ConnError::Connect(uri.clone(), e.to_string()))?;
+            .map_err(|e| ConnError::Connect(uri.clone(), error_chain(&e)))?;
         let mut client = WorkerClient::new(channel)
             .max_decoding_message_size(256 << 20)
             .max_encoding_message_size(256 << 20);
@@ -161,6 +181,23 @@ impl WorkerConn {
             .into_inner()
             .found)
     }
+}
+
+/// `e` and its sources, `: `-joined: tonic's transport error alone says only
+/// "transport error", its sources say why (e.g. an unknown certificate issuer).
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        let part = s.to_string();
+        // Wrappers often repeat their source's message; say it once.
+        if !text.ends_with(&part) {
+            text.push_str(": ");
+            text.push_str(&part);
+        }
+        source = s.source();
+    }
+    text
 }
 
 impl WorkerConn {

@@ -34,7 +34,9 @@ pub use config::{WorkerConfig, WorkerModel};
 pub use engine_metrics::describe_metrics;
 pub use error::WorkerError;
 pub use event_log::{EventLog, SubscribeError, Subscription};
-pub use server::{serve, serve_service, spawn_worker, spawn_worker_on, WorkerHandle};
+pub use server::{
+    serve, serve_service, serve_service_tls, spawn_worker, spawn_worker_on, WorkerHandle,
+};
 pub use service::{
     EventStreamCloser, ForkStream, GenerateStream, KvEventStream, WorkerService, MAX_FORK_CHILDREN,
 };

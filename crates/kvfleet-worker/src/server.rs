@@ -12,7 +12,7 @@ use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use tonic::transport::server::TcpIncoming;
-use tonic::transport::Server;
+use tonic::transport::{Server, ServerTlsConfig};
 
 /// Loads the model, starts the engine and serves the worker API on `listener` until
 /// `shutdown` resolves. Shutdown is graceful: the listener stops accepting, live
@@ -39,11 +39,29 @@ pub async fn serve_service<F>(
 where
     F: Future<Output = ()>,
 {
+    serve_service_tls(service, listener, None, shutdown).await
+}
+
+/// Like [`serve_service`], over TLS when `tls` is given (with client-certificate
+/// checks when it names a client CA: mutual TLS).
+pub async fn serve_service_tls<F>(
+    service: WorkerService,
+    listener: TcpListener,
+    tls: Option<ServerTlsConfig>,
+    shutdown: F,
+) -> Result<(), WorkerError>
+where
+    F: Future<Output = ()>,
+{
     let closer = service.event_stream_closer();
     let stopped = service.engine_stopped();
     let worker_id = service.info().worker_id.clone();
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
-    let result = Server::builder()
+    let mut builder = Server::builder();
+    if let Some(tls) = tls {
+        builder = builder.tls_config(tls)?;
+    }
+    let result = builder
         .add_service(service.into_server())
         .serve_with_incoming_shutdown(incoming, async move {
             shutdown.await;
