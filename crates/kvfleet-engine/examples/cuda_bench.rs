@@ -102,9 +102,9 @@ fn run() -> Result<serde_json::Value, String> {
         let config = ttft_config();
         let params = config.num_parameters();
         let model = Arc::new(LlamaModel::seeded(config, 7).map_err(err)?);
-        let prompt_len = 32_768;
-        let suffix = 64;
-        let bs = 16;
+        let prompt_len: usize = 32_768;
+        let suffix: usize = 64;
+        let bs: usize = 16;
         let blocks = (prompt_len + suffix).div_ceil(bs) + 8;
         let mut backend = CudaBackend::new(model, blocks, bs, ordinal).map_err(err)?;
         let table: Vec<u32> = (0..blocks as u32).collect();

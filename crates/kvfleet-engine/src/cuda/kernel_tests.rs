@@ -239,6 +239,7 @@ fn kv_slice(kv: &super::kv_blocks::DeviceKv) -> &CudaSlice<u16> {
     kv.data()
 }
 
+#[allow(clippy::too_many_arguments)]
 /// f64 attention of one query (already scaled) over keys `lo..=pos` of contiguous k/v.
 fn reference_row(
     q: &[f32],
