@@ -17,7 +17,7 @@ for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
   [ -d "$d" ] && export LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 done
 pylib=$(python3 -c 'import nvidia, os; print(":".join(os.path.join(p, s, "lib") for p in nvidia.__path__ for s in os.listdir(p) if os.path.isdir(os.path.join(p, s, "lib"))))' 2>/dev/null || true)
-[ -n "$pylib" ] && export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$pylib"
+[ -n "$pylib" ] && export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$pylib"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >"$OUT/nvidia-smi.txt" 2>&1 || true
 
 status=0
