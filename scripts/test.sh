@@ -82,6 +82,18 @@ if ! [ -d tests/browser/node_modules/playwright-core ]; then
   (cd tests/browser && npm ci --no-audit --no-fund --loglevel=error)
 fi
 
+# NVRTC's library (CUDA 13) from its PyPI wheel: crates/kvfleet-engine/tests/
+# cuda_kernels_compile.rs compiles every CUDA kernel for sm_90 with it, no GPU or toolkit
+# needed. libnvrtc loads libnvrtc-builtins from the same folder, hence LD_LIBRARY_PATH.
+nvrtc_lib() {
+  python3 -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13", "lib"))' 2>/dev/null || true
+}
+if [ ! -e "$(nvrtc_lib)/libnvrtc.so.13" ]; then
+  python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore \
+    "nvidia-cuda-nvrtc==13.0.88"
+fi
+export LD_LIBRARY_PATH="$(nvrtc_lib)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+
 # Tests run with optimised dependencies (see [profile.*] in Cargo.toml): the model tests
 # do real matrix work and would crawl at opt-level 0.
 cargo test --workspace --locked 2>&1

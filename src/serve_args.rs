@@ -1,6 +1,7 @@
 //! Arguments shared by the serving commands (`up`, `worker`, `router`).
 
 use clap::Args;
+use kvfleet_engine::Device;
 use kvfleet_router::circuit_breaker::BreakerConfig;
 use kvfleet_router::worker_conn::ConnTimeouts;
 use kvfleet_router::{Fleet, FleetConfig, PolicyKind, RouterConfig};
@@ -12,6 +13,10 @@ use std::time::Duration;
 /// Engine sizing of a worker.
 #[derive(Args, Clone, Debug)]
 pub struct EngineArgs {
+    /// Compute device of each worker: cpu or cuda:N (CUDA needs the NVIDIA driver,
+    /// NVRTC and cuBLAS 13; a missing one is reported at start).
+    #[arg(long, default_value = "cpu")]
+    pub device: Device,
     /// KV blocks per worker.
     #[arg(long, default_value_t = 2048)]
     pub num_blocks: usize,
@@ -33,6 +38,7 @@ impl EngineArgs {
     /// A worker configuration with these sizes.
     pub fn worker_config(&self, worker_id: String, model: WorkerModel) -> WorkerConfig {
         let mut c = WorkerConfig::new(worker_id, model);
+        c.device = self.device;
         c.num_blocks = self.num_blocks;
         c.block_size = self.block_size;
         c.max_num_seqs = self.max_num_seqs;

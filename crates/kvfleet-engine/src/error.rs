@@ -25,6 +25,9 @@ pub enum EngineError {
     /// A tensor operation failed.
     #[error("tensor: {0}")]
     Tensor(#[from] candle_core::Error),
+    /// The compute device is missing, unusable or failed (CUDA libraries, GPU, kernels).
+    #[error("device: {0}")]
+    Device(String),
     /// The KV cache cannot hold even one request of this size.
     #[error("out of KV blocks: {0}")]
     OutOfBlocks(String),

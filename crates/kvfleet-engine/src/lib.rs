@@ -8,10 +8,15 @@
 //! - [`engine`]: one step = schedule, batched forward, sample, publish KV events.
 //! - [`model`]: a Llama-family decoder on candle-core whose attention reads K/V
 //!   through block tables ([`kv_cache`]).
+//! - [`device`]: `--device cpu|cuda:N` and the backend built for it; the CUDA
+//!   backend itself is in `cuda` (feature `cuda`).
 //! - [`kv_events`]: `Stored` / `Removed` / `Cleared` events with sequence numbers.
 
 pub mod backend;
 pub mod block_pool;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+pub mod device;
 pub mod engine;
 pub mod error;
 pub mod kv_cache;
@@ -25,6 +30,7 @@ pub mod sequence;
 pub mod stop_matcher;
 
 pub use backend::{CpuBackend, ModelBackend};
+pub use device::{new_backend, Device};
 pub use engine::{
     Completion, Engine, EngineConfig, EngineLoad, EngineStats, ForkChild, ForkRequest, Request,
     StepOutput,

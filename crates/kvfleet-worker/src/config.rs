@@ -2,7 +2,7 @@
 //! batches, and how many KV events it keeps for late subscribers.
 
 use crate::error::WorkerError;
-use kvfleet_engine::{EngineConfig, LoadedModel};
+use kvfleet_engine::{Device, EngineConfig, LoadedModel};
 
 /// The model a worker serves.
 #[derive(Clone)]
@@ -50,6 +50,8 @@ pub struct WorkerConfig {
     pub worker_id: String,
     /// The model to serve.
     pub model: WorkerModel,
+    /// The device the model runs on (`cpu`, the default, or `cuda:N`).
+    pub device: Device,
     /// KV blocks in the pool.
     pub num_blocks: usize,
     /// Tokens per KV block; routers must hash with the same size.
@@ -82,6 +84,7 @@ impl WorkerConfig {
         WorkerConfig {
             worker_id: worker_id.into(),
             model: model.into(),
+            device: Device::Cpu,
             num_blocks: 2048,
             block_size: engine.block_size,
             max_num_seqs: engine.max_num_seqs,

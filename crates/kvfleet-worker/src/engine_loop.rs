@@ -27,8 +27,8 @@ use crate::event_log::EventLog;
 use crate::outbox::{Delivery, Outbox};
 use kvfleet_core::{hash_blocks, TokenId};
 use kvfleet_engine::{
-    load_model, CpuBackend, Engine, EngineError, FinishReason, ForkChild, ForkRequest,
-    ModelBackend, Request, RequestId, StepOutput,
+    load_model, new_backend, Engine, EngineError, FinishReason, ForkChild, ForkRequest, Request,
+    RequestId, StepOutput,
 };
 use kvfleet_proto::v1 as pb;
 use std::collections::HashMap;
@@ -101,15 +101,16 @@ fn build_engine(
         WorkerModel::Spec(spec) => load_model(spec)?,
         WorkerModel::Loaded(m) => m.clone(),
     };
-    let backend = CpuBackend::new(
+    let backend = new_backend(
+        config.device,
         Arc::clone(&model.model),
         config.num_blocks,
         config.block_size,
-    );
+    )?;
     let device = backend.device_name();
     let mut engine = Engine::new(
         config.engine_config(&model.id),
-        Box::new(backend),
+        backend,
         Some(Arc::clone(&model.tokenizer)),
     )?;
     engine.set_event_sink(events);

@@ -9,11 +9,11 @@
 //! All tokens of all sequences in a step go through each projection as one matrix
 //! product: that is what makes continuous batching pay off on a CPU.
 
-mod attention;
-mod ops;
-mod rope;
+pub(crate) mod attention;
+pub(crate) mod ops;
+pub(crate) mod rope;
 mod seeded;
-mod weights;
+pub(crate) mod weights;
 
 use std::ops::Range;
 use std::path::Path;
@@ -182,6 +182,16 @@ impl LlamaModel {
     /// The model's configuration.
     pub fn config(&self) -> &ModelConfig {
         &self.config
+    }
+
+    /// The weights, for backends that copy them to their own memory.
+    pub(crate) fn weights(&self) -> &Weights {
+        &self.weights
+    }
+
+    /// RoPE inverse frequencies (rope scaling applied), `head_dim / 2` of them.
+    pub(crate) fn rope_inv_freq(&self) -> &[f32] {
+        self.rope.inv_freq()
     }
 
     /// A zeroed KV cache shaped for this model.
@@ -437,6 +447,18 @@ impl LlamaModel {
     }
 
     fn check_item(&self, i: usize, item: &ForwardItem<'_>, kv: &KvCache) -> Result<()> {
+        self.check_item_for(i, item, kv.block_size(), kv.num_blocks())
+    }
+
+    /// Checks item `i` of a step against this model and a cache of `num_blocks` blocks of
+    /// `block_size` tokens: what every backend checks before it writes anything.
+    pub(crate) fn check_item_for(
+        &self,
+        i: usize,
+        item: &ForwardItem<'_>,
+        block_size: usize,
+        num_blocks: usize,
+    ) -> Result<()> {
         let bad = |m: String| {
             Err(EngineError::InvalidRequest(format!(
                 "forward item {i}: {m}"
@@ -462,21 +484,19 @@ impl LlamaModel {
                 self.config.max_position_embeddings
             ));
         }
-        let needed = end.div_ceil(kv.block_size());
+        let needed = end.div_ceil(block_size);
         if item.block_table.len() < needed {
             return bad(format!(
-                "block table of {} blocks cannot hold {end} positions (block size {})",
+                "block table of {} blocks cannot hold {end} positions (block size {block_size})",
                 item.block_table.len(),
-                kv.block_size()
             ));
         }
         if let Some(&b) = item.block_table[..needed]
             .iter()
-            .find(|&&b| b as usize >= kv.num_blocks())
+            .find(|&&b| b as usize >= num_blocks)
         {
             return bad(format!(
-                "block id {b} outside a cache of {} blocks",
-                kv.num_blocks()
+                "block id {b} outside a cache of {num_blocks} blocks"
             ));
         }
         Ok(())

@@ -31,6 +31,11 @@ impl Rope {
         Self { inv_freq }
     }
 
+    /// The inverse frequency of each rotary pair, scaling applied.
+    pub(crate) fn inv_freq(&self) -> &[f32] {
+        &self.inv_freq
+    }
+
     /// Tables for `positions`. The angle is rounded to f32 before cos/sin, as Hugging
     /// Face and vLLM compute it, so long positions lose the same precision they do.
     pub(crate) fn tables(&self, positions: impl IntoIterator<Item = usize>) -> RopeTables {

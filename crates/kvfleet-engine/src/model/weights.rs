@@ -180,6 +180,16 @@ impl Linear {
         self.out_dim
     }
 
+    /// The `[out, in]` weights, row-major (a copy).
+    pub(crate) fn weight_data(&self) -> Result<Vec<f32>> {
+        Ok(self.w.flatten_all()?.to_vec1::<f32>()?)
+    }
+
+    /// The bias, if this projection has one.
+    pub(crate) fn bias(&self) -> Option<&[f32]> {
+        self.bias.as_deref()
+    }
+
     /// The Hugging Face `[out, in]` matrices and biases this projection was fused from.
     fn unfuse(&self) -> Result<Vec<Part>> {
         let w = self.w.flatten_all()?.to_vec1::<f32>()?;
@@ -322,6 +332,11 @@ impl Weights {
             lm_head,
             tied: config.tie_word_embeddings,
         })
+    }
+
+    /// The `[vocab, hidden]` embedding, row-major (a copy).
+    pub(crate) fn embed_data(&self) -> Result<Vec<f32>> {
+        Ok(self.embed.flatten_all()?.to_vec1::<f32>()?)
     }
 
     /// Copies the embedding rows of `tokens` into a `tokens.len() × hidden` buffer.
