@@ -6,7 +6,6 @@ use kvfleet_router::circuit_breaker::BreakerConfig;
 use kvfleet_router::worker_conn::ConnTimeouts;
 use kvfleet_router::{Fleet, FleetConfig, PolicyKind, RouterConfig};
 use kvfleet_worker::{WorkerConfig, WorkerModel};
-use std::future::IntoFuture;
 use std::sync::Arc;
 use std::time::Duration;
 

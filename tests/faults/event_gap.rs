@@ -70,7 +70,7 @@ async fn an_event_gap_resyncs_the_workers_index_from_its_dump() {
     }));
     let fleet = Fleet::new(FleetConfig::default()).expect("fleet");
     fleet.add_worker(&addr).await.expect("add worker");
-    let conn = WorkerConn::connect(&addr).await.expect("connect");
+    let conn = WorkerConn::connect(&addr, None).await.expect("connect");
 
     // Real cached blocks: one generation of a 4-block prompt.
     let tokens: Vec<u32> = (0..(4 * DEFAULT_BLOCK_SIZE as u32))
