@@ -302,6 +302,8 @@ impl RouterControl {
                 .await
                 .context("subscribing to KV events")?;
             tasks.push(tokio::spawn(me.clone().consume_kv_events(sub)));
+            fleet.set_control_plane_up("kafka", true);
+            tasks.push(tokio::spawn(probe_kafka(fleet.clone(), stream.clone())));
         }
         let (rev, placements) = me.placement.list().await.context("listing placements")?;
         {
@@ -479,7 +481,10 @@ impl RouterControl {
                     self.apply_record(&rec).await;
                     pending = Some(rec);
                 }
-                Ok(None) => self.fleet.set_control_plane_up("kafka", true),
+                // Nothing new is not proof of a live broker (librdkafka reports a dead
+                // one once per reconnect attempt, then stays quiet): `probe_kafka`
+                // decides.
+                Ok(None) => {}
                 Err(e) => {
                     // Unreachable: routing goes on from the router's own reservations
                     // and load polls; the stream resumes from the committed offset.
@@ -588,6 +593,21 @@ impl ControlHooks for RouterControl {
         if tx.try_send(rec).is_err() {
             tracing::warn!("usage record dropped: the publisher is behind");
         }
+    }
+}
+
+/// How often Kafka's reachability is checked.
+const KAFKA_PROBE_INTERVAL: Duration = Duration::from_secs(1);
+/// Deadline of one Kafka probe (a metadata request).
+const KAFKA_PROBE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Asks a broker for the KV event topic's metadata every [`KAFKA_PROBE_INTERVAL`]:
+/// the consumer alone cannot tell an idle topic from an unreachable broker.
+async fn probe_kafka(fleet: Arc<Fleet>, stream: Arc<KafkaEventStream>) {
+    loop {
+        tokio::time::sleep(KAFKA_PROBE_INTERVAL).await;
+        let up = stream.probe(KAFKA_PROBE_TIMEOUT).await.is_ok();
+        fleet.set_control_plane_up("kafka", up);
     }
 }
 

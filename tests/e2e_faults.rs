@@ -2,8 +2,9 @@
 //! worker SIGKILLed mid-stream, a worker that hangs (SIGSTOP), and a rolling restart
 //! (SIGTERM a worker, restart it, then SIGTERM the router) while clients stream.
 //!
-//! Also here, to share one test binary: etcd unreachable (`faults/etcd_outage.rs`) and
-//! a gap in a worker's event sequence (`faults/event_gap.rs`).
+//! Also here, to share one test binary: etcd unreachable (`faults/etcd_outage.rs`),
+//! Kafka unreachable (`faults/kafka_outage.rs`) and a gap in a worker's event sequence
+//! (`faults/event_gap.rs`).
 //!
 //! Each test prints its figures (`FIGURE …` lines) for docs/reliability.md.
 
@@ -13,6 +14,8 @@ mod support;
 mod etcd_outage;
 #[path = "faults/event_gap.rs"]
 mod event_gap;
+#[path = "faults/kafka_outage.rs"]
+mod kafka_outage;
 
 use serde_json::json;
 use std::io::{BufRead, BufReader};

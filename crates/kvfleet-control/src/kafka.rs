@@ -16,7 +16,7 @@ use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::Message;
-use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 use rdkafka::{Offset, TopicPartitionList};
 use std::sync::Arc;
 use std::time::Duration;
@@ -49,6 +49,10 @@ impl KafkaConfig {
         }
     }
 }
+
+/// Longest wait between two reconnect attempts to a broker (librdkafka's default is
+/// 10 s): bounds how long after a broker comes back events flow again.
+const RECONNECT_BACKOFF_MAX_MS: &str = "1000";
 
 fn kafka_err(e: KafkaError) -> ControlError {
     ControlError::Kafka(e.to_string())
@@ -95,6 +99,7 @@ impl KafkaEventStream {
         let producer: FutureProducer = ClientConfig::new()
             .set("bootstrap.servers", &config.brokers)
             .set("enable.idempotence", "true")
+            .set("reconnect.backoff.max.ms", RECONNECT_BACKOFF_MAX_MS)
             .set("acks", "all")
             .set("linger.ms", "2")
             .set(
@@ -109,6 +114,31 @@ impl KafkaEventStream {
     /// The configuration.
     pub fn config(&self) -> &KafkaConfig {
         &self.config
+    }
+
+    /// Checks that a broker answers: a metadata request for the KV event topic, within
+    /// `deadline`. A consumer with no broker only reports the failure once per
+    /// reconnect attempt and is otherwise silent, so reachability is probed.
+    pub async fn probe(&self, deadline: Duration) -> Result<()> {
+        let producer = self.producer.clone();
+        let topic = self.config.topics.kv_events.clone();
+        // librdkafka's metadata call blocks for a broker round trip: off the async
+        // threads, bounded by `deadline` on both sides.
+        let call = tokio::task::spawn_blocking(move || {
+            producer
+                .client()
+                .fetch_metadata(Some(&topic), deadline)
+                .map(|_| ())
+                .map_err(kafka_err)
+        });
+        match tokio::time::timeout(deadline + Duration::from_millis(500), call).await {
+            Err(_) => Err(ControlError::Timeout {
+                what: "kafka metadata probe",
+                after: deadline,
+            }),
+            Ok(Err(e)) => Err(ControlError::Kafka(format!("probe task failed: {e}"))),
+            Ok(Ok(r)) => r,
+        }
     }
 }
 
@@ -137,6 +167,7 @@ impl EventStream for KafkaEventStream {
         let consumer: StreamConsumer = ClientConfig::new()
             .set("bootstrap.servers", &self.config.brokers)
             .set("group.id", group)
+            .set("reconnect.backoff.max.ms", RECONNECT_BACKOFF_MAX_MS)
             .set("enable.auto.commit", "false")
             .set("enable.auto.offset.store", "false")
             .set("enable.partition.eof", "false")

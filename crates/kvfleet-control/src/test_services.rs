@@ -231,10 +231,11 @@ impl Drop for KafkaBroker {
 }
 
 /// A TCP proxy on loopback whose open connections can be cut, to break a client's
-/// connection mid-stream.
+/// connection mid-stream, and which can refuse new ones for a while (a partition).
 pub struct TcpProxy {
     /// The port clients connect to.
     pub port: u16,
+    refusing: std::sync::Arc<std::sync::atomic::AtomicBool>,
     conns: std::sync::Arc<std::sync::Mutex<Vec<tokio::task::JoinHandle<()>>>>,
     accept: tokio::task::JoinHandle<()>,
 }
@@ -248,8 +249,15 @@ impl TcpProxy {
         let port = listener.local_addr().map(|a| a.port()).unwrap_or(0);
         let conns = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
         let list = conns.clone();
+        let refusing = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let closed = refusing.clone();
         let accept = tokio::spawn(async move {
             while let Ok((mut inbound, _)) = listener.accept().await {
+                if closed.load(std::sync::atomic::Ordering::SeqCst) {
+                    // Partitioned: the client's connection closes at once.
+                    drop(inbound);
+                    continue;
+                }
                 let task = tokio::spawn(async move {
                     if let Ok(mut outbound) =
                         tokio::net::TcpStream::connect(("127.0.0.1", target)).await
@@ -265,9 +273,24 @@ impl TcpProxy {
         });
         TcpProxy {
             port,
+            refusing,
             conns,
             accept,
         }
+    }
+
+    /// Partitions: closes every open connection and closes each new one at once,
+    /// until [`TcpProxy::heal`]; how many were open.
+    pub fn partition(&self) -> usize {
+        self.refusing
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        self.cut()
+    }
+
+    /// Ends a [`TcpProxy::partition`]: new connections are forwarded again.
+    pub fn heal(&self) {
+        self.refusing
+            .store(false, std::sync::atomic::Ordering::SeqCst);
     }
 
     /// Closes every open connection (new ones are accepted); how many were open.
