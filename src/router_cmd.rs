@@ -94,9 +94,15 @@ pub fn run(args: RouterArgs) -> Result<()> {
         );
         std::io::stdout().flush()?;
         let drain = std::time::Duration::from_secs(args.routing.drain_timeout);
-        serve_http_with_drain(listener, http_front::app_with(fleet.clone(), admission), tls, fleet, drain)
-            .await
-            .context("serving HTTP")?;
+        serve_http_with_drain(
+            listener,
+            http_front::app_with(fleet.clone(), admission),
+            tls,
+            fleet,
+            drain,
+        )
+        .await
+        .context("serving HTTP")?;
         if let Some(c) = control {
             c.shutdown();
         }

@@ -79,9 +79,15 @@ async fn serve(args: UpArgs) -> Result<()> {
     );
     std::io::stdout().flush()?;
     let drain = std::time::Duration::from_secs(args.routing.drain_timeout);
-    serve_http_with_drain(listener, http_front::app_with(fleet.clone(), admission), tls, fleet, drain)
-        .await
-        .context("serving HTTP")?;
+    serve_http_with_drain(
+        listener,
+        http_front::app_with(fleet.clone(), admission),
+        tls,
+        fleet,
+        drain,
+    )
+    .await
+    .context("serving HTTP")?;
     for w in workers {
         let _ = w.shutdown().await;
     }

@@ -95,7 +95,10 @@ pub fn run(args: WorkerArgs) -> Result<()> {
                 "kvfleet worker {id}: {scheme}://{addr} (model {}), metrics http://{maddr}",
                 args.model
             ),
-            None => println!("kvfleet worker {id}: {scheme}://{addr} (model {})", args.model),
+            None => println!(
+                "kvfleet worker {id}: {scheme}://{addr} (model {})",
+                args.model
+            ),
         }
         std::io::stdout().flush()?;
         // SIGTERM: leave membership first (routers stop sending), then stop accepting;

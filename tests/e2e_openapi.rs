@@ -15,7 +15,10 @@ fn every_documented_operation_is_served() {
     assert_eq!(doc["openapi"], "3.0.3");
     let paths = doc["paths"].as_object().expect("paths");
     // Every route the router serves is documented (and, below, every documented one served).
-    let mut served: Vec<&str> = kvfleet_router::http_front::ROUTES.iter().map(|r| r.1).collect();
+    let mut served: Vec<&str> = kvfleet_router::http_front::ROUTES
+        .iter()
+        .map(|r| r.1)
+        .collect();
     served.dedup();
     assert_eq!(paths.len(), served.len(), "{:?}", paths.keys());
     for (path, ops) in paths {

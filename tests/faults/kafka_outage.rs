@@ -147,7 +147,7 @@ fn routers_serve_through_a_kafka_outage_and_catch_up_after_it() {
         rt.block_on(async {
             let mut out = BTreeMap::new();
             for (id, p) in &workers {
-                let conn = WorkerConn::connect(&p.addr).await.expect("connect");
+                let conn = WorkerConn::connect(&p.addr, None).await.expect("connect");
                 let d = conn.cache_dump().await.expect("dump");
                 out.insert(id.clone(), (d.blocks.len() as u64, d.seq));
             }

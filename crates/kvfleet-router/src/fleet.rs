@@ -555,8 +555,8 @@ impl Fleet {
             self.config.conn_timeouts,
             self.config.worker_tls.as_ref(),
         )
-            .await
-            .map_err(|e| e.to_string())?;
+        .await
+        .map_err(|e| e.to_string())?;
         self.check_and_register(&conn).await?;
         Ok(conn)
     }
@@ -634,8 +634,8 @@ impl Fleet {
             self.config.conn_timeouts,
             self.config.worker_tls.as_ref(),
         )
-            .await
-            .map_err(|e| e.to_string())?;
+        .await
+        .map_err(|e| e.to_string())?;
         if conn.id() != id {
             return Err(format!("{endpoint} is now worker {}, not {id}", conn.id()));
         }
