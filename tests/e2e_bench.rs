@@ -4,28 +4,13 @@
 
 mod support;
 
-use std::process::Command;
-
-fn kvfleet(args: &[&str]) -> String {
-    let out = Command::new(env!("CARGO_BIN_EXE_kvfleet"))
-        .args(args)
-        .output()
-        .expect("run kvfleet");
-    assert!(
-        out.status.success(),
-        "kvfleet {args:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).expect("utf-8")
-}
-
 #[test]
 fn replay_agrees_with_the_simulator() {
     let dir = std::env::temp_dir().join(format!("kvfleet-e2e-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let trace = dir.join("trace.jsonl");
     let trace_s = trace.to_str().unwrap();
-    kvfleet(&[
+    support::run_kvfleet(&[
         "bench",
         "gen",
         "--out",
@@ -54,7 +39,7 @@ fn replay_agrees_with_the_simulator() {
         "50",
     ]);
     let cluster = support::Cluster::up(&["--workers", "4"]);
-    let replay: serde_json::Value = serde_json::from_str(&kvfleet(&[
+    let replay: serde_json::Value = serde_json::from_str(&support::run_kvfleet(&[
         "bench",
         "replay",
         "--trace",
@@ -68,7 +53,7 @@ fn replay_agrees_with_the_simulator() {
     ]))
     .unwrap();
     drop(cluster);
-    let sim: serde_json::Value = serde_json::from_str(&kvfleet(&[
+    let sim: serde_json::Value = serde_json::from_str(&support::run_kvfleet(&[
         "sim",
         "--trace",
         trace_s,

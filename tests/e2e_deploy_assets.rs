@@ -39,19 +39,6 @@ fn tool(var: &str, name: &str) -> String {
     found
 }
 
-fn kvfleet(args: &[&str]) -> String {
-    let out = Command::new(env!("CARGO_BIN_EXE_kvfleet"))
-        .args(args)
-        .output()
-        .expect("run kvfleet");
-    assert!(
-        out.status.success(),
-        "kvfleet {args:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).expect("utf-8")
-}
-
 #[test]
 fn chart_lints_renders_and_validates_for_every_example() {
     let python = std::env::var("KVFLEET_PYTHON").unwrap_or_else(|_| "python3".into());
@@ -451,7 +438,7 @@ fn dashboards_and_rules_return_data_on_a_real_prometheus() {
         let trace = dir.path().join(format!("trace-{round}.jsonl"));
         let trace_s = trace.to_str().expect("utf-8 path");
         let seed = round.to_string();
-        kvfleet(&[
+        support::run_kvfleet(&[
             "bench",
             "gen",
             "--out",
@@ -481,7 +468,7 @@ fn dashboards_and_rules_return_data_on_a_real_prometheus() {
             "--turn-gap-ms",
             "50",
         ]);
-        let replay: serde_json::Value = serde_json::from_str(&kvfleet(&[
+        let replay: serde_json::Value = serde_json::from_str(&support::run_kvfleet(&[
             "bench",
             "replay",
             "--trace",

@@ -221,3 +221,18 @@ pub fn start(args: &[&str], scheme: &str) -> Proc {
         .to_string();
     Proc { child, addr }
 }
+
+/// Runs a `kvfleet` subcommand to completion and returns its stdout; panics with its
+/// stderr if it fails.
+pub fn run_kvfleet(args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvfleet"))
+        .args(args)
+        .output()
+        .expect("run kvfleet");
+    assert!(
+        out.status.success(),
+        "kvfleet {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).expect("utf-8")
+}
