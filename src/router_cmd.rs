@@ -4,7 +4,7 @@ use crate::control_plane::{ControlArgs, RouterControl, RouterControlConfig};
 use crate::serve_args::{init_logging, serve_http_with_drain, RoutingArgs};
 use anyhow::{Context, Result};
 use clap::Args;
-use kvfleet_router::{fleet_metrics, http_front, Fleet};
+use kvfleet_router::{fleet_metrics, Fleet};
 use std::io::Write;
 
 /// Arguments of `kvfleet router`.
@@ -94,15 +94,9 @@ pub fn run(args: RouterArgs) -> Result<()> {
         );
         std::io::stdout().flush()?;
         let drain = std::time::Duration::from_secs(args.routing.drain_timeout);
-        serve_http_with_drain(
-            listener,
-            http_front::app_with(fleet.clone(), admission),
-            tls,
-            fleet,
-            drain,
-        )
-        .await
-        .context("serving HTTP")?;
+        serve_http_with_drain(listener, admission, tls, fleet, drain)
+            .await
+            .context("serving HTTP")?;
         if let Some(c) = control {
             c.shutdown();
         }

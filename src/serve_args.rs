@@ -127,16 +127,28 @@ pub async fn shutdown_signal() {
     }
 }
 
-/// Serves `app` on `listener` until Ctrl-C / SIGTERM, then drains: `/health` turns
-/// 503 `draining`, the listener stops accepting, and streams in flight get up to
-/// `drain_timeout` to finish. Returns once they have (or the time is up).
+/// Resolves `drain` after the shutdown signal is reported on `signalled` (never, if
+/// it is not): the end of the grace period a draining process gives work in flight.
+pub async fn drain_deadline(signalled: tokio::sync::oneshot::Receiver<()>, drain: Duration) {
+    if signalled.await.is_ok() {
+        tokio::time::sleep(drain).await;
+    } else {
+        std::future::pending::<()>().await;
+    }
+}
+
+/// Serves the router's HTTP API (behind `admission`) on `listener` until Ctrl-C /
+/// SIGTERM, then drains: `/health` turns 503 `draining`, the listener stops accepting,
+/// and streams in flight get up to `drain_timeout` to finish. Returns once they have
+/// (or the time is up).
 pub async fn serve_http_with_drain(
     listener: tokio::net::TcpListener,
-    app: axum::Router,
+    admission: Arc<kvfleet_router::admission::Admission>,
     tls: Option<Arc<tokio_rustls::rustls::ServerConfig>>,
     fleet: Arc<Fleet>,
     drain_timeout: Duration,
 ) -> anyhow::Result<()> {
+    let app = kvfleet_router::http_front::app_with(fleet.clone(), admission);
     let (signalled_tx, signalled_rx) = tokio::sync::oneshot::channel::<()>();
     let shutdown = async move {
         shutdown_signal().await;
@@ -149,13 +161,7 @@ pub async fn serve_http_with_drain(
     };
     let serve = crate::http_serve::serve_http(listener, app, tls, shutdown);
     let started = std::time::Instant::now();
-    let deadline = async move {
-        if signalled_rx.await.is_ok() {
-            tokio::time::sleep(drain_timeout).await;
-        } else {
-            std::future::pending::<()>().await;
-        }
-    };
+    let deadline = drain_deadline(signalled_rx, drain_timeout);
     tokio::select! {
         r = serve => {
             r?;

@@ -5,7 +5,7 @@ use crate::serve_args::{init_logging, serve_http_with_drain, EngineArgs, Routing
 use anyhow::{Context, Result};
 use clap::Args;
 use kvfleet_engine::load_model;
-use kvfleet_router::{fleet_metrics, http_front, Fleet};
+use kvfleet_router::{fleet_metrics, Fleet};
 use kvfleet_worker::{spawn_worker, WorkerModel};
 use std::io::Write;
 
@@ -79,15 +79,9 @@ async fn serve(args: UpArgs) -> Result<()> {
     );
     std::io::stdout().flush()?;
     let drain = std::time::Duration::from_secs(args.routing.drain_timeout);
-    serve_http_with_drain(
-        listener,
-        http_front::app_with(fleet.clone(), admission),
-        tls,
-        fleet,
-        drain,
-    )
-    .await
-    .context("serving HTTP")?;
+    serve_http_with_drain(listener, admission, tls, fleet, drain)
+        .await
+        .context("serving HTTP")?;
     for w in workers {
         let _ = w.shutdown().await;
     }

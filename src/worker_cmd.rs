@@ -1,7 +1,7 @@
 //! `kvfleet worker`: one worker process serving the gRPC worker API.
 
 use crate::control_plane::{ControlArgs, WorkerControl};
-use crate::serve_args::{init_logging, shutdown_signal, EngineArgs};
+use crate::serve_args::{drain_deadline, init_logging, shutdown_signal, EngineArgs};
 use anyhow::{Context, Result};
 use clap::Args;
 use kvfleet_worker::{serve_service_tls, WorkerModel, WorkerService};
@@ -113,13 +113,7 @@ pub fn run(args: WorkerArgs) -> Result<()> {
             }
         };
         let drain = std::time::Duration::from_secs(args.drain_timeout);
-        let deadline = async move {
-            if signalled_rx.await.is_ok() {
-                tokio::time::sleep(drain).await;
-            } else {
-                std::future::pending::<()>().await;
-            }
-        };
+        let deadline = drain_deadline(signalled_rx, drain);
         let served = tokio::select! {
             r = serve_service_tls(service, listener, tls, shutdown) => r.context("serving gRPC"),
             _ = deadline => {
