@@ -19,7 +19,7 @@ if [ "$PROFILE" = dev ]; then BIN=target/debug/kvfleet; else BIN=target/$PROFILE
 "$BIN" bench gen --out "$OUT/replay-trace.jsonl" --sessions 6 --system-tokens 2048 \
   --tools-tokens 2048 --history-tokens 2048 --turn-tokens 512 --parent-turns 2 \
   --child-turns 2 --fork-k 4 --output-tokens 8 --session-rate 1 --turn-gap-ms 200
-"$BIN" up --workers 4 --http 127.0.0.1:0 > "$OUT/up.log" 2>&1 &
+"$BIN" up --workers 4 --model tiny --http 127.0.0.1:0 > "$OUT/up.log" 2>&1 &
 UP=$!
 trap 'kill $UP 2>/dev/null || true' EXIT
 for _ in $(seq 1 600); do

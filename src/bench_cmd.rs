@@ -30,6 +30,23 @@ enum BenchCommand {
     /// Run the simulation matrix and write docs/benchmarks.md (see
     /// scripts/benchmarks.sh).
     Matrix(MatrixArgs),
+    /// Measure one model's engine throughput in process: pp512, pp2048, tg128, and
+    /// aggregate decode over 4 and 8 sequences (see scripts/bench/vs-llamacpp.sh).
+    Model(ModelArgs),
+}
+
+/// Arguments of `kvfleet bench model`.
+#[derive(Args)]
+pub struct ModelArgs {
+    /// The model (as `kvfleet up --model`).
+    #[arg(long, default_value = kvfleet_engine::model_cache::DEFAULT_MODEL)]
+    model: String,
+    /// Runs per case; the median is reported.
+    #[arg(long, default_value_t = 3)]
+    repeats: usize,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    json: bool,
 }
 
 /// Arguments of `kvfleet bench gen`.
@@ -234,6 +251,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         }
         BenchCommand::Replay(a) => run_replay(a),
         BenchCommand::Matrix(a) => run_matrix_cmd(a),
+        BenchCommand::Model(a) => run_model_bench(a),
     }
 }
 
@@ -417,5 +435,17 @@ fn run_matrix_cmd(a: MatrixArgs) -> Result<()> {
     let json = serde_json::to_string_pretty(&serde_json::json!({ "rows": rows }))?;
     write_file(&a.plots, "matrix.json", &json)?;
     eprintln!("wrote {}", a.doc.display());
+    Ok(())
+}
+
+fn run_model_bench(args: ModelArgs) -> Result<()> {
+    let loaded = kvfleet_engine::load_model(&args.model).context("loading the model")?;
+    let r = kvfleet_engine::throughput::measure_throughput(&loaded.model, &loaded.id, args.repeats)?;
+    if args.json {
+        println!("{}", serde_json::to_string(&r)?);
+    } else {
+        println!("model {} (tokens/s, median of {})", loaded.id, args.repeats.max(1));
+        println!("pp512 {:.1}  pp2048 {:.1}  tg128 {:.1}  agg4 {:.1}  agg8 {:.1}", r.pp512, r.pp2048, r.tg128, r.agg4, r.agg8);
+    }
     Ok(())
 }

@@ -3,15 +3,14 @@
 use anyhow::{Context, Result};
 use clap::Args;
 use kvfleet_core::chat::ChatMessage;
-use kvfleet_engine::{load_model, CpuBackend, Engine, EngineConfig, Request, SamplingParams};
+use kvfleet_engine::{CpuBackend, Engine, EngineConfig, Request, SamplingParams};
 use std::io::Write;
 
 /// Arguments of `kvfleet generate`.
 #[derive(Args)]
 pub struct GenerateArgs {
-    /// `tiny`, `small` (seeded presets) or a Hugging Face model directory.
-    #[arg(long, default_value = "tiny")]
-    model: String,
+    #[command(flatten)]
+    model: crate::serve_args::ModelArgs,
     /// The prompt text.
     #[arg(long)]
     prompt: String,
@@ -46,7 +45,7 @@ pub struct GenerateArgs {
 
 /// Runs the command.
 pub fn run(args: GenerateArgs) -> Result<()> {
-    let loaded = load_model(&args.model).context("loading the model")?;
+    let loaded = args.model.load()?;
     let text = if args.chat {
         loaded
             .chat_template

@@ -17,8 +17,9 @@ pub struct RouterArgs {
     /// discovered from membership instead.
     #[arg(long, value_delimiter = ',', required_unless_present = "etcd")]
     workers: Vec<String>,
-    /// `tiny`, `small` or a Hugging Face model directory (its tokenizer is loaded).
-    #[arg(long, default_value = "tiny")]
+    /// The model the workers serve, as `kvfleet worker --model` takes it: only its
+    /// tokenizer and chat template are loaded (a GGUF file's header, not its weights).
+    #[arg(long, default_value = kvfleet_engine::model_cache::DEFAULT_MODEL)]
     model: String,
     /// Tokens per KV block; workers with another size are refused.
     #[arg(long, default_value_t = kvfleet_core::DEFAULT_BLOCK_SIZE)]

@@ -9,6 +9,34 @@ use kvfleet_worker::{WorkerConfig, WorkerModel};
 use std::sync::Arc;
 use std::time::Duration;
 
+/// Which model a worker (or `up`, or `generate`) serves, and under which id.
+#[derive(Args, Clone, Debug)]
+pub struct ModelArgs {
+    /// `smollm2-135m` (the real default, from the model cache: scripts/fetch-model.sh),
+    /// a `.gguf` file or a directory holding one, a Hugging Face directory (config.json,
+    /// *.safetensors, tokenizer.json), or the seeded presets `tiny` / `small`.
+    #[arg(long, default_value = kvfleet_engine::model_cache::DEFAULT_MODEL)]
+    pub model: String,
+    /// The model id clients name and responses report (default: the GGUF's file stem,
+    /// the Hugging Face directory's name, or the preset's name).
+    #[arg(long)]
+    pub served_model_name: Option<String>,
+}
+
+impl ModelArgs {
+    /// Loads the model (weights, tokenizer, chat template) under its served id.
+    pub fn load(&self) -> anyhow::Result<kvfleet_engine::LoadedModel> {
+        use anyhow::Context;
+        let mut model = kvfleet_engine::load_model(&self.model)
+            .with_context(|| format!("loading the model `{}`", self.model))?;
+        if let Some(name) = &self.served_model_name {
+            anyhow::ensure!(!name.trim().is_empty(), "--served-model-name must not be empty");
+            model.id = name.clone();
+        }
+        Ok(model)
+    }
+}
+
 /// Engine sizing of a worker.
 #[derive(Args, Clone, Debug)]
 pub struct EngineArgs {

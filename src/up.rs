@@ -4,7 +4,6 @@
 use crate::serve_args::{init_logging, serve_http_with_drain, EngineArgs, RoutingArgs};
 use anyhow::{Context, Result};
 use clap::Args;
-use kvfleet_engine::load_model;
 use kvfleet_router::{fleet_metrics, Fleet};
 use kvfleet_worker::{spawn_worker, WorkerModel};
 use std::io::Write;
@@ -18,9 +17,8 @@ pub struct UpArgs {
     /// HTTP address of the OpenAI-compatible API (port 0 picks a free port).
     #[arg(long, default_value = "127.0.0.1:8080")]
     http: String,
-    /// `tiny`, `small` or a Hugging Face model directory.
-    #[arg(long, default_value = "tiny")]
-    model: String,
+    #[command(flatten)]
+    model: crate::serve_args::ModelArgs,
     #[command(flatten)]
     engine: EngineArgs,
     #[command(flatten)]
@@ -45,7 +43,7 @@ async fn serve(args: UpArgs) -> Result<()> {
     fleet_metrics::prometheus_handle();
     kvfleet_worker::describe_metrics();
     // Load the weights once; every in-process worker shares them.
-    let model = load_model(&args.model).context("loading the model")?;
+    let model = args.model.load()?;
     let mut workers = Vec::new();
     for i in 0..args.workers {
         let config = args
@@ -55,7 +53,7 @@ async fn serve(args: UpArgs) -> Result<()> {
     }
     let fleet = Fleet::new(
         args.routing
-            .fleet_config(&args.model, args.engine.block_size),
+            .fleet_config(&args.model.model, args.engine.block_size),
     )
     .map_err(anyhow::Error::msg)?;
     for w in &workers {

@@ -16,9 +16,8 @@ pub struct WorkerArgs {
     /// This worker's id (default: worker-<port>).
     #[arg(long)]
     worker_id: Option<String>,
-    /// `tiny`, `small` or a Hugging Face model directory.
-    #[arg(long, default_value = "tiny")]
-    model: String,
+    #[command(flatten)]
+    model: crate::serve_args::ModelArgs,
     #[command(flatten)]
     engine: EngineArgs,
     #[command(flatten)]
@@ -57,9 +56,11 @@ pub fn run(args: WorkerArgs) -> Result<()> {
             .worker_id
             .clone()
             .unwrap_or_else(|| format!("worker-{}", addr.port()));
+        // Loaded here, not on the engine thread, so --served-model-name applies.
+        let model = args.model.load()?;
         let config = args
             .engine
-            .worker_config(id.clone(), WorkerModel::Spec(args.model.clone()));
+            .worker_config(id.clone(), WorkerModel::Loaded(model));
         // Load the model before announcing the address, so whoever reads it can connect.
         let service = WorkerService::start(config)
             .await
@@ -93,11 +94,11 @@ pub fn run(args: WorkerArgs) -> Result<()> {
         match &metrics {
             Some((maddr, _)) => println!(
                 "kvfleet worker {id}: {scheme}://{addr} (model {}), metrics http://{maddr}",
-                args.model
+                service.info().model_id
             ),
             None => println!(
                 "kvfleet worker {id}: {scheme}://{addr} (model {})",
-                args.model
+                service.info().model_id
             ),
         }
         std::io::stdout().flush()?;

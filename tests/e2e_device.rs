@@ -7,8 +7,15 @@ use std::time::{Duration, Instant};
 
 /// Runs `kvfleet ARGS…` to its end (killed after 60 s); returns (exit code, stderr).
 fn run(args: &[&str]) -> (Option<i32>, String) {
+    // The seeded model: these cases are about the device, not the weights.
+    let model: &[&str] = if matches!(args.first(), Some(&("up" | "worker"))) {
+        &["--model", "tiny"]
+    } else {
+        &[]
+    };
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvfleet"))
         .args(args)
+        .args(model)
         // A panic would print its backtrace; the test checks that none happens.
         .env("RUST_BACKTRACE", "1")
         .env("RUST_LOG", "warn")

@@ -1,4 +1,5 @@
-//! The official `openai` Python client against `kvfleet up` (scripts/test.sh installs it).
+//! The official `openai` Python client against `kvfleet up` serving the real default model
+//! (scripts/test.sh installs both).
 
 mod support;
 
@@ -7,11 +8,12 @@ use support::Cluster;
 
 #[test]
 fn the_official_openai_client_works() {
-    let c = Cluster::up(&["--workers", "2"]);
+    let c = Cluster::up(&["--workers", "2", "--model", "smollm2-135m"]);
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/openai_client.py");
     let out = Command::new("python3")
         .arg(script)
         .arg(&c.url)
+        .arg("SmolLM2-135M-Instruct.Q4_1")
         .output()
         .expect("run python3 (scripts/test.sh installs the openai package)");
     let stdout = String::from_utf8_lossy(&out.stdout);

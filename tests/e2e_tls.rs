@@ -226,8 +226,10 @@ fn https_front_serves_trusting_clients_and_survives_failed_handshakes() {
 /// Runs `kvfleet ARGS…` expecting it to fail; returns its stderr. Panics if it is
 /// still running after `limit`.
 fn run_failing(args: &[&str], limit: Duration) -> String {
+    let serves = matches!(args.first(), Some(&("up" | "worker" | "router")));
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvfleet"))
         .args(args)
+        .args(if serves { support::model_args(args) } else { &[] })
         .env("RUST_LOG", "warn")
         .stdout(Stdio::null())
         .stderr(Stdio::piped())

@@ -1,6 +1,6 @@
 """The official `openai` Python client against a running kvfleet router.
 
-Usage: python3 tests/openai_client.py http://127.0.0.1:PORT
+Usage: python3 tests/openai_client.py http://127.0.0.1:PORT MODEL_ID
 Exits non-zero (with a message) on the first thing that is not as an OpenAI client
 expects. Run by tests/e2e_openai_client.rs.
 """
@@ -9,30 +9,30 @@ import sys
 from openai import OpenAI
 
 
-def main(url: str) -> None:
+def main(url: str, model: str) -> None:
     client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
     models = client.models.list()
-    assert [m.id for m in models.data] == ["tiny"], models
+    assert [m.id for m in models.data] == [model], models
 
-    system = "You are a helpful assistant. " * 40
+    system = "You are a helpful assistant. " * 60
     messages = [
         {"role": "system", "content": system},
         {"role": "user", "content": "Say something."},
     ]
-    first = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0)
+    first = client.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0)
     assert first.object == "chat.completion", first
     assert first.choices[0].message.role == "assistant", first
     assert first.choices[0].finish_reason in ("stop", "length"), first
     assert first.usage.prompt_tokens > 300, first.usage
-    again = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0)
+    again = client.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0)
     cached = again.usage.prompt_tokens_details.cached_tokens
     assert cached >= again.usage.prompt_tokens - 16, again.usage
     assert again.choices[0].message.content == first.choices[0].message.content
 
     # Streamed, with usage in the last chunk.
     stream = client.chat.completions.create(
-        model="tiny", messages=messages, max_tokens=6, temperature=0, stream=True,
+        model=model, messages=messages, max_tokens=6, temperature=0, stream=True,
         stream_options={"include_usage": True},
     )
     text, finish, usage, roles = "", None, None, []
@@ -72,7 +72,7 @@ def main(url: str) -> None:
         {"role": "tool", "tool_call_id": "call_1", "content": "18C and sunny"},
     ]
     tool_answer = client.chat.completions.create(
-        model="tiny", messages=convo, tools=tools, max_tokens=6, temperature=0,
+        model=model, messages=convo, tools=tools, max_tokens=6, temperature=0,
     )
     choice = tool_answer.choices[0]
     assert choice.finish_reason in ("stop", "length", "tool_calls"), choice
@@ -88,10 +88,17 @@ def main(url: str) -> None:
     else:
         raise AssertionError("unknown model accepted")
 
-    completion = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=4, temperature=0)
+    completion = client.completions.create(model=model, prompt="Once upon a time", max_tokens=4, temperature=0)
     assert completion.choices[0].finish_reason in ("stop", "length"), completion
+
+    # A greeting ends at the model's end-of-turn token, which never shows in the content.
+    hi = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Hi!"}], max_tokens=96, temperature=0,
+    )
+    assert hi.choices[0].finish_reason == "stop", hi
+    assert "<|im_end|>" not in (hi.choices[0].message.content or ""), hi
     print("openai client: ok")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2])

@@ -14,13 +14,25 @@ pub struct Cluster {
     pub http: reqwest::blocking::Client,
 }
 
+/// The seeded `tiny` model unless `args` name one: most tests need speed and byte-level
+/// token counts, not the real default model (tests/e2e_real_model.rs asks for that).
+pub fn model_args(args: &[&str]) -> &'static [&'static str] {
+    if args.contains(&"--model") {
+        &[]
+    } else {
+        &["--model", "tiny"]
+    }
+}
+
 impl Cluster {
-    /// Starts `kvfleet up` with `args` on a free port and waits until it is healthy.
+    /// Starts `kvfleet up` with `args` on a free port and waits until it is healthy
+    /// (with `--model tiny` unless `args` name a model).
     pub fn up(args: &[&str]) -> Cluster {
         let mut child = Command::new(env!("CARGO_BIN_EXE_kvfleet"))
             .arg("up")
             .args(["--http", "127.0.0.1:0"])
             .args(args)
+            .args(model_args(args))
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
@@ -201,10 +213,13 @@ impl Drop for Proc {
 }
 
 /// Starts `kvfleet ARGS…` (logging warnings only) and returns it with the address it
-/// printed after `scheme` (`grpc://`, `http://`) on its first line.
+/// printed after `scheme` (`grpc://`, `http://`) on its first line. `up`, `worker` and
+/// `router` get `--model tiny` unless `args` name a model.
 pub fn start(args: &[&str], scheme: &str) -> Proc {
+    let serves = matches!(args.first(), Some(&("up" | "worker" | "router")));
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvfleet"))
         .args(args)
+        .args(if serves { model_args(args) } else { &[] })
         .env("RUST_LOG", "warn")
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())

@@ -22,12 +22,14 @@ pub mod error;
 pub mod kv_cache;
 pub mod kv_events;
 pub mod model;
+pub mod model_cache;
 pub mod model_config;
 pub mod model_source;
 pub mod sampling;
 pub mod scheduler;
 pub mod sequence;
 pub mod stop_matcher;
+pub mod throughput;
 
 pub use backend::{CpuBackend, ModelBackend};
 pub use device::{new_backend, Device};

@@ -1,0 +1,128 @@
+//! Engine throughput, measured in process on one model: prompt processing of 512 and 2,048
+//! tokens, decode at batch 1, and aggregate decode over 4 and 8 concurrent sequences.
+//! `kvfleet bench model` prints it; scripts/bench/vs-llamacpp.sh sets it beside llama.cpp's
+//! `llama-bench` (pp512, pp2048, tg128) on the same GGUF.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use serde::Serialize;
+
+use crate::backend::CpuBackend;
+use crate::engine::{Engine, EngineConfig, Request};
+use crate::error::Result;
+use crate::model::LlamaModel;
+use crate::sampling::SamplingParams;
+
+/// Tokens per second for each case (medians over `repeats`).
+#[derive(Debug, Clone, Serialize)]
+pub struct ThroughputReport {
+    /// Prompt processing, 512 tokens, nothing cached.
+    pub pp512: f64,
+    /// Prompt processing, 2,048 tokens, nothing cached.
+    pub pp2048: f64,
+    /// Decode at batch 1 (128 tokens after a 32-token prompt).
+    pub tg128: f64,
+    /// Aggregate decode tokens/s over 4 concurrent sequences.
+    pub agg4: f64,
+    /// Aggregate decode tokens/s over 8 concurrent sequences.
+    pub agg8: f64,
+}
+
+const BLOCK_SIZE: usize = 16;
+const DECODE_TOKENS: usize = 128;
+
+fn engine(model: &Arc<LlamaModel>, id: &str) -> Result<Engine> {
+    let config = EngineConfig {
+        model_id: id.to_string(),
+        block_size: BLOCK_SIZE,
+        max_num_seqs: 16,
+        max_batched_tokens: 2048,
+        max_prefill_chunk: 2048,
+    };
+    // Room for the 2,048-token prompt, or 8 sequences of 32 + 128 tokens, with slack.
+    let blocks = 2048 / BLOCK_SIZE + 8 * (160 / BLOCK_SIZE + 2) + 16;
+    Engine::new(
+        config,
+        Box::new(CpuBackend::new(model.clone(), blocks, BLOCK_SIZE)),
+        None,
+    )
+}
+
+/// Deterministic prompt ids, distinct per `seed`, inside the vocabulary.
+fn prompt(seed: u64, len: usize, vocab: usize) -> Vec<u32> {
+    let lo = 300.min(vocab / 2) as u64;
+    let span = (vocab as u64).saturating_sub(lo).max(1);
+    (0..len as u64)
+        .map(|i| {
+            let x = (i + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ seed.wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            (lo + (x >> 17) % span) as u32
+        })
+        .collect()
+}
+
+fn params(max_tokens: usize) -> SamplingParams {
+    SamplingParams {
+        max_tokens,
+        ignore_eos: true,
+        ..SamplingParams::default()
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Measures `model` (served as `id`) `repeats` times per case; returns the medians.
+pub fn measure_throughput(model: &Arc<LlamaModel>, id: &str, repeats: usize) -> Result<ThroughputReport> {
+    let vocab = model.config().vocab_size;
+    let repeats = repeats.max(1);
+    let mut e = engine(model, id)?;
+    let mut next_id = 0u64;
+    let mut pp = |e: &mut Engine, len: usize| -> Result<f64> {
+        let mut rates = Vec::with_capacity(repeats);
+        for _ in 0..repeats {
+            e.clear_cache();
+            next_id += 1;
+            let t = Instant::now();
+            e.add_request(Request::new(next_id, prompt(next_id, len, vocab), params(1)))?;
+            while e.has_unfinished() {
+                e.step()?;
+            }
+            rates.push(len as f64 / t.elapsed().as_secs_f64());
+        }
+        Ok(median(rates))
+    };
+    let pp512 = pp(&mut e, 512)?;
+    let pp2048 = pp(&mut e, 2048)?;
+    let mut decode = |e: &mut Engine, batch: usize| -> Result<f64> {
+        let mut rates = Vec::with_capacity(repeats);
+        for _ in 0..repeats {
+            e.clear_cache();
+            for _ in 0..batch {
+                next_id += 1;
+                e.add_request(Request::new(
+                    next_id,
+                    prompt(next_id, 32, vocab),
+                    params(DECODE_TOKENS + 1),
+                ))?;
+            }
+            // The prefill step (and each sequence's first token) is not decode.
+            e.step()?;
+            let t = Instant::now();
+            while e.has_unfinished() {
+                e.step()?;
+            }
+            rates.push((batch * DECODE_TOKENS) as f64 / t.elapsed().as_secs_f64());
+        }
+        Ok(median(rates))
+    };
+    Ok(ThroughputReport {
+        pp512,
+        pp2048,
+        tg128: decode(&mut e, 1)?,
+        agg4: decode(&mut e, 4)?,
+        agg8: decode(&mut e, 8)?,
+    })
+}
