@@ -6,6 +6,7 @@
 //! - [`scheduler`]: continuous batching with chunked prefill, prefix reuse at
 //!   admission, in-flight sharing, and preemption by recompute.
 //! - [`engine`]: one step = schedule, batched forward, sample, publish KV events.
+//! - [`gguf`]: GGUF model files (config from metadata, weights kept quantized).
 //! - [`model`]: a Llama-family decoder on candle-core whose attention reads K/V
 //!   through block tables ([`kv_cache`]).
 //! - [`device`]: `--device cpu|cuda:N` and the backend built for it; the CUDA
@@ -19,6 +20,7 @@ pub mod cuda;
 pub mod device;
 pub mod engine;
 pub mod error;
+pub mod gguf;
 pub mod kv_cache;
 pub mod kv_events;
 pub mod model;
@@ -38,6 +40,7 @@ pub use engine::{
     StepOutput,
 };
 pub use error::{EngineError, Result};
+pub use gguf::{GgufFile, GgufLoadOptions};
 pub use kv_events::{KvEvent, KvEventKind, KvEventSink, RecordingSink};
 pub use model::{ForwardItem, LlamaModel, LogitsRequest};
 pub use model_config::ModelConfig;

@@ -24,6 +24,7 @@ use rope::{Rope, RopeTables};
 use weights::{Layer, SafetensorsSource, Weights};
 
 use crate::error::{EngineError, Result};
+use crate::gguf::{self, GgufFile, GgufLoadOptions};
 use crate::kv_cache::KvCache;
 use crate::model_config::ModelConfig;
 
@@ -51,7 +52,8 @@ pub struct ForwardItem<'a> {
     pub logits: LogitsRequest,
 }
 
-/// A Llama-family model with its weights in memory (f32, CPU).
+/// A Llama-family model with its weights in memory on the CPU: dense (f32, f16 or
+/// bf16, as stored) or GGML-quantized (from a GGUF file).
 #[derive(Debug, Clone)]
 pub struct LlamaModel {
     config: ModelConfig,
@@ -124,8 +126,9 @@ impl LlamaModel {
 
     /// Loads a Hugging Face model directory: `config.json` and the `*.safetensors` files
     /// (sharded checkpoints included: the shards named by `model.safetensors.index.json`
-    /// when there is one, else every `*.safetensors` file). Tensors may be f32, f16 or
-    /// bf16; they are converted to f32.
+    /// when there is one, else every `*.safetensors` file). The files are memory-mapped
+    /// while the weights are copied out; f16 and bf16 matrices stay in their dtype
+    /// (norms and biases become f32).
     pub fn load(dir: &Path) -> Result<Self> {
         let config = ModelConfig::from_json_file(dir.join("config.json"))?;
         let io = |path: &Path, source| EngineError::Io {
@@ -133,15 +136,42 @@ impl LlamaModel {
             source,
         };
         let names = safetensors_files(dir)?;
-        let mut buffers = Vec::with_capacity(names.len());
+        let mut maps = Vec::with_capacity(names.len());
         for name in names {
             let path = dir.join(&name);
-            let bytes = std::fs::read(&path).map_err(|e| io(&path, e))?;
-            buffers.push((name, bytes));
+            let file = std::fs::File::open(&path).map_err(|e| io(&path, e))?;
+            // SAFETY: the mapping is read-only and dropped before this function returns;
+            // a model file truncated by another process meanwhile is outside what any
+            // loader can defend against (the same holds for candle's and vLLM's).
+            let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| io(&path, e))?;
+            maps.push((name, map));
         }
-        let mut src = SafetensorsSource::new(dir, &buffers)?;
+        let mut src = SafetensorsSource::new(dir, &maps)?;
         let weights = Weights::build(&config, &mut src)?;
         Ok(Self::assemble(config, weights))
+    }
+
+    /// Loads a GGUF model (a `.gguf` file, or a directory holding exactly one):
+    /// configuration from the metadata, weights kept in their GGML types (or all
+    /// dequantized to f32 with [`GgufLoadOptions::dequantize`]). Returns the opened
+    /// file too, whose metadata holds the tokenizer and chat template.
+    pub fn load_gguf(path: &Path, opts: GgufLoadOptions) -> Result<(Self, GgufFile)> {
+        let file = GgufFile::open(path)?;
+        let model = Self::from_gguf(&file, opts)?;
+        Ok((model, file))
+    }
+
+    /// Builds the model held by an opened GGUF file (see [`LlamaModel::load_gguf`]).
+    pub fn from_gguf(file: &GgufFile, opts: GgufLoadOptions) -> Result<Self> {
+        let arch = gguf::config::arch_of(file)?;
+        let config = gguf::config::model_config(file, arch)?;
+        let weights = gguf::weights::build(file, arch, &config, opts)?;
+        let factors = gguf::weights::rope_freq_factors(file, &config)?;
+        let mut model = Self::assemble(config, weights);
+        if let Some(f) = factors {
+            model.rope.divide_frequencies(&f);
+        }
+        Ok(model)
     }
 
     fn assemble(config: ModelConfig, weights: Weights) -> Self {
@@ -246,7 +276,7 @@ impl LlamaModel {
             .iter()
             .flat_map(|p| p.item.start_pos..p.item.start_pos + p.item.tokens.len());
         let rope = self.rope.tables(positions);
-        let mut x = self.weights.embed_rows(&tokens, h)?;
+        let mut x = self.weights.embed_rows(&tokens)?;
         let n_layers = self.weights.layers.len();
         let bs = kv.block_size();
         let (qd, kvd) = (self.geom.q_dim(), self.geom.kv_dim());
@@ -345,10 +375,9 @@ impl LlamaModel {
         if n == 0 {
             return Ok(Vec::new());
         }
-        let h = cfg.hidden_size;
         let (qd, kvd) = (self.geom.q_dim(), self.geom.kv_dim());
         let rope = self.rope.tables(0..n);
-        let mut x = self.weights.embed_rows(tokens, h)?;
+        let mut x = self.weights.embed_rows(tokens)?;
         for layer in &self.weights.layers {
             let qkv = self.qkv_rows(layer, &x, n, &rope)?;
             let stride = qkv.len() / n;

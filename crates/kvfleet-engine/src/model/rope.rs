@@ -31,6 +31,14 @@ impl Rope {
         Self { inv_freq }
     }
 
+    /// Divides each inverse frequency by its factor (Llama 3 GGUF files carry their
+    /// rope scaling as these per-pair divisors, `rope_freqs.weight`, as llama.cpp applies them).
+    pub(crate) fn divide_frequencies(&mut self, factors: &[f32]) {
+        for (f, d) in self.inv_freq.iter_mut().zip(factors) {
+            *f /= d;
+        }
+    }
+
     /// The inverse frequency of each rotary pair, scaling applied.
     pub(crate) fn inv_freq(&self) -> &[f32] {
         &self.inv_freq
