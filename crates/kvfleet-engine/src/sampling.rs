@@ -164,35 +164,22 @@ impl Sampler {
         // Most likely first, lower id first among equals: a total order, so the
         // candidate list (and thus the draw) is reproducible.
         let order = |a: &(u32, f64), b: &(u32, f64)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
-        let need_sorted = self.top_p < 1.0;
         if self.top_k > 0 && self.top_k < cands.len() {
             cands.select_nth_unstable_by(self.top_k - 1, order);
             cands.truncate(self.top_k);
         }
-        if need_sorted {
-            cands.sort_unstable_by(order);
-        }
         let max = cands.iter().map(|c| c.1).fold(f64::NEG_INFINITY, f64::max);
-        let mut total = 0.0;
-        for c in cands.iter_mut() {
-            c.1 = ((c.1 - max) * inv_t).exp();
-            total += c.1;
-        }
-        if need_sorted {
-            // Smallest prefix whose mass reaches top_p (always at least one token).
-            let target = f64::from(self.top_p) * total;
-            let mut acc = 0.0;
-            let mut keep = cands.len();
-            for (i, c) in cands.iter().enumerate() {
-                acc += c.1;
-                if acc >= target {
-                    keep = i + 1;
-                    break;
-                }
+        let weight = |logit: f64| ((logit - max) * inv_t).exp();
+        let total = if self.top_p < 1.0 {
+            nucleus(cands, f64::from(self.top_p), weight, order)
+        } else {
+            let mut total = 0.0;
+            for c in cands.iter_mut() {
+                c.1 = weight(c.1);
+                total += c.1;
             }
-            cands.truncate(keep);
-            total = acc;
-        }
+            total
+        };
         let mut u = self.rng.next_f64() * total;
         for c in cands.iter() {
             if u < c.1 {
@@ -203,6 +190,50 @@ impl Sampler {
         // Rounding left a sliver of mass past the last candidate.
         cands.last().map_or(0, |c| c.0)
     }
+}
+
+/// Candidates a nucleus search sorts first; it grows fourfold while the mass falls short.
+const NUCLEUS_FIRST: usize = 64;
+
+/// Top-p without sorting the vocabulary: leaves in `cands` the smallest most-likely-first
+/// prefix whose weight reaches `top_p` of the total (at least one token), in that order,
+/// each logit replaced by its weight, and returns the prefix's weight. Sorted lazily:
+/// select the next `k` best, sort only those, accumulate, repeat on the rest. The prefix,
+/// its order and its running sum are exactly what sorting everything would give; only
+/// the total the threshold is taken of is summed in candidate order rather than sorted
+/// order (they differ in the last bits, which matters only when the running sum lands
+/// within rounding of the threshold).
+fn nucleus(
+    cands: &mut Vec<(u32, f64)>,
+    top_p: f64,
+    weight: impl Fn(f64) -> f64,
+    order: impl Fn(&(u32, f64), &(u32, f64)) -> std::cmp::Ordering + Copy,
+) -> f64 {
+    let total: f64 = cands.iter().map(|c| weight(c.1)).sum();
+    let target = top_p * total;
+    let mut acc = 0.0;
+    let mut done = 0;
+    let mut step = NUCLEUS_FIRST;
+    while done < cands.len() {
+        let rest = &mut cands[done..];
+        let k = step.min(rest.len());
+        if k < rest.len() {
+            rest.select_nth_unstable_by(k - 1, order);
+        }
+        rest[..k].sort_unstable_by(order);
+        for i in done..done + k {
+            let w = weight(cands[i].1);
+            cands[i].1 = w;
+            acc += w;
+            if acc >= target {
+                cands.truncate(i + 1);
+                return acc;
+            }
+        }
+        done += k;
+        step = step.saturating_mul(4);
+    }
+    acc
 }
 
 /// Index of the largest logit; the lowest index wins ties, NaN never wins.
@@ -331,6 +362,77 @@ mod tests {
         let mut s = Sampler::new(&params(1.0, 0, 1.0, Some(99)), 0);
         let ones = (0..6000).filter(|_| s.sample(&l) == 1).count();
         assert!((3700..4300).contains(&ones), "{ones}");
+    }
+
+    /// The sampler before the lazy nucleus: sorts every candidate.
+    fn sample_full_sort(p: &SamplingParams, rng: &mut Rng, logits: &[f32]) -> u32 {
+        let inv_t = 1.0 / f64::from(p.temperature);
+        let mut cands: Vec<(u32, f64)> = logits
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| (i as u32, f64::from(l)))
+            .collect();
+        let order = |a: &(u32, f64), b: &(u32, f64)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+        if p.top_k > 0 && p.top_k < cands.len() {
+            cands.select_nth_unstable_by(p.top_k - 1, order);
+            cands.truncate(p.top_k);
+        }
+        cands.sort_unstable_by(order);
+        let max = cands[0].1;
+        let mut total = 0.0;
+        for c in cands.iter_mut() {
+            c.1 = ((c.1 - max) * inv_t).exp();
+            total += c.1;
+        }
+        let target = f64::from(p.top_p) * total;
+        let mut acc = 0.0;
+        let mut keep = cands.len();
+        for (i, c) in cands.iter().enumerate() {
+            acc += c.1;
+            if acc >= target {
+                keep = i + 1;
+                break;
+            }
+        }
+        cands.truncate(keep);
+        let mut u = rng.next_f64() * acc;
+        for c in &cands {
+            if u < c.1 {
+                return c.0;
+            }
+            u -= c.1;
+        }
+        cands.last().map_or(0, |c| c.0)
+    }
+
+    #[test]
+    fn lazy_nucleus_draws_what_a_full_sort_draws() {
+        // A vocabulary-sized row with a long tail and tied logits.
+        let l: Vec<f32> = (0..49_152u32)
+            .map(|i| {
+                let h = i.wrapping_mul(2_654_435_761) >> 8;
+                ((h % 4096) as f32 / 4096.0).powi(3) * 12.0 - 4.0 + (i % 7 == 0) as u8 as f32
+            })
+            .collect();
+        for (temperature, top_k, top_p) in [
+            (1.0, 0, 0.9),
+            (0.7, 0, 0.95),
+            (1.3, 0, 0.5),
+            (2.0, 0, 0.999),
+            (0.8, 40, 0.9),
+            (1.0, 5000, 0.99),
+        ] {
+            let p = params(temperature, top_k, top_p, Some(21));
+            let mut lazy = Sampler::new(&p, 0);
+            let mut rng = Rng::new(21);
+            let mut distinct = std::collections::BTreeSet::new();
+            for _ in 0..300 {
+                let a = lazy.sample(&l);
+                assert_eq!(a, sample_full_sort(&p, &mut rng, &l), "{p:?}");
+                distinct.insert(a);
+            }
+            assert!(distinct.len() > 10, "{p:?}: {} distinct", distinct.len());
+        }
     }
 
     #[test]

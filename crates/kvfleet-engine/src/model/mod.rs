@@ -15,10 +15,11 @@ pub(crate) mod rope;
 mod seeded;
 pub(crate) mod weights;
 
+use std::cell::RefCell;
 use std::ops::Range;
 use std::path::Path;
 
-use attention::{paged_attention, reference_attention, AttnGeom, AttnQuery, PagedKv};
+use attention::{paged_attention, reference_attention, AttnBuffers, AttnGeom, AttnQuery, PagedKv};
 use ops::{add_assign, rms_norm_rows, rms_norm_rows_in_place, silu_mul_rows};
 use rope::{Rope, RopeTables};
 use weights::{Layer, SafetensorsSource, Weights};
@@ -60,7 +61,23 @@ pub struct LlamaModel {
     weights: Weights,
     rope: Rope,
     geom: AttnGeom,
-    threads: usize,
+}
+
+/// Buffers a step reuses from the last one on the same thread, so the per-layer loop
+/// allocates only what the matrix products return.
+#[derive(Default)]
+struct StepBuffers {
+    /// RMSNorm output, the input of a projection.
+    normed: Vec<f32>,
+    /// SwiGLU activations.
+    act: Vec<f32>,
+    /// Attention output rows.
+    attn: Vec<f32>,
+    attn_bufs: AttnBuffers,
+}
+
+thread_local! {
+    static STEP_BUFFERS: RefCell<StepBuffers> = RefCell::new(StepBuffers::default());
 }
 
 /// The weight files of a model directory: those named by the shard index when there is
@@ -185,7 +202,6 @@ impl LlamaModel {
         Self {
             rope: Rope::new(&config),
             geom,
-            threads: candle_core::utils::get_num_threads().max(1),
             config,
             weights,
         }
@@ -245,6 +261,19 @@ impl LlamaModel {
     /// block id out of range, position past `max_position_embeddings`, cache of another
     /// shape) are detected before anything is written.
     pub fn forward(&self, items: &[ForwardItem<'_>], kv: &mut KvCache) -> Result<Vec<Vec<f32>>> {
+        STEP_BUFFERS.with(|b| match b.try_borrow_mut() {
+            Ok(mut bufs) => self.forward_with(items, kv, &mut bufs),
+            // Only reachable re-entrantly; fresh buffers keep that correct.
+            Err(_) => self.forward_with(items, kv, &mut StepBuffers::default()),
+        })
+    }
+
+    fn forward_with(
+        &self,
+        items: &[ForwardItem<'_>],
+        kv: &mut KvCache,
+        bufs: &mut StepBuffers,
+    ) -> Result<Vec<Vec<f32>>> {
         self.check_cache(kv)?;
         let mut plans = Vec::with_capacity(items.len());
         let mut n = 0;
@@ -280,8 +309,29 @@ impl LlamaModel {
         let n_layers = self.weights.layers.len();
         let bs = kv.block_size();
         let (qd, kvd) = (self.geom.q_dim(), self.geom.kv_dim());
+        // Every layer attends with all rows but the last, which needs only rows that
+        // produce logits.
+        let queries_for = |last: bool| -> Vec<AttnQuery<'_>> {
+            plans
+                .iter()
+                .map(|p| {
+                    let rows = if last {
+                        p.logit_rows.clone()
+                    } else {
+                        p.rows.clone()
+                    };
+                    AttnQuery {
+                        table: p.item.block_table,
+                        first_pos: p.item.start_pos + (rows.start - p.rows.start),
+                        rows,
+                    }
+                })
+                .collect()
+        };
+        let all_queries = queries_for(false);
+        let last_queries = queries_for(true);
         for (li, layer) in self.weights.layers.iter().enumerate() {
-            let qkv = self.qkv_rows(layer, &x, n, &rope)?;
+            let qkv = self.qkv_rows(layer, &x, n, &rope, &mut bufs.normed)?;
             let stride = qkv.len() / n;
             // Keys and values of every new token go to their slots first: a token's
             // attention reads its own and its predecessors' through the same path.
@@ -296,25 +346,11 @@ impl LlamaModel {
                         .copy_from_slice(&src[qd + kvd..qd + 2 * kvd]);
                 }
             }
-            // In the last layer only rows that produce logits need to go on.
             let last = li + 1 == n_layers;
-            let queries: Vec<AttnQuery<'_>> = plans
-                .iter()
-                .map(|p| {
-                    let rows = if last {
-                        p.logit_rows.clone()
-                    } else {
-                        p.rows.clone()
-                    };
-                    AttnQuery {
-                        table: p.item.block_table,
-                        first_pos: p.item.start_pos + (rows.start - p.rows.start),
-                        rows,
-                    }
-                })
-                .collect();
+            let queries = if last { &last_queries } else { &all_queries };
             let m: usize = queries.iter().map(|q| q.rows.len()).sum();
-            let mut attn = vec![0.0f32; m * qd];
+            bufs.attn.clear();
+            bufs.attn.resize(m * qd, 0.0);
             let lkv = kv.layer(li);
             let paged = PagedKv {
                 k: &lkv.k,
@@ -325,23 +361,30 @@ impl LlamaModel {
                 &self.geom,
                 &qkv,
                 stride,
-                &queries,
+                queries,
                 paged,
-                self.threads,
-                &mut attn,
-            )?;
+                &mut bufs.attn_bufs,
+                &mut bufs.attn,
+            );
             if last && m < n {
                 let mut kept = Vec::with_capacity(m * h);
-                for q in &queries {
+                for q in queries {
                     kept.extend_from_slice(&x[q.rows.start * h..q.rows.end * h]);
                 }
                 x = kept;
             }
-            self.finish_layer(layer, &mut x, &attn, m)?;
+            self.finish_layer(
+                layer,
+                &mut x,
+                &bufs.attn,
+                m,
+                &mut bufs.normed,
+                &mut bufs.act,
+            )?;
         }
         // `x` now holds exactly the logit rows, in item order.
         let m = x.len() / h;
-        let logits = self.logits(&x, m)?;
+        let logits = self.logits(&x, m, &mut bufs.normed)?;
         let vocab = cfg.vocab_size;
         let mut out = Vec::with_capacity(items.len());
         let mut r = 0;
@@ -378,8 +421,9 @@ impl LlamaModel {
         let (qd, kvd) = (self.geom.q_dim(), self.geom.kv_dim());
         let rope = self.rope.tables(0..n);
         let mut x = self.weights.embed_rows(tokens)?;
+        let (mut normed, mut act) = (Vec::new(), Vec::new());
         for layer in &self.weights.layers {
-            let qkv = self.qkv_rows(layer, &x, n, &rope)?;
+            let qkv = self.qkv_rows(layer, &x, n, &rope, &mut normed)?;
             let stride = qkv.len() / n;
             let (mut q, mut k, mut v) = (
                 Vec::with_capacity(n * qd),
@@ -392,9 +436,9 @@ impl LlamaModel {
                 v.extend_from_slice(&row[qd + kvd..qd + 2 * kvd]);
             }
             let attn = reference_attention(&self.geom, &q, &k, &v, n);
-            self.finish_layer(layer, &mut x, &attn, n)?;
+            self.finish_layer(layer, &mut x, &attn, n, &mut normed, &mut act)?;
         }
-        let logits = self.logits(&x, n)?;
+        let logits = self.logits(&x, n, &mut normed)?;
         Ok(logits
             .chunks_exact(cfg.vocab_size)
             .map(<[f32]>::to_vec)
@@ -403,11 +447,18 @@ impl LlamaModel {
 
     /// RMSNorm, fused q/k/v projection, optional q/k norm and RoPE for `n` rows of `x`.
     /// Returns rows `[q | k | v]`.
-    fn qkv_rows(&self, layer: &Layer, x: &[f32], n: usize, rope: &RopeTables) -> Result<Vec<f32>> {
+    fn qkv_rows(
+        &self,
+        layer: &Layer,
+        x: &[f32],
+        n: usize,
+        rope: &RopeTables,
+        normed: &mut Vec<f32>,
+    ) -> Result<Vec<f32>> {
         let eps = self.config.rms_norm_eps as f32;
-        let mut hbuf = vec![0.0f32; x.len()];
-        rms_norm_rows(x, &layer.input_norm, eps, &mut hbuf);
-        let mut qkv = layer.qkv.forward(&hbuf, n)?;
+        normed.resize(x.len(), 0.0);
+        rms_norm_rows(x, &layer.input_norm, eps, &mut normed[..x.len()]);
+        let mut qkv = layer.qkv.forward(&normed[..x.len()], n)?;
         let stride = layer.qkv.out_dim();
         let (qd, kvd) = (self.geom.q_dim(), self.geom.kv_dim());
         for (r, row) in qkv.chunks_exact_mut(stride).enumerate() {
@@ -424,37 +475,45 @@ impl LlamaModel {
     }
 
     /// o_proj + residual, then the MLP block + residual, for `m` rows.
-    fn finish_layer(&self, layer: &Layer, x: &mut [f32], attn: &[f32], m: usize) -> Result<()> {
+    fn finish_layer(
+        &self,
+        layer: &Layer,
+        x: &mut [f32],
+        attn: &[f32],
+        m: usize,
+        normed: &mut Vec<f32>,
+        act: &mut Vec<f32>,
+    ) -> Result<()> {
         if m == 0 {
             return Ok(());
         }
         let eps = self.config.rms_norm_eps as f32;
         let o = layer.o.forward(attn, m)?;
         add_assign(x, &o);
-        let mut hbuf = vec![0.0f32; x.len()];
-        rms_norm_rows(x, &layer.post_norm, eps, &mut hbuf);
-        let gu = layer.gate_up.forward(&hbuf, m)?;
+        normed.resize(x.len(), 0.0);
+        rms_norm_rows(x, &layer.post_norm, eps, &mut normed[..x.len()]);
+        let gu = layer.gate_up.forward(&normed[..x.len()], m)?;
         let inter = self.config.intermediate_size;
-        let mut act = vec![0.0f32; m * inter];
-        silu_mul_rows(&gu, inter, &mut act);
-        let d = layer.down.forward(&act, m)?;
+        act.resize(m * inter, 0.0);
+        silu_mul_rows(&gu, inter, &mut act[..m * inter]);
+        let d = layer.down.forward(&act[..m * inter], m)?;
         add_assign(x, &d);
         Ok(())
     }
 
     /// Final norm and `lm_head` for `m` rows.
-    fn logits(&self, x: &[f32], m: usize) -> Result<Vec<f32>> {
+    fn logits(&self, x: &[f32], m: usize, normed: &mut Vec<f32>) -> Result<Vec<f32>> {
         if m == 0 {
             return Ok(Vec::new());
         }
-        let mut hbuf = vec![0.0f32; x.len()];
+        normed.resize(x.len(), 0.0);
         rms_norm_rows(
             x,
             &self.weights.norm,
             self.config.rms_norm_eps as f32,
-            &mut hbuf,
+            &mut normed[..x.len()],
         );
-        self.weights.lm_head.forward(&hbuf, m)
+        self.weights.lm_head.forward(&normed[..x.len()], m)
     }
 
     fn check_cache(&self, kv: &KvCache) -> Result<()> {

@@ -25,14 +25,6 @@ pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
 }
 
-/// `y += alpha * x`.
-#[inline]
-pub(crate) fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
-    for (yi, xi) in y.iter_mut().zip(x) {
-        *yi += alpha * xi;
-    }
-}
-
 /// `y += x`, elementwise.
 #[inline]
 pub(crate) fn add_assign(y: &mut [f32], x: &[f32]) {
@@ -66,7 +58,7 @@ pub(crate) fn rms_norm_rows_in_place(x: &mut [f32], w: &[f32], eps: f32) {
 
 /// `exp(x)` to about one ulp (Cephes `expf` polynomial), branch-free so loops over it
 /// vectorize; `std`'s `exp` is a libm call per element and dominates softmax otherwise.
-#[inline]
+#[inline(always)]
 pub(crate) fn fast_exp(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const C1: f32 = 0.693_359_4;
@@ -86,52 +78,6 @@ pub(crate) fn fast_exp(x: f32) -> f32 {
     y = y * (r * r) + r + 1.0;
     let ni = (t.to_bits() as i32).wrapping_sub(0x4B40_0000);
     y * f32::from_bits(((ni + 127) << 23) as u32)
-}
-
-/// Largest element (NaN-free input), in eight lanes so it vectorizes.
-#[inline]
-fn max_lanes(row: &[f32]) -> f32 {
-    let mut m = [f32::NEG_INFINITY; 8];
-    let chunks = row.chunks_exact(8);
-    let tail = chunks.remainder();
-    for c in chunks {
-        for l in 0..8 {
-            m[l] = if c[l] > m[l] { c[l] } else { m[l] };
-        }
-    }
-    let mut best = tail.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    for v in m {
-        best = best.max(v);
-    }
-    best
-}
-
-/// Sum in eight lanes (fixed order for a given length).
-#[inline]
-fn sum_lanes(row: &[f32]) -> f32 {
-    let mut acc = [0.0f32; 8];
-    let chunks = row.chunks_exact(8);
-    let tail = chunks.remainder();
-    for c in chunks {
-        for l in 0..8 {
-            acc[l] += c[l];
-        }
-    }
-    let t: f32 = tail.iter().sum();
-    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + t
-}
-
-/// `softmax(row * scale)` in place (`scale > 0`), max-subtracted; each pass is a
-/// separate loop so the compiler vectorizes it.
-pub(crate) fn softmax_scaled_in_place(row: &mut [f32], scale: f32) {
-    let max = max_lanes(row);
-    for x in row.iter_mut() {
-        *x = fast_exp((*x - max) * scale);
-    }
-    let inv = 1.0 / sum_lanes(row);
-    for x in row.iter_mut() {
-        *x *= inv;
-    }
 }
 
 /// SwiGLU activation: reads rows `[gate | up]` of width `2 * inter` and writes
@@ -176,13 +122,5 @@ mod tests {
             let naive: f64 = a.iter().zip(&b).map(|(x, y)| f64::from(x * y)).sum();
             assert!((f64::from(dot(&a, &b)) - naive).abs() < 1e-5);
         }
-    }
-
-    #[test]
-    fn softmax_sums_to_one() {
-        let mut r = vec![1.0, 2.0, 3.0, -50.0];
-        softmax_scaled_in_place(&mut r, 1.0);
-        assert!((r.iter().sum::<f32>() - 1.0).abs() < 1e-6);
-        assert!(r[2] > r[1] && r[1] > r[0]);
     }
 }
