@@ -16,6 +16,12 @@
 //!
 //! `tokenizer.ggml.model = llama` is SentencePiece BPE with byte fallback (`<0xNN>`
 //! tokens), `▁` for spaces and merges recovered from the scores when the file has none.
+//!
+//! Checked against llama.cpp's tokenizer test vectors (ids from each model's original
+//! Hugging Face tokenizer; `cargo run -p kvfleet-engine --example gguf_vocab_check`):
+//! `llama-bpe`, `qwen2`, `gpt-2`, `starcoder`, `refact` and `llama-spm` all match; the
+//! SmolLM2 GGUF is tested against transformers' conversion in
+//! `kvfleet-engine/tests/gguf_tokenizer.rs`.
 
 use super::{HfTokenizer, TokenizerError};
 use crate::chat::{ChatError, ChatTemplate, JinjaTemplate};
@@ -28,13 +34,12 @@ use tokenizers::decoders::sequence::Sequence as DecoderSequence;
 use tokenizers::decoders::strip::Strip;
 use tokenizers::decoders::DecoderWrapper;
 use tokenizers::models::bpe::{Vocab, BPE};
-use tokenizers::normalizers::{Replace, NFC};
+use tokenizers::normalizers::{Prepend, Replace, Sequence as NormalizerSequence, NFC};
 use tokenizers::pre_tokenizers::digits::Digits;
-use tokenizers::pre_tokenizers::metaspace::{Metaspace, PrependScheme};
 use tokenizers::pre_tokenizers::sequence::Sequence as PreSequence;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::pre_tokenizers::PreTokenizerWrapper;
-use tokenizers::{AddedToken, SplitDelimiterBehavior};
+use tokenizers::{AddedToken, NormalizerWrapper, SplitDelimiterBehavior};
 
 /// `llama.cpp`'s token types (`tokenizer.ggml.token_type`).
 const TOKEN_TYPE_UNKNOWN: i32 = 2;
@@ -312,7 +317,7 @@ impl GgufVocab {
     }
 
     /// SentencePiece BPE with byte fallback (`tokenizer.ggml.model = llama`), as
-    /// transformers' `LlamaTokenizer` builds it.
+    /// the original (legacy) Llama `tokenizer.json` is built.
     fn sentencepiece(&self) -> Result<tokenizers::Tokenizer, TokenizerError> {
         let vocab: Vocab = self
             .tokens
@@ -345,13 +350,25 @@ impl GgufVocab {
             source,
         })?;
         let mut tokenizer = tokenizers::Tokenizer::new(bpe);
+        // SentencePiece's own normalization: every text segment (also one after a
+        // special token) gets a leading "▁", and spaces become "▁". transformers 5's
+        // `Metaspace(prepend_scheme="first")` differs on text that starts with a
+        // space (" Hi" gives "▁Hi" there, "▁▁Hi" here); this is what the model's
+        // original tokenizer and llama.cpp do.
         let add_prefix_space = self.add_space_prefix.unwrap_or(true);
-        let scheme = if add_prefix_space {
-            PrependScheme::First
+        let to_metaspace = Replace::new(" ", "▁").map_err(|source| TokenizerError::Load {
+            what: "GGUF SentencePiece normalizer".into(),
+            source,
+        })?;
+        let normalizer = if add_prefix_space {
+            NormalizerWrapper::Sequence(NormalizerSequence::new(vec![
+                NormalizerWrapper::Prepend(Prepend::new("▁".into())),
+                NormalizerWrapper::Replace(to_metaspace),
+            ]))
         } else {
-            PrependScheme::Never
+            NormalizerWrapper::Replace(to_metaspace)
         };
-        tokenizer.with_pre_tokenizer(Some(Metaspace::new('▁', scheme, false)));
+        tokenizer.with_normalizer(Some(normalizer));
         let replace = Replace::new("▁", " ").map_err(|source| TokenizerError::Load {
             what: "GGUF SentencePiece decoder".into(),
             source,

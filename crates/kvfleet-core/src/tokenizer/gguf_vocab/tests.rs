@@ -231,11 +231,10 @@ fn sentencepiece_merges_from_scores_and_falls_back_to_bytes() {
         t.encode("hello é").unwrap(),
         ids(&v, &["▁hello", "▁", "<0xC3>", "<0xA9>"])
     );
-    // Only the start of the text gets the prefix space (prepend scheme "first").
-    assert_eq!(
-        t.encode("<s>hello").unwrap(),
-        ids(&v, &["<s>", "h", "e", "llo"])
-    );
+    // As in SentencePiece, text after a special token and text that starts with a
+    // space get the prefix "▁" too.
+    assert_eq!(t.encode("<s>hello").unwrap(), ids(&v, &["<s>", "▁hello"]));
+    assert_eq!(t.encode(" hello").unwrap(), ids(&v, &["▁", "▁hello"]));
     assert_eq!(
         t.decode(&t.encode("hello é w").unwrap()).unwrap(),
         "hello é w"
