@@ -7,12 +7,14 @@
 //!
 //! Two implementations share the [`Tokenizer`] trait:
 //! - [`ByteTokenizer`]: the byte-level vocabulary of the seeded default model;
-//! - [`HfTokenizer`]: a Hugging Face `tokenizer.json`, for real models.
+//! - [`HfTokenizer`]: a Hugging Face `tokenizer.json`, for real models, or one rebuilt
+//!   from a GGUF file's vocabulary ([`GgufVocab`]).
 //!
 //! [`StreamDecoder`] turns ids produced one at a time into text fragments that never
 //! split a UTF-8 character, for streaming responses.
 
 mod byte;
+mod gguf_vocab;
 mod hf;
 mod stream;
 
@@ -20,6 +22,7 @@ pub use byte::{
     ByteTokenizer, BYTE_ENDOFTEXT_ID, BYTE_IM_END_ID, BYTE_IM_START_ID, BYTE_SPECIAL_BASE,
     BYTE_SPECIAL_TOKENS, BYTE_VOCAB_SIZE,
 };
+pub use gguf_vocab::GgufVocab;
 pub use hf::HfTokenizer;
 pub use stream::StreamDecoder;
 
@@ -62,6 +65,10 @@ pub enum TokenizerError {
     /// The Hugging Face tokenizer failed to decode ids.
     #[error("decoding failed: {0}")]
     Decode(#[source] tokenizers::Error),
+    /// A vocabulary given as values (a GGUF file's metadata) is inconsistent or of a
+    /// kind not supported.
+    #[error("{0}")]
+    InvalidVocab(String),
     /// An id outside the vocabulary was given to decode.
     #[error("token id {id} is outside the vocabulary of size {vocab_size}")]
     UnknownId {
@@ -93,6 +100,21 @@ pub trait Tokenizer: Send + Sync {
 
     /// Ids that end generation; the first is the model's primary end-of-sequence id.
     fn eos_token_ids(&self) -> Vec<TokenId>;
+
+    /// The BOS id to put before a raw-text prompt (`/v1/completions`) when the model's
+    /// tokenizer asks for one (`add_bos_token`). Chat prompts get BOS from their
+    /// template instead, so [`Tokenizer::encode`] never adds it.
+    fn bos_token_id_to_add(&self) -> Option<TokenId> {
+        None
+    }
+
+    /// Whether `id` is a special (control) token such as `<|im_start|>`: generated
+    /// text leaves these out, as Hugging Face's `skip_special_tokens` does. Added tokens
+    /// that are not special (`<tool_call>`, `<think>`) stay in the text.
+    fn is_special(&self, id: TokenId) -> bool {
+        let _ = id;
+        false
+    }
 }
 
 /// The text of a special token as `tokenizer_config.json` writes it: either a plain

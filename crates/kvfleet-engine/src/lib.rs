@@ -11,6 +11,7 @@
 //!   through block tables ([`kv_cache`]).
 //! - [`device`]: `--device cpu|cuda:N` and the backend built for it; the CUDA
 //!   backend itself is in `cuda` (feature `cuda`).
+//! - [`gguf_tokenizer`]: the tokenizer and chat template of a GGUF file.
 //! - [`kv_events`]: `Stored` / `Removed` / `Cleared` events with sequence numbers.
 
 pub mod backend;
@@ -21,6 +22,7 @@ pub mod device;
 pub mod engine;
 pub mod error;
 pub mod gguf;
+pub mod gguf_tokenizer;
 pub mod kv_cache;
 pub mod kv_events;
 pub mod model;

@@ -124,6 +124,12 @@ impl Tokenizer for ByteTokenizer {
     fn eos_token_ids(&self) -> Vec<TokenId> {
         vec![BYTE_IM_END_ID, BYTE_ENDOFTEXT_ID]
     }
+
+    /// The ChatML control tokens are special; the tool-call and thinking tags stay in
+    /// generated text, where the router parses them (as in Qwen's vocabulary).
+    fn is_special(&self, id: TokenId) -> bool {
+        matches!(id, BYTE_ENDOFTEXT_ID | BYTE_IM_START_ID | BYTE_IM_END_ID)
+    }
 }
 
 #[cfg(test)]

@@ -2,6 +2,7 @@
 
 use super::{special_token_text, Tokenizer, TokenizerError};
 use crate::tokens::TokenId;
+use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 
 /// End-of-turn tokens of common chat models. Generation stops at any of them that the
@@ -18,6 +19,10 @@ const KNOWN_EOS_TOKENS: [&str; 4] = ["<|im_end|>", "<|eot_id|>", "<|endoftext|>"
 pub struct HfTokenizer {
     inner: tokenizers::Tokenizer,
     eos_ids: Vec<TokenId>,
+    /// BOS to put before raw-text prompts, when the model's configuration asks for it.
+    bos_to_add: Option<TokenId>,
+    /// Ids of the added tokens marked special, left out of generated text.
+    special_ids: HashSet<TokenId>,
 }
 
 impl HfTokenizer {
@@ -37,9 +42,26 @@ impl HfTokenizer {
         Self::parse(bytes.as_ref(), "bytes".to_owned())
     }
 
+    /// A tokenizer built in code (see [`super::GgufVocab`]), with its end-of-generation
+    /// ids (primary EOS first) and the BOS id raw-text prompts should start with.
+    pub fn from_parts(
+        inner: tokenizers::Tokenizer,
+        eos_ids: Vec<TokenId>,
+        bos_to_add: Option<TokenId>,
+    ) -> Self {
+        let special_ids = special_ids(&inner);
+        Self {
+            inner,
+            eos_ids: dedup(eos_ids),
+            bos_to_add,
+            special_ids,
+        }
+    }
+
     /// Loads a model directory: `tokenizer.json`, plus the EOS token named by
     /// `tokenizer_config.json` (`eos_token`) and the ids listed in
-    /// `generation_config.json` (`eos_token_id`) when those files exist.
+    /// `generation_config.json` (`eos_token_id`) when those files exist. BOS is added
+    /// to raw-text prompts when `tokenizer_config.json` sets `add_bos_token`.
     pub fn from_dir(dir: impl AsRef<Path>) -> Result<Self, TokenizerError> {
         let dir = dir.as_ref();
         let mut tokenizer = Self::from_file(dir.join("tokenizer.json"))?;
@@ -51,6 +73,16 @@ impl HfTokenizer {
                 .and_then(|text| tokenizer.inner.token_to_id(&text))
             {
                 configured.push(id);
+            }
+            if config
+                .get("add_bos_token")
+                .and_then(serde_json::Value::as_bool)
+                == Some(true)
+            {
+                tokenizer.bos_to_add = config
+                    .get("bos_token")
+                    .and_then(special_token_text)
+                    .and_then(|text| tokenizer.inner.token_to_id(&text));
             }
         }
         if let Some(config) = read_optional_json(&dir.join("generation_config.json"))? {
@@ -81,8 +113,24 @@ impl HfTokenizer {
                 .iter()
                 .filter_map(|token| inner.token_to_id(token)),
         );
-        Ok(Self { inner, eos_ids })
+        let special_ids = special_ids(&inner);
+        Ok(Self {
+            inner,
+            eos_ids,
+            bos_to_add: None,
+            special_ids,
+        })
     }
+}
+
+/// Ids of the added tokens marked special.
+fn special_ids(inner: &tokenizers::Tokenizer) -> HashSet<TokenId> {
+    inner
+        .get_added_tokens_decoder()
+        .into_iter()
+        .filter(|(_, token)| token.special)
+        .map(|(id, _)| id)
+        .collect()
 }
 
 impl Tokenizer for HfTokenizer {
@@ -110,6 +158,14 @@ impl Tokenizer for HfTokenizer {
 
     fn eos_token_ids(&self) -> Vec<TokenId> {
         self.eos_ids.clone()
+    }
+
+    fn bos_token_id_to_add(&self) -> Option<TokenId> {
+        self.bos_to_add
+    }
+
+    fn is_special(&self, id: TokenId) -> bool {
+        self.special_ids.contains(&id)
     }
 }
 

@@ -5,7 +5,8 @@
 //! it (SentencePiece strips the leading space of the first token). Decoding each id on
 //! its own would therefore emit broken characters and wrong spacing. [`StreamDecoder`]
 //! decodes a small window of recent ids instead and emits only the text that the
-//! newest id completed.
+//! newest id completed. Special tokens ([`Tokenizer::is_special`]) are generated text's
+//! control marks, not content: they are skipped.
 
 use super::{Tokenizer, TokenizerError};
 use crate::tokens::TokenId;
@@ -33,12 +34,15 @@ impl StreamDecoder {
     }
 
     /// Adds `id` and returns the text it completed, which is empty while a character
-    /// is still incomplete.
+    /// is still incomplete, and for a special token.
     pub fn push<T: Tokenizer + ?Sized>(
         &mut self,
         tokenizer: &T,
         id: TokenId,
     ) -> Result<String, TokenizerError> {
+        if tokenizer.is_special(id) {
+            return Ok(String::new());
+        }
         self.ids.push(id);
         let emitted = tokenizer.decode(&self.ids[self.prefix_offset..self.read_offset])?;
         let full = tokenizer.decode(&self.ids[self.prefix_offset..])?;
@@ -87,12 +91,12 @@ mod tests {
     fn holds_back_a_character_split_across_ids() {
         let t = ByteTokenizer::new();
         let mut d = StreamDecoder::new();
-        let ids = t.encode("a🦀é<|im_end|>").unwrap();
+        let ids = t.encode("a🦀é<tool_call>").unwrap();
         let pieces: Vec<String> = ids.iter().map(|&id| d.push(&t, id).unwrap()).collect();
-        // 'a', then four bytes of the crab, then two of 'é', then the special token.
+        // 'a', then four bytes of the crab, then two of 'é', then the added token.
         assert_eq!(
             pieces,
-            ["a", "", "", "", "🦀", "", "é", "<|im_end|>"].map(String::from)
+            ["a", "", "", "", "🦀", "", "é", "<tool_call>"].map(String::from)
         );
         assert_eq!(d.finish(&t).unwrap(), "");
     }
@@ -117,6 +121,29 @@ mod tests {
         }
         out.push_str(&d.finish(&t).unwrap());
         assert_eq!(out, "\u{fffd}ok");
+    }
+
+    #[test]
+    fn special_tokens_are_left_out_even_inside_a_character() {
+        let t = ByteTokenizer::new();
+        let mut d = StreamDecoder::new();
+        let crab = "🦀".as_bytes();
+        let ids = [
+            u32::from(b'a'),
+            crate::tokenizer::BYTE_IM_START_ID,
+            u32::from(crab[0]),
+            u32::from(crab[1]),
+            crate::tokenizer::BYTE_ENDOFTEXT_ID,
+            u32::from(crab[2]),
+            u32::from(crab[3]),
+            crate::tokenizer::BYTE_IM_END_ID,
+        ];
+        let mut out = String::new();
+        for id in ids {
+            out.push_str(&d.push(&t, id).unwrap());
+        }
+        out.push_str(&d.finish(&t).unwrap());
+        assert_eq!(out, "a🦀");
     }
 
     #[test]
