@@ -440,12 +440,20 @@ fn run_matrix_cmd(a: MatrixArgs) -> Result<()> {
 
 fn run_model_bench(args: ModelArgs) -> Result<()> {
     let loaded = kvfleet_engine::load_model(&args.model).context("loading the model")?;
-    let r = kvfleet_engine::throughput::measure_throughput(&loaded.model, &loaded.id, args.repeats)?;
+    let r =
+        kvfleet_engine::throughput::measure_throughput(&loaded.model, &loaded.id, args.repeats)?;
     if args.json {
         println!("{}", serde_json::to_string(&r)?);
     } else {
-        println!("model {} (tokens/s, median of {})", loaded.id, args.repeats.max(1));
-        println!("pp512 {:.1}  pp2048 {:.1}  tg128 {:.1}  agg4 {:.1}  agg8 {:.1}", r.pp512, r.pp2048, r.tg128, r.agg4, r.agg8);
+        println!(
+            "model {} (tokens/s, median of {})",
+            loaded.id,
+            args.repeats.max(1)
+        );
+        println!(
+            "pp512 {:.1}  pp2048 {:.1}  tg128 {:.1}  agg4 {:.1}  agg8 {:.1}",
+            r.pp512, r.pp2048, r.tg128, r.agg4, r.agg8
+        );
     }
     Ok(())
 }

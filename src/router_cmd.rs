@@ -51,7 +51,13 @@ pub fn run(args: RouterArgs) -> Result<()> {
         let admission = args.security.admission()?;
         let tls = args.tls.server_config()?;
         fleet_metrics::prometheus_handle();
-        let mut config = args.routing.fleet_config(&args.model, args.block_size);
+        let side = kvfleet_engine::load_prompt_model(&args.model)
+            .with_context(|| format!("loading the tokenizer of `{}`", args.model))?;
+        let prompt = kvfleet_router::prompt_model::PromptModel {
+            tokenizer: side.tokenizer,
+            chat_template: side.chat_template,
+        };
+        let mut config = args.routing.fleet_config(prompt, args.block_size);
         // With Kafka, every worker's KV events come from the stream.
         config.follow_worker_events = args.control.kafka.is_none();
         config.worker_tls = args.worker_tls.client_config()?;

@@ -30,10 +30,23 @@ impl ModelArgs {
         let mut model = kvfleet_engine::load_model(&self.model)
             .with_context(|| format!("loading the model `{}`", self.model))?;
         if let Some(name) = &self.served_model_name {
-            anyhow::ensure!(!name.trim().is_empty(), "--served-model-name must not be empty");
+            anyhow::ensure!(
+                !name.trim().is_empty(),
+                "--served-model-name must not be empty"
+            );
             model.id = name.clone();
         }
         Ok(model)
+    }
+}
+
+/// The prompt side (tokenizer, chat template) of a loaded model, as the router takes it.
+pub fn prompt_model_of(
+    model: &kvfleet_engine::LoadedModel,
+) -> kvfleet_router::prompt_model::PromptModel {
+    kvfleet_router::prompt_model::PromptModel {
+        tokenizer: model.tokenizer.clone(),
+        chat_template: model.chat_template.clone(),
     }
 }
 
@@ -109,10 +122,14 @@ pub struct RoutingArgs {
 }
 
 impl RoutingArgs {
-    /// The fleet configuration for `model` and `block_size`.
-    pub fn fleet_config(&self, model: &str, block_size: usize) -> FleetConfig {
+    /// The fleet configuration for a model's prompt side and `block_size`.
+    pub fn fleet_config(
+        &self,
+        prompt: kvfleet_router::prompt_model::PromptModel,
+        block_size: usize,
+    ) -> FleetConfig {
         FleetConfig {
-            model: model.to_string(),
+            prompt,
             router: RouterConfig {
                 block_size,
                 ..RouterConfig::default()

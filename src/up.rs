@@ -51,10 +51,10 @@ async fn serve(args: UpArgs) -> Result<()> {
             .worker_config(format!("worker-{i}"), WorkerModel::Loaded(model.clone()));
         workers.push(spawn_worker(config).await.context("starting a worker")?);
     }
-    let fleet = Fleet::new(
-        args.routing
-            .fleet_config(&args.model.model, args.engine.block_size),
-    )
+    let fleet = Fleet::new(args.routing.fleet_config(
+        crate::serve_args::prompt_model_of(&model),
+        args.engine.block_size,
+    ))
     .map_err(anyhow::Error::msg)?;
     for w in &workers {
         fleet

@@ -70,8 +70,10 @@ fn streamed_chat_ends_with_stop_and_no_special_tokens() {
     let resp = c
         .http
         .post(format!("{}/v1/chat/completions", c.url))
-        .json(&json!({"model": model, "messages": [{"role": "user", "content": "Hi!"}],
-                      "max_tokens": 96, "temperature": 0, "stream": true}))
+        .json(
+            &json!({"model": model, "messages": [{"role": "user", "content": "Hi!"}],
+                      "max_tokens": 96, "temperature": 0, "stream": true}),
+        )
         .send()
         .expect("request");
     assert_eq!(resp.status().as_u16(), 200);
@@ -110,9 +112,7 @@ fn a_repeated_agent_turn_is_served_from_cache_by_the_same_worker() {
         {"role": "system", "content": system},
         {"role": "user", "content": "List the files you would read first."},
     ]);
-    let req = |messages: &Value| {
-        json!({"model": model, "messages": messages, "max_tokens": 24, "temperature": 0})
-    };
+    let req = |messages: &Value| json!({"model": model, "messages": messages, "max_tokens": 24, "temperature": 0});
     let (status, w1, first) = c.post("/v1/chat/completions", &req(&turn1), &[]);
     assert_eq!(status, 200, "{first}");
     let prompt1 = first["usage"]["prompt_tokens"].as_u64().unwrap_or(0);
@@ -134,5 +134,8 @@ fn a_repeated_agent_turn_is_served_from_cache_by_the_same_worker() {
         .as_u64()
         .unwrap_or(0);
     // Every full 16-token block of the first prompt is reused.
-    assert!(cached >= prompt1 / 16 * 16 - 16, "cached {cached} of {prompt1}: {second}");
+    assert!(
+        cached >= prompt1 / 16 * 16 - 16,
+        "cached {cached} of {prompt1}: {second}"
+    );
 }

@@ -229,7 +229,11 @@ fn run_failing(args: &[&str], limit: Duration) -> String {
     let serves = matches!(args.first(), Some(&("up" | "worker" | "router")));
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvfleet"))
         .args(args)
-        .args(if serves { support::model_args(args) } else { &[] })
+        .args(if serves {
+            support::model_args(args)
+        } else {
+            &[]
+        })
         .env("RUST_LOG", "warn")
         .stdout(Stdio::null())
         .stderr(Stdio::piped())

@@ -46,6 +46,6 @@ pub use gguf::{GgufFile, GgufLoadOptions};
 pub use kv_events::{KvEvent, KvEventKind, KvEventSink, RecordingSink};
 pub use model::{ForwardItem, LlamaModel, LogitsRequest};
 pub use model_config::ModelConfig;
-pub use model_source::{load_model, LoadedModel};
+pub use model_source::{load_model, load_prompt_model, LoadedModel, PromptSide};
 pub use sampling::{Sampler, SamplingParams};
 pub use sequence::{FinishReason, RequestId};

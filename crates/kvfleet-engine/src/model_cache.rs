@@ -95,7 +95,10 @@ pub fn locate_model_in(spec: &str, cache: &Path) -> Result<ModelLocation> {
     }
     let path = Path::new(spec);
     if path.is_file() {
-        if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) {
+        if path
+            .extension()
+            .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+        {
             return Ok(ModelLocation::Gguf(path.to_path_buf()));
         }
         return Err(EngineError::Config(format!(
@@ -106,21 +109,8 @@ pub fn locate_model_in(spec: &str, cache: &Path) -> Result<ModelLocation> {
         if path.join("config.json").is_file() {
             return Ok(ModelLocation::HfDir(path.to_path_buf()));
         }
-        let ggufs = gguf_files(path)?;
-        return match ggufs.as_slice() {
-            [one] => Ok(ModelLocation::Gguf(one.clone())),
-            [] => Err(EngineError::Config(format!(
-                "directory {spec} holds neither config.json (Hugging Face) nor a .gguf file"
-            ))),
-            many => Err(EngineError::Config(format!(
-                "directory {spec} holds {} .gguf files; name one: {}",
-                many.len(),
-                many.iter()
-                    .map(|p| p.display().to_string())
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            ))),
-        };
+        // The one *.gguf file in it (none or several is an error naming them).
+        return crate::gguf::resolve_gguf_path(path).map(ModelLocation::Gguf);
     }
     let names: Vec<&str> = NAMED_MODELS.iter().map(|m| m.name).collect();
     Err(EngineError::Config(format!(
@@ -128,23 +118,6 @@ pub fn locate_model_in(spec: &str, cache: &Path) -> Result<ModelLocation> {
          directory",
         names.join(", ")
     )))
-}
-
-/// The `.gguf` files directly in `dir`, sorted.
-fn gguf_files(dir: &Path) -> Result<Vec<PathBuf>> {
-    let io = |source| EngineError::Io {
-        path: dir.display().to_string(),
-        source,
-    };
-    let mut out = Vec::new();
-    for entry in std::fs::read_dir(dir).map_err(io)? {
-        let p = entry.map_err(io)?.path();
-        if p.is_file() && p.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) {
-            out.push(p);
-        }
-    }
-    out.sort();
-    Ok(out)
 }
 
 /// The id a GGUF model is served under by default: its file stem.
@@ -160,8 +133,14 @@ mod tests {
 
     #[test]
     fn presets_resolve_without_touching_the_disk() {
-        assert!(matches!(locate_model("tiny"), Ok(ModelLocation::Preset("tiny", _))));
-        assert!(matches!(locate_model("small"), Ok(ModelLocation::Preset("small", _))));
+        assert!(matches!(
+            locate_model("tiny"),
+            Ok(ModelLocation::Preset("tiny", _))
+        ));
+        assert!(matches!(
+            locate_model("small"),
+            Ok(ModelLocation::Preset("small", _))
+        ));
     }
 
     #[test]
@@ -179,8 +158,10 @@ mod tests {
         }
         assert_eq!(gguf_model_id(&file), "m.Q4_0");
         std::fs::write(dir.path().join("other.gguf"), b"GGUF").unwrap();
-        let err = locate_model(dir.path().to_str().unwrap()).unwrap_err().to_string();
-        assert!(err.contains("2 .gguf files"), "{err}");
+        let err = locate_model(dir.path().to_str().unwrap())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("2 *.gguf files"), "{err}");
         std::fs::write(dir.path().join("config.json"), b"{}").unwrap();
         assert!(matches!(
             locate_model(dir.path().to_str().unwrap()),

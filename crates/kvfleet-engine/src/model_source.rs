@@ -1,9 +1,13 @@
-//! Resolving a `--model` argument: a seeded preset (`tiny`, `small`) or a Hugging Face
-//! directory, with the tokenizer and chat template that belong to it.
+//! Resolving a `--model` argument ([`crate::model_cache::locate_model`]) and loading what
+//! belongs to it: the weights, the tokenizer and the chat template. The router needs only
+//! the last two, which [`load_prompt_model`] reads without the weights (for a GGUF file,
+//! its header alone).
 
 use crate::error::{EngineError, Result};
+use crate::gguf::{GgufFile, GgufLoadOptions};
+use crate::gguf_tokenizer::tokenizer_from_gguf;
 use crate::model::LlamaModel;
-use crate::model_config::ModelConfig;
+use crate::model_cache::{gguf_model_id, locate_model, ModelLocation};
 use kvfleet_core::chat::ChatTemplate;
 use kvfleet_core::tokenizer::{ByteTokenizer, HfTokenizer, Tokenizer};
 use std::path::Path;
@@ -26,30 +30,73 @@ pub struct LoadedModel {
     pub chat_template: ChatTemplate,
 }
 
-/// Loads `spec`: `tiny` or `small` (seeded presets with a byte tokenizer and ChatML),
-/// or the path of a directory with config.json, *.safetensors and tokenizer.json
-/// (tokenizer_config.json's chat_template is used when present).
+/// The prompt side of a model: what a router needs to tokenize requests.
+#[derive(Clone)]
+pub struct PromptSide {
+    /// The model's default id.
+    pub id: String,
+    /// The matching tokenizer.
+    pub tokenizer: Arc<dyn Tokenizer>,
+    /// How conversations become prompt text.
+    pub chat_template: ChatTemplate,
+}
+
+/// Loads `spec` (see [`locate_model`]): a seeded preset, a known model from the model
+/// cache, a GGUF file (or a directory holding one), or a Hugging Face directory.
 pub fn load_model(spec: &str) -> Result<LoadedModel> {
-    let preset = match spec {
-        "tiny" => Some(ModelConfig::tiny()),
-        "small" => Some(ModelConfig::small()),
-        _ => None,
-    };
-    if let Some(config) = preset {
-        return Ok(LoadedModel {
-            id: spec.to_string(),
+    match locate_model(spec)? {
+        ModelLocation::Preset(name, config) => Ok(LoadedModel {
+            id: name.to_string(),
             model: Arc::new(LlamaModel::seeded(config, PRESET_SEED)?),
             tokenizer: Arc::new(ByteTokenizer::new()),
             chat_template: ChatTemplate::ChatMl,
-        });
+        }),
+        ModelLocation::Gguf(path) => {
+            let (model, file) = LlamaModel::load_gguf(&path, GgufLoadOptions::default())?;
+            let (tokenizer, chat_template) = tokenizer_from_gguf(file.content(), file.path())?;
+            Ok(LoadedModel {
+                id: gguf_model_id(file.path()),
+                model: Arc::new(model),
+                tokenizer: Arc::new(tokenizer),
+                chat_template,
+            })
+        }
+        ModelLocation::HfDir(dir) => {
+            let model = LlamaModel::load(&dir)?;
+            let side = hf_prompt_side(&dir)?;
+            Ok(LoadedModel {
+                id: side.id,
+                model: Arc::new(model),
+                tokenizer: side.tokenizer,
+                chat_template: side.chat_template,
+            })
+        }
     }
-    let dir = Path::new(spec);
-    if !dir.is_dir() {
-        return Err(EngineError::Config(format!(
-            "model `{spec}` is neither a preset (tiny, small) nor a directory"
-        )));
+}
+
+/// The tokenizer and chat template of `spec`, without its weights.
+pub fn load_prompt_model(spec: &str) -> Result<PromptSide> {
+    match locate_model(spec)? {
+        ModelLocation::Preset(name, _) => Ok(PromptSide {
+            id: name.to_string(),
+            tokenizer: Arc::new(ByteTokenizer::new()),
+            chat_template: ChatTemplate::ChatMl,
+        }),
+        ModelLocation::Gguf(path) => {
+            let file = GgufFile::open(&path)?;
+            let (tokenizer, chat_template) = tokenizer_from_gguf(file.content(), file.path())?;
+            Ok(PromptSide {
+                id: gguf_model_id(file.path()),
+                tokenizer: Arc::new(tokenizer),
+                chat_template,
+            })
+        }
+        ModelLocation::HfDir(dir) => hf_prompt_side(&dir),
     }
-    let model = LlamaModel::load(dir)?;
+}
+
+fn hf_prompt_side(dir: &Path) -> Result<PromptSide> {
+    let spec = dir.display();
     let tokenizer = HfTokenizer::from_dir(dir)
         .map_err(|e| EngineError::Config(format!("tokenizer in {spec}: {e}")))?;
     let chat_template = ChatTemplate::from_model_dir(dir)
@@ -59,9 +106,8 @@ pub fn load_model(spec: &str) -> Result<LoadedModel> {
         .ok()
         .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
         .unwrap_or_else(|| spec.to_string());
-    Ok(LoadedModel {
+    Ok(PromptSide {
         id,
-        model: Arc::new(model),
         tokenizer: Arc::new(tokenizer),
         chat_template,
     })

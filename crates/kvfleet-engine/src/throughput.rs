@@ -55,7 +55,8 @@ fn prompt(seed: u64, len: usize, vocab: usize) -> Vec<u32> {
     let span = (vocab as u64).saturating_sub(lo).max(1);
     (0..len as u64)
         .map(|i| {
-            let x = (i + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ seed.wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            let x = (i + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+                ^ seed.wrapping_mul(0xBF58_476D_1CE4_E5B9);
             (lo + (x >> 17) % span) as u32
         })
         .collect()
@@ -75,7 +76,11 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 /// Measures `model` (served as `id`) `repeats` times per case; returns the medians.
-pub fn measure_throughput(model: &Arc<LlamaModel>, id: &str, repeats: usize) -> Result<ThroughputReport> {
+pub fn measure_throughput(
+    model: &Arc<LlamaModel>,
+    id: &str,
+    repeats: usize,
+) -> Result<ThroughputReport> {
     let vocab = model.config().vocab_size;
     let repeats = repeats.max(1);
     let mut e = engine(model, id)?;
@@ -86,7 +91,11 @@ pub fn measure_throughput(model: &Arc<LlamaModel>, id: &str, repeats: usize) -> 
             e.clear_cache();
             next_id += 1;
             let t = Instant::now();
-            e.add_request(Request::new(next_id, prompt(next_id, len, vocab), params(1)))?;
+            e.add_request(Request::new(
+                next_id,
+                prompt(next_id, len, vocab),
+                params(1),
+            ))?;
             while e.has_unfinished() {
                 e.step()?;
             }

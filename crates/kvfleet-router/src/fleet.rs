@@ -32,9 +32,9 @@ use tokio::task::JoinHandle;
 /// How the router runs.
 #[derive(Clone, Debug)]
 pub struct FleetConfig {
-    /// Model spec (`tiny`, `small` or a directory): the router loads its tokenizer and
-    /// chat template only.
-    pub model: String,
+    /// The served model's tokenizer and chat template (the router never loads weights;
+    /// the binary reads them from the model's files).
+    pub prompt: PromptModel,
     /// Routing core settings (block size, reservation TTL, policy weights).
     pub router: RouterConfig,
     /// Policy when a request names none.
@@ -76,7 +76,7 @@ pub struct FleetConfig {
 impl Default for FleetConfig {
     fn default() -> Self {
         FleetConfig {
-            model: "tiny".into(),
+            prompt: PromptModel::byte_level(),
             router: RouterConfig::default(),
             default_policy: PolicyKind::CacheAware,
             load_poll_interval: Duration::from_millis(100),
@@ -195,7 +195,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 impl Fleet {
     /// A fleet with no workers yet.
     pub fn new(config: FleetConfig) -> Result<Arc<Self>, String> {
-        let prompt = PromptModel::load(&config.model)?;
+        let prompt = config.prompt.clone();
         let cache = IncrementalTokenizer::new(config.tokenizer_cache_entries);
         let sessions = SessionStore::new(config.session_capacity, config.session_max_tokens);
         Ok(Arc::new(Fleet {

@@ -1,10 +1,9 @@
 //! What the router needs of a model: its tokenizer and chat template, never its
-//! weights. `tiny` and `small` are the seeded presets (byte tokenizer, ChatML); any
-//! other spec is a Hugging Face directory.
+//! weights. The binary builds it from the model's files (kvfleet-engine reads a GGUF
+//! header or a Hugging Face directory's tokenizer files), so this crate parses no model.
 
 use kvfleet_core::chat::ChatTemplate;
-use kvfleet_core::tokenizer::{ByteTokenizer, HfTokenizer, Tokenizer};
-use std::path::Path;
+use kvfleet_core::tokenizer::{ByteTokenizer, Tokenizer};
 use std::sync::Arc;
 
 /// Tokenizer and chat template of the model a fleet serves.
@@ -17,27 +16,19 @@ pub struct PromptModel {
 }
 
 impl PromptModel {
-    /// Loads the tokenizer side of `spec` (`tiny`, `small` or a model directory).
-    pub fn load(spec: &str) -> Result<Self, String> {
-        if spec == "tiny" || spec == "small" {
-            return Ok(PromptModel {
-                tokenizer: Arc::new(ByteTokenizer::new()),
-                chat_template: ChatTemplate::ChatMl,
-            });
+    /// The seeded presets' side (`tiny`, `small`): byte tokenizer, ChatML.
+    pub fn byte_level() -> Self {
+        PromptModel {
+            tokenizer: Arc::new(ByteTokenizer::new()),
+            chat_template: ChatTemplate::ChatMl,
         }
-        let dir = Path::new(spec);
-        if !dir.is_dir() {
-            return Err(format!(
-                "model `{spec}` is neither a preset (tiny, small) nor a directory"
-            ));
-        }
-        let tokenizer =
-            HfTokenizer::from_dir(dir).map_err(|e| format!("tokenizer in {spec}: {e}"))?;
-        let chat_template = ChatTemplate::from_model_dir(dir)
-            .map_err(|e| format!("chat template in {spec}: {e}"))?;
-        Ok(PromptModel {
-            tokenizer: Arc::new(tokenizer),
-            chat_template,
-        })
+    }
+}
+
+impl std::fmt::Debug for PromptModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PromptModel")
+            .field("vocab_size", &self.tokenizer.vocab_size())
+            .finish_non_exhaustive()
     }
 }
