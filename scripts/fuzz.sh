@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 secs="${1:-60}"
 command -v cargo-fuzz >/dev/null || cargo install cargo-fuzz --locked
 export RUSTC_BOOTSTRAP=1
-targets=(chat_request trace_line proto_decode event_apply)
+targets=(chat_request trace_line proto_decode event_apply gguf_header)
 status=0
 printf '%-14s %12s %8s\n' target executions crashes
 for t in "${targets[@]}"; do

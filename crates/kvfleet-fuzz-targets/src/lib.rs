@@ -25,6 +25,7 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("trace_line", trace_line),
     ("proto_decode", proto_decode),
     ("event_apply", event_apply),
+    ("gguf_header", gguf_header),
 ];
 
 /// Request JSON → chat request → rendered with the chat template → token ids, through
@@ -143,4 +144,23 @@ pub fn event_apply(data: &[u8]) {
     let chain: Vec<BlockHash> = dump.iter().map(|(h, _)| *h).collect();
     let m = index.find_matches(&chain);
     assert!(m.deepest() <= chain.len());
+}
+
+/// Bytes as a GGUF file: the engine's bounded header scan, then candle's parser; a
+/// header that parses must describe tensors that all read from the bytes (the scan
+/// checked their types, rows and data ranges), and nothing may panic or allocate
+/// beyond what the input's length allows.
+pub fn gguf_header(data: &[u8]) {
+    let mut cur = std::io::Cursor::new(data);
+    let Ok(content) = kvfleet_engine::gguf::read_content(&mut cur, data.len() as u64, "input")
+    else {
+        return;
+    };
+    for name in content.tensor_infos.keys() {
+        let t = content.tensor(&mut cur, name, &candle_core::Device::Cpu);
+        assert!(
+            t.is_ok(),
+            "tensor {name} of a scanned header does not read: {t:?}"
+        );
+    }
 }
