@@ -33,14 +33,12 @@ pub const TARGETS: &[(&str, Target)] = &[
 /// as in the server). Checks that the incremental ids equal a fresh tokenization of the
 /// rendered prompt.
 pub fn chat_request(data: &[u8]) {
-    static MODEL: OnceLock<Option<PromptModel>> = OnceLock::new();
+    static MODEL: OnceLock<PromptModel> = OnceLock::new();
     static MEMO: OnceLock<Mutex<IncrementalTokenizer>> = OnceLock::new();
     let Ok(req) = serde_json::from_slice::<ChatCompletionRequest>(data) else {
         return;
     };
-    let Some(model) = MODEL.get_or_init(|| PromptModel::load("tiny").ok()) else {
-        return;
-    };
+    let model = MODEL.get_or_init(PromptModel::byte_level);
     let tools = req.tools.unwrap_or_default();
     let Ok(full) = model.chat_template.render(&req.messages, &tools, true) else {
         return;
