@@ -13,9 +13,9 @@ use criterion::{Criterion, Throughput};
 use kvfleet_control::kafka::{KafkaConfig, KafkaEventStream};
 use kvfleet_control::{decode_kv_events, encode_kv_events, EventStream, StartAt, Topic, Topics};
 use kvfleet_core::BlockHash;
+use kvfleet_proto::kv_events::from_wire as router_event;
 use kvfleet_proto::v1 as pb;
-use kvfleet_router::fleet::router_event;
-use kvfleet_router::{KvRouter, RouterConfig};
+use kvfleet_routing::{KvRouter, RouterConfig};
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 

@@ -16,7 +16,7 @@
 
 use criterion::{BenchmarkId, Criterion, Throughput};
 use kvfleet_core::BlockHash;
-use kvfleet_router::{KvRouter, PolicyKind, PrefixIndex, RouterConfig, RouterKvEvent, WorkerIdx};
+use kvfleet_routing::{KvRouter, PolicyKind, PrefixIndex, RouterConfig, RouterKvEvent, WorkerIdx};
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
@@ -165,7 +165,7 @@ fn report_percentiles(f: &Fleet, idx: &PrefixIndex, router: &mut KvRouter, q: &Q
         "\nrouter percentiles: {} blocks indexed, {WORKERS} workers, {PROMPT_BLOCKS}-block prompts",
         idx.num_blocks()
     );
-    let mut m = kvfleet_router::Matches::new();
+    let mut m = kvfleet_routing::Matches::new();
     percentiles(
         "find_matches  fully cached, 256 hot queries",
         time_each(N, |i| {
@@ -275,7 +275,7 @@ fn main() {
     {
         let mut g = c.benchmark_group("find_matches_2048_vs_1M_256w");
         g.throughput(Throughput::Elements(1));
-        let mut m = kvfleet_router::Matches::new();
+        let mut m = kvfleet_routing::Matches::new();
         for (name, set) in [("fully_cached", &q.full), ("half_cached", &q.half)] {
             let mut i = 0;
             g.bench_function(BenchmarkId::new("bisection", name), |b| {
@@ -343,11 +343,11 @@ fn main() {
 
     {
         // Policy choice alone over 256 candidates, half of them matching 1,000 blocks.
-        use kvfleet_router::policy::{
+        use kvfleet_routing::policy::{
             CacheAware, Candidate, ConsistentHash, LeastLoaded, RandomPolicy, RouteContext,
             RoutingPolicy,
         };
-        use kvfleet_router::WorkerLoad;
+        use kvfleet_routing::WorkerLoad;
         let candidates: Vec<Candidate> = (0..WORKERS)
             .map(|w| Candidate {
                 worker: WorkerIdx(w as u32),

@@ -5,8 +5,8 @@
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use kvfleet_core::chat::{ChatMessage, ChatTemplate};
+use kvfleet_core::incremental_tokenizer::IncrementalTokenizer;
 use kvfleet_core::tokenizer::{ByteTokenizer, Tokenizer};
-use kvfleet_router::incremental_tokenizer::IncrementalTokenizer;
 
 /// A conversation of about `bytes` bytes (= tokens for the byte tokenizer) in turns
 /// of ~1 KB, ending with a user message.

@@ -9,7 +9,7 @@
 use kvfleet_core::{hash_blocks, namespace_seed, BlockHash, DEFAULT_BLOCK_SIZE};
 use kvfleet_engine::{KvEvent, KvEventSink};
 use kvfleet_proto::v1 as pb;
-use kvfleet_router::worker_conn::WorkerConn;
+use kvfleet_router::worker_conn::{ConnTimeouts, WorkerConn};
 use kvfleet_router::{fleet_metrics, Fleet, FleetConfig};
 use kvfleet_worker::{serve_service, WorkerConfig, WorkerModel, WorkerService};
 use std::collections::BTreeSet;
@@ -28,10 +28,10 @@ fn resyncs(worker: &str) -> f64 {
 }
 
 fn router_blocks(fleet: &Fleet, worker: &str) -> BTreeSet<u64> {
-    let kv = fleet.kv();
-    let idx = kv.worker_index(worker).expect("worker registered");
-    kv.index()
-        .worker_blocks(idx)
+    fleet
+        .routing
+        .worker_blocks(worker)
+        .expect("worker registered")
         .into_iter()
         .map(|(h, _)| h.0)
         .collect()
@@ -70,7 +70,9 @@ async fn an_event_gap_resyncs_the_workers_index_from_its_dump() {
     }));
     let fleet = Fleet::new(FleetConfig::default()).expect("fleet");
     fleet.add_worker(&addr).await.expect("add worker");
-    let conn = WorkerConn::connect(&addr, None).await.expect("connect");
+    let conn = WorkerConn::connect_with(&addr, ConnTimeouts::default(), None)
+        .await
+        .expect("connect");
 
     // Real cached blocks: one generation of a 4-block prompt.
     let tokens: Vec<u32> = (0..(4 * DEFAULT_BLOCK_SIZE as u32))

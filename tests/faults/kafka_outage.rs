@@ -9,7 +9,7 @@
 
 use crate::support::{chat, filler, start, Proc};
 use kvfleet_control::test_services::{free_port, EtcdServer, KafkaBroker, TcpProxy};
-use kvfleet_router::worker_conn::WorkerConn;
+use kvfleet_router::worker_conn::{ConnTimeouts, WorkerConn};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -147,7 +147,9 @@ fn routers_serve_through_a_kafka_outage_and_catch_up_after_it() {
         rt.block_on(async {
             let mut out = BTreeMap::new();
             for (id, p) in &workers {
-                let conn = WorkerConn::connect(&p.addr, None).await.expect("connect");
+                let conn = WorkerConn::connect_with(&p.addr, ConnTimeouts::default(), None)
+                    .await
+                    .expect("connect");
                 let d = conn.cache_dump().await.expect("dump");
                 out.insert(id.clone(), (d.blocks.len() as u64, d.seq));
             }

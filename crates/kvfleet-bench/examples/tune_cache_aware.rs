@@ -8,7 +8,7 @@ use kvfleet_bench::bounds::bounds;
 use kvfleet_bench::matrix::load_scale;
 use kvfleet_bench::sim::{simulate, SimConfig, SimPolicy};
 use kvfleet_bench::trace_gen::{generate, GenConfig};
-use kvfleet_router::PolicyKind;
+use kvfleet_routing::PolicyKind;
 
 fn main() {
     let gen = GenConfig {

@@ -7,7 +7,7 @@
 //! router's index sees the same prefix semantics as with real tokens.
 
 use kvfleet_core::BlockHash;
-use kvfleet_router::policy::mix64;
+use kvfleet_routing::policy::mix64;
 
 /// Token ids used by replay stay below this bound (the byte range, valid for every
 /// preset model's vocabulary).
@@ -56,7 +56,7 @@ pub fn prompt_tokens(
 
 /// Seed of a tenant's namespace (tenants never share blocks).
 pub fn tenant_seed(tenant: Option<&str>) -> u64 {
-    kvfleet_router::policy::stable_str_hash(tenant.unwrap_or(""))
+    kvfleet_routing::policy::stable_str_hash(tenant.unwrap_or(""))
 }
 
 /// Chained hashes of `hash_ids` in the namespace `seed`: hash `i` depends on ids

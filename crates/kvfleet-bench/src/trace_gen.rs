@@ -15,7 +15,7 @@
 //! system prompt and tool definitions.
 
 use crate::trace::{Trace, TraceRecord};
-use kvfleet_router::policy::mix64;
+use kvfleet_routing::policy::mix64;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 

@@ -4,7 +4,7 @@ use kvfleet_bench::bounds::bounds;
 use kvfleet_bench::sim::{simulate, SimConfig, SimPolicy};
 use kvfleet_bench::trace_gen::{generate, GenConfig};
 use kvfleet_bench::Trace;
-use kvfleet_router::PolicyKind;
+use kvfleet_routing::PolicyKind;
 use std::path::PathBuf;
 
 fn mooncake() -> Trace {

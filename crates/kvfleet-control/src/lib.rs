@@ -16,6 +16,7 @@
 
 #![warn(missing_docs)]
 
+pub mod config;
 pub mod error;
 pub mod etcd;
 pub mod events;
@@ -29,6 +30,7 @@ pub mod test_services;
 pub mod usage;
 pub mod watch;
 
+pub use config::ControlConfig;
 pub use error::{ControlError, Result};
 pub use events::{
     decode_kv_events, encode_kv_events, EventStream, KvEventEnvelope, Record, StartAt,

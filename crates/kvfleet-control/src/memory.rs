@@ -8,7 +8,7 @@ use crate::kv::{CasOutcome, KvChange, KvChangeKind, KvStore};
 use crate::watch::WatchStream;
 use async_trait::async_trait;
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 use tokio::sync::{broadcast, mpsc, watch};
 use tokio::time::Instant;
@@ -45,7 +45,7 @@ fn lock_kv<'a>(
     state: &'a Mutex<KvState>,
     live: &broadcast::Sender<KvChange>,
 ) -> MutexGuard<'a, KvState> {
-    let mut st = state.lock().unwrap_or_else(PoisonError::into_inner);
+    let mut st = kvfleet_core::sync::lock(state);
     let now = Instant::now();
     let due: Vec<i64> = st
         .leases
@@ -335,7 +335,7 @@ impl Default for MemEventStream {
 }
 
 fn lock_state(s: &Mutex<StreamState>) -> MutexGuard<'_, StreamState> {
-    s.lock().unwrap_or_else(PoisonError::into_inner)
+    kvfleet_core::sync::lock(s)
 }
 
 fn topic_log<'a>(st: &'a mut StreamState, name: &str) -> &'a mut TopicLog {

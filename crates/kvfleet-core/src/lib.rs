@@ -4,10 +4,17 @@
 //! `block_hash`), tokenizers, and deterministic chat rendering. No network I/O happens
 //! here; the only file reads are the loaders of a model's tokenizer and chat template
 //! (`HfTokenizer::from_dir`, `ChatTemplate::from_tokenizer_config`).
+//!
+//! Also here, because they are pure and both the serving router and the fuzz targets
+//! need them: the OpenAI request/response bodies ([`openai`]) and the incremental
+//! tokenizer's conversation memo ([`incremental_tokenizer`]).
 
 pub mod block_hash;
 pub mod chat;
+pub mod incremental_tokenizer;
 pub mod kv_events;
+pub mod openai;
+pub mod sync;
 pub mod tokenizer;
 pub mod tokens;
 

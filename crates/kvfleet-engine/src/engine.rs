@@ -425,18 +425,13 @@ impl Engine {
     pub fn run_to_completion(&mut self) -> Result<Vec<Completion>> {
         let mut acc: HashMap<RequestId, Completion> = HashMap::new();
         let mut done = Vec::new();
-        let mut idle_steps = 0;
+        let mut progress = ProgressGuard::new();
         while self.has_unfinished() {
-            let outs = self.step()?;
-            if outs.is_empty() {
-                idle_steps += 1;
-                if idle_steps > 1000 {
-                    return Err(EngineError::OutOfBlocks(
-                        "no progress: requests cannot be scheduled".into(),
-                    ));
-                }
-            } else {
-                idle_steps = 0;
+            let outs = progress.step(self)?;
+            if progress.idle_steps() > MAX_IDLE_STEPS {
+                return Err(EngineError::OutOfBlocks(
+                    "no progress: requests cannot be scheduled".into(),
+                ));
             }
             for o in outs {
                 let c = acc.entry(o.id).or_insert_with(|| Completion {
@@ -691,5 +686,52 @@ impl Engine {
                 });
             }
         }
+    }
+}
+
+/// Consecutive steps that scheduled nothing after which
+/// [`Engine::run_to_completion`] gives up: the waiting requests can never be scheduled.
+pub const MAX_IDLE_STEPS: usize = 1000;
+
+/// The one no-progress guard of every engine driver ([`Engine::run_to_completion`] and
+/// the worker's engine loop): a step made progress when it scheduled work (a forward
+/// pass ran), whether or not it produced output yet (a long prompt's prefill chunks
+/// produce none).
+#[derive(Debug, Default)]
+pub struct ProgressGuard {
+    idle_steps: usize,
+}
+
+impl ProgressGuard {
+    /// No step seen yet.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Runs one engine step and records whether it made progress.
+    pub fn step(&mut self, engine: &mut Engine) -> Result<Vec<StepOutput>> {
+        let before = engine.stats.steps;
+        let out = engine.step();
+        if engine.stats.steps == before {
+            self.idle_steps += 1;
+        } else {
+            self.idle_steps = 0;
+        }
+        out
+    }
+
+    /// Whether the last step scheduled nothing (retrying at once would spin).
+    pub fn stalled(&self) -> bool {
+        self.idle_steps > 0
+    }
+
+    /// Consecutive steps that scheduled nothing.
+    pub fn idle_steps(&self) -> usize {
+        self.idle_steps
+    }
+
+    /// Forgets past idle steps (the engine has nothing left to do).
+    pub fn reset(&mut self) {
+        self.idle_steps = 0;
     }
 }

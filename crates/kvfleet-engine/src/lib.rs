@@ -38,8 +38,8 @@ pub mod throughput;
 pub use backend::{CpuBackend, ModelBackend};
 pub use device::{new_backend, Device};
 pub use engine::{
-    Completion, Engine, EngineConfig, EngineLoad, EngineStats, ForkChild, ForkRequest, Request,
-    StepOutput,
+    Completion, Engine, EngineConfig, EngineLoad, EngineStats, ForkChild, ForkRequest,
+    ProgressGuard, Request, StepOutput, MAX_IDLE_STEPS,
 };
 pub use error::{EngineError, Result};
 pub use gguf::{GgufFile, GgufLoadOptions};

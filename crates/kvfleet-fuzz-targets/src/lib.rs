@@ -5,13 +5,15 @@
 //! Every function takes arbitrary bytes. Errors on bad input are expected; a panic
 //! (including a failed invariant check below) is a finding.
 
+use kvfleet_core::chat::ChatTemplate;
+use kvfleet_core::incremental_tokenizer::IncrementalTokenizer;
+use kvfleet_core::openai::ChatCompletionRequest;
+use kvfleet_core::sync::lock;
+use kvfleet_core::tokenizer::{ByteTokenizer, Tokenizer};
 use kvfleet_core::BlockHash;
+use kvfleet_proto::kv_events::from_wire as router_event;
 use kvfleet_proto::v1 as pb;
-use kvfleet_router::fleet::router_event;
-use kvfleet_router::incremental_tokenizer::IncrementalTokenizer;
-use kvfleet_router::openai::types::ChatCompletionRequest;
-use kvfleet_router::prompt_model::PromptModel;
-use kvfleet_router::{PrefixIndex, WorkerIdx};
+use kvfleet_routing::{PrefixIndex, WorkerIdx};
 use prost::Message;
 use std::sync::{Mutex, OnceLock};
 
@@ -33,28 +35,22 @@ pub const TARGETS: &[(&str, Target)] = &[
 /// as in the server). Checks that the incremental ids equal a fresh tokenization of the
 /// rendered prompt.
 pub fn chat_request(data: &[u8]) {
-    static MODEL: OnceLock<PromptModel> = OnceLock::new();
     static MEMO: OnceLock<Mutex<IncrementalTokenizer>> = OnceLock::new();
     let Ok(req) = serde_json::from_slice::<ChatCompletionRequest>(data) else {
         return;
     };
-    let model = MODEL.get_or_init(PromptModel::byte_level);
+    // The `tiny` preset's prompt side, as the router loads it: byte tokenizer, ChatML.
+    let (tokenizer, template) = (ByteTokenizer::new(), ChatTemplate::ChatMl);
     let tools = req.tools.unwrap_or_default();
-    let Ok(full) = model.chat_template.render(&req.messages, &tools, true) else {
+    let Ok(full) = template.render(&req.messages, &tools, true) else {
         return;
     };
     let memo = MEMO.get_or_init(|| Mutex::new(IncrementalTokenizer::new(64)));
-    let mut memo = memo.lock().unwrap_or_else(|p| p.into_inner());
-    let Ok(prompt) = memo.tokenize(
-        &req.model,
-        &model.chat_template,
-        model.tokenizer.as_ref(),
-        &req.messages,
-        &tools,
-    ) else {
+    let mut memo = lock(memo);
+    let Ok(prompt) = memo.tokenize(&req.model, &template, &tokenizer, &req.messages, &tools) else {
         return;
     };
-    if let Ok(direct) = model.tokenizer.encode(&full) {
+    if let Ok(direct) = tokenizer.encode(&full) {
         assert_eq!(prompt.ids, direct, "incremental tokenization diverged");
     }
     assert!(prompt.reused <= prompt.ids.len());

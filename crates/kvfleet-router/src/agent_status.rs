@@ -13,53 +13,32 @@
 use crate::openai::error::ApiError;
 use crate::sessions::SessionState;
 use kvfleet_core::chat::{ChatMessage, Role};
-use serde::Deserialize;
 use serde_json::{Map, Value};
 
-/// Server-observed fields a request may ask for.
-pub const SERVER_FIELDS: [&str; 5] = ["tool_calls", "elapsed", "turns", "now", "cache"];
+pub use kvfleet_core::chat::status_bar::{StatusMode, StatusRequest, SERVER_FIELDS};
 
-/// What happens to the status after this request.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum StatusMode {
-    /// The status is for this request only and never enters the shared prefix cache:
-    /// the next turn's prefix stays identical.
-    #[default]
-    Replace,
-    /// The status becomes part of the history and is cached like any message.
-    Append,
-}
-
-/// The status-bar fields of a chat request.
-#[derive(Clone, Debug, Default, Deserialize)]
-pub struct StatusRequest {
-    /// Client fields, rendered in their order.
-    pub agent_status: Option<Map<String, Value>>,
-    /// `replace` (default) or `append`.
-    pub status_mode: Option<StatusMode>,
-    /// Server-observed fields to add, from [`SERVER_FIELDS`].
-    pub status_fields: Option<Vec<String>>,
-    /// Per-tool call limits for the `tool_calls` field: a number (`"search": 10` →
-    /// `search: 4/10`) or `{"max": 3, "per": "company"}`, a limit per value of one
-    /// argument (`phone_call: 3 (Xfinity: 3/3)`).
-    pub tool_call_limits: Option<Map<String, Value>>,
-}
-
-impl StatusRequest {
-    /// Whether the request asks for a status at all.
-    pub fn wanted(&self) -> bool {
-        self.agent_status.is_some() || self.status_fields.as_ref().is_some_and(|f| !f.is_empty())
-    }
-
-    /// The mode, `replace` unless asked otherwise.
-    pub fn mode(&self) -> StatusMode {
-        self.status_mode.unwrap_or_default()
-    }
-
+/// The router's side of a [`StatusRequest`]: checking it against what the router knows
+/// and computing the server-observed fields (the request type itself is wire format
+/// and lives in `kvfleet-core`).
+pub trait StatusRequestExt {
     /// Checks field names before anything is computed: a 400 for an unknown server
     /// field, a client field that collides with one, or a bad limit.
-    pub fn validate(&self, session: Option<&str>) -> Result<(), ApiError> {
+    fn validate(&self, session: Option<&str>) -> Result<(), ApiError>;
+
+    /// The status fields in render order: the client's, then the server's in the
+    /// order asked. `session` is the state before this turn (if any), `now_unix_ms`
+    /// the wall clock, `now_ms` the router clock the session times are on.
+    fn fields(
+        &self,
+        messages: &[ChatMessage],
+        session: Option<&SessionState>,
+        now_unix_ms: u64,
+        now_ms: u64,
+    ) -> Map<String, Value>;
+}
+
+impl StatusRequestExt for StatusRequest {
+    fn validate(&self, session: Option<&str>) -> Result<(), ApiError> {
         let fields = self.status_fields.as_deref().unwrap_or_default();
         for f in fields {
             if !SERVER_FIELDS.contains(&f.as_str()) {
@@ -99,10 +78,7 @@ impl StatusRequest {
         Ok(())
     }
 
-    /// The status fields in render order: the client's, then the server's in the
-    /// order asked. `session` is the state before this turn (if any), `now_unix_ms`
-    /// the wall clock, `now_ms` the router clock the session times are on.
-    pub fn fields(
+    fn fields(
         &self,
         messages: &[ChatMessage],
         session: Option<&SessionState>,

@@ -8,11 +8,12 @@
 //!   with one compare-and-set, and the request follows the winner.
 //! - Usage: every finished request is reported once, without text.
 
-use crate::dispatch::Dispatched;
-use crate::fleet::Fleet;
-use crate::openai::types::Usage;
+use crate::fleet_metrics as m;
 use futures::future::BoxFuture;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use kvfleet_core::sync::lock;
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
 
 /// What a placement is keyed by.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -52,7 +53,7 @@ pub struct RequestUsage {
     pub timestamp_ms: u64,
 }
 
-/// The request facts the hooks need, carried by a [`Dispatched`] request.
+/// The request facts the hooks need, carried by a dispatched request.
 #[derive(Clone, Debug, Default)]
 pub struct RequestFacts {
     /// Cache salt (tenant).
@@ -76,31 +77,68 @@ pub trait ControlHooks: Send + Sync {
     fn request_done(&self, usage: RequestUsage);
 }
 
-impl Fleet {
-    /// Reports a finished request to the control plane, if one is installed.
-    pub fn report_usage<T>(&self, d: &Dispatched<T>, usage: &Usage, ttft: Option<Duration>) {
-        let Some(hooks) = self.control_hooks() else {
-            return;
-        };
-        let arrived = SystemTime::now()
-            .checked_sub(d.started.elapsed())
-            .unwrap_or_else(SystemTime::now);
-        hooks.request_done(RequestUsage {
-            tenant: d.facts.cache_salt.clone(),
-            model: self.model().map(|m| m.0).unwrap_or_default(),
-            prompt_tokens: usage.prompt_tokens as u64,
-            cached_tokens: usage.prompt_tokens_details.cached_tokens as u64,
-            output_tokens: usage.completion_tokens as u64,
-            worker: d.worker.clone(),
-            ttft,
-            fork_group: d.facts.fork_group.clone(),
-            session_id: d.facts.session.clone(),
-            block_hashes: d.facts.block_hashes.clone(),
-            block_size: self.config.router.block_size as u32,
-            timestamp_ms: arrived
-                .duration_since(UNIX_EPOCH)
-                .map(|t| t.as_millis() as u64)
-                .unwrap_or(0),
-        });
+/// Whether a control-plane component (etcd, Kafka) is reachable, and since when.
+#[derive(Clone, Copy, Debug)]
+pub struct ComponentStatus {
+    /// Reachable at the last attempt.
+    pub up: bool,
+    /// When it last changed.
+    pub since: Instant,
+}
+
+/// A fleet's link to its control plane: the installed hooks and what is known of each
+/// component's reachability.
+#[derive(Default)]
+pub struct ControlLink {
+    hooks: RwLock<Option<Arc<dyn ControlHooks>>>,
+    components: Mutex<BTreeMap<&'static str, ComponentStatus>>,
+}
+
+impl ControlLink {
+    /// No control plane (the embedded default).
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Installs a control plane's hooks (placement, usage records).
+    pub fn set_hooks(&self, hooks: Arc<dyn ControlHooks>) {
+        if let Ok(mut h) = self.hooks.write() {
+            *h = Some(hooks);
+        }
+    }
+
+    /// The installed hooks.
+    pub fn hooks(&self) -> Option<Arc<dyn ControlHooks>> {
+        self.hooks.read().ok().and_then(|h| h.clone())
+    }
+
+    /// Records whether `component` (`etcd`, `kafka`) is reachable; sets
+    /// `kvfleet_control_plane_up{component}`.
+    pub fn set_up(&self, component: &'static str, up: bool) {
+        let mut cp = lock(&self.components);
+        let changed = cp.get(component).is_none_or(|s| s.up != up);
+        if changed {
+            cp.insert(
+                component,
+                ComponentStatus {
+                    up,
+                    since: Instant::now(),
+                },
+            );
+            if up {
+                tracing::info!(component, "control plane reachable");
+            } else {
+                tracing::warn!(
+                    component,
+                    "control plane unreachable: serving on what is known"
+                );
+            }
+        }
+        m::control_plane_up(component, up);
+    }
+
+    /// Every component reported so far.
+    pub fn status(&self) -> BTreeMap<&'static str, ComponentStatus> {
+        lock(&self.components).clone()
     }
 }

@@ -14,9 +14,12 @@
 //! hash of that block, which already identifies the whole prefix before it. Only ids
 //! and counts are kept, never prompt text, so the page shows nothing a tenant typed.
 
+use crate::fleet_metrics as m;
+use kvfleet_core::sync::lock;
 use kvfleet_core::BlockHash;
 use serde::Serialize;
 use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::Mutex;
 
 /// Decisions kept in the ring.
 pub const DECISIONS_KEPT: usize = 256;
@@ -494,6 +497,89 @@ impl DecisionLog {
     /// Every decision in the ring, oldest first.
     pub fn decisions(&self) -> Vec<DecisionRecord> {
         self.ring.iter().cloned().collect()
+    }
+}
+
+/// Fork groups remembered for co-location statistics.
+const FORK_GROUPS_KEPT: usize = 65_536;
+
+#[derive(Default)]
+struct ForkGroups {
+    first_worker: HashMap<String, String>,
+    order: VecDeque<String>,
+    colocated: u64,
+    total: u64,
+}
+
+/// The decision log and fork-group co-location statistics as request handlers and
+/// the dashboard share them: each behind its own lock, taken per call, and read out
+/// as copies.
+#[derive(Default)]
+pub struct Decisions {
+    log: Mutex<DecisionLog>,
+    fork_groups: Mutex<ForkGroups>,
+}
+
+impl Decisions {
+    /// An empty log.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Records a routing decision for the dashboard and fork-group co-location;
+    /// returns its number in the log, for [`Self::outcome`].
+    pub fn record(&self, rec: NewDecision, hashes: &[BlockHash]) -> u64 {
+        if let Some(group) = &rec.fork_group {
+            let mut fg = lock(&self.fork_groups);
+            let first = match fg.first_worker.get(group) {
+                Some(w) => w.clone(),
+                None => {
+                    fg.first_worker.insert(group.clone(), rec.worker.clone());
+                    fg.order.push_back(group.clone());
+                    if fg.order.len() > FORK_GROUPS_KEPT {
+                        if let Some(old) = fg.order.pop_front() {
+                            fg.first_worker.remove(&old);
+                        }
+                    }
+                    rec.worker.clone()
+                }
+            };
+            let colocated = first == rec.worker;
+            fg.total += 1;
+            if colocated {
+                fg.colocated += 1;
+            }
+            m::fork_group(colocated, fg.colocated as f64 / fg.total as f64);
+        }
+        lock(&self.log).record(rec, hashes)
+    }
+
+    /// Fills in a logged decision's cached tokens and, when given, its outcome (timed
+    /// by the wall clock).
+    pub fn outcome(
+        &self,
+        seq: u64,
+        actual_cached_tokens: Option<usize>,
+        outcome: Option<&'static str>,
+    ) {
+        let now = crate::wall_clock::unix_ms();
+        lock(&self.log).complete(seq, actual_cached_tokens, outcome, now);
+    }
+
+    /// The most recent routing decisions, oldest first.
+    pub fn recent(&self) -> Vec<DecisionRecord> {
+        lock(&self.log).decisions()
+    }
+
+    /// The dashboard's view of the log (see [`DecisionLog::snapshot`]).
+    pub fn snapshot(&self, limit: usize, now_unix_ms: u64) -> LogSnapshot {
+        lock(&self.log).snapshot(limit, now_unix_ms)
+    }
+
+    /// Fork-group requests served by their group's first worker / all of them.
+    pub fn fork_colocation(&self) -> (u64, u64) {
+        let fg = lock(&self.fork_groups);
+        (fg.colocated, fg.total)
     }
 }
 

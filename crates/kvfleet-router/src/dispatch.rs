@@ -1,18 +1,21 @@
 //! Sending one request to a worker: route it, call the worker, and retry on another
 //! worker while it has not started (no message received yet).
 
-use crate::control_hooks::{PlacementRef, RequestFacts};
+use crate::control_hooks::{PlacementRef, RequestFacts, RequestUsage};
 use crate::decision_log::NewDecision;
-use crate::fleet::{unix_ms, Fleet};
+use crate::fleet::Fleet;
 use crate::fleet_metrics as m;
 use crate::openai::error::ApiError;
-use crate::policy::PolicyKind;
+use crate::routing_state::{RouteRequest, RoutingState};
+use crate::wall_clock::unix_ms;
 use crate::worker_conn::WorkerConn;
+use kvfleet_core::openai::Usage;
 use kvfleet_core::BlockHash;
 use kvfleet_proto::v1 as pb;
+use kvfleet_routing::policy::PolicyKind;
 use std::future::Future;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use tonic::Code;
 
 /// What the router sends a worker for one request.
@@ -62,7 +65,7 @@ pub struct Dispatched<T = pb::GenerateResponse> {
 
 /// Keeps a request counted as in flight on its worker until dropped.
 pub struct InflightGuard {
-    fleet: Arc<Fleet>,
+    routing: Arc<RoutingState>,
     worker: String,
     prefill_tokens: usize,
     /// Cached tokens the router predicted.
@@ -75,9 +78,7 @@ pub struct InflightGuard {
 
 impl Drop for InflightGuard {
     fn drop(&mut self) {
-        let _ = self
-            .fleet
-            .kv()
+        self.routing
             .request_finished(&self.worker, self.prefill_tokens);
     }
 }
@@ -116,14 +117,14 @@ where
 {
     let started = Instant::now();
     let mut last_error = String::from("no worker is available");
-    let hooks = fleet.control_hooks();
+    let hooks = fleet.control.hooks();
     // A placement shared with other routers: the fork group, else the prefix root of a
     // prompt no worker is known to hold yet.
     let placement = hooks.as_ref().and_then(|_| match &spec.fork_group {
         Some(g) => Some(PlacementRef::ForkGroup(g.clone())),
         None => {
             let first = spec.hashes.first()?;
-            let known = fleet.kv().matches(&spec.hashes, fleet.now_ms()).deepest() > 0;
+            let known = fleet.routing.is_known_prefix(&spec.hashes);
             (!known).then_some(PlacementRef::PrefixRoot(first.0))
         }
     });
@@ -135,20 +136,19 @@ where
     // Workers this request already failed on: a retry goes elsewhere.
     let mut tried: Vec<String> = Vec::new();
     let route = |pin: Option<&str>, tried: &[String]| {
-        fleet.kv().route_excluding(
-            &spec.hashes,
-            spec.token_ids.len(),
+        fleet.routing.route(&RouteRequest {
+            hashes: &spec.hashes,
+            prompt_tokens: spec.token_ids.len(),
             pin,
-            spec.policy,
-            fleet.now_ms(),
-            tried,
-        )
+            policy: spec.policy,
+            exclude: tried,
+        })
     };
     for attempt in 0..fleet.config.max_attempts.max(1) {
         if attempt > 0 {
             m::retry();
         }
-        fleet.refresh_breakers();
+        fleet.workers.refresh_breakers();
         let mut decision = match route(pin.as_deref(), &tried) {
             Ok(d) => d,
             Err(e) => {
@@ -163,13 +163,7 @@ where
             let chosen = decision.worker.to_string();
             if let Some(owner) = h.claim(key.clone(), chosen.clone()).await {
                 if owner != chosen && fleet.conn(&owner).is_some() {
-                    {
-                        let mut kv = fleet.kv();
-                        if let Some(r) = decision.reservation {
-                            kv.cancel_reservation(r);
-                        }
-                        let _ = kv.request_finished(&chosen, decision.prefill_tokens);
-                    }
+                    fleet.routing.abandon(&decision);
                     pin = Some(owner);
                     decision = match route(pin.as_deref(), &tried) {
                         Ok(d) => d,
@@ -189,7 +183,7 @@ where
         let worker = decision.worker.to_string();
         tried.push(worker.clone());
         let mut guard = InflightGuard {
-            fleet: fleet.clone(),
+            routing: fleet.routing.clone(),
             worker: worker.clone(),
             prefill_tokens: decision.prefill_tokens,
             predicted_cached_tokens: decision.predicted_cached_tokens,
@@ -199,17 +193,17 @@ where
         // The request never reached the worker: its reservation must not steer siblings.
         let cancel_reservation = || {
             if let Some(r) = decision.reservation {
-                fleet.kv().cancel_reservation(r);
+                fleet.routing.cancel_reservation(r);
             }
         };
         // The connection failed: out of the index until its supervisor reconnects.
         let give_up_on_worker = |why: String| {
             cancel_reservation();
-            fleet.worker_failed(&worker);
-            fleet.breaker_failure(&worker);
+            fleet.workers.worker_failed(&worker);
+            fleet.workers.breaker_failure(&worker);
             why
         };
-        fleet.breaker_request_started(&worker);
+        fleet.workers.breaker_request_started(&worker);
         let Some(conn) = fleet.conn(&worker) else {
             last_error = give_up_on_worker(format!("worker {worker} is not connected"));
             continue;
@@ -221,9 +215,9 @@ where
         };
         match tokio::time::timeout(fleet.config.first_message_timeout, call).await {
             Ok(Ok((stream, Some(first)))) => {
-                fleet.breaker_success(&worker);
+                fleet.workers.breaker_success(&worker);
                 m::routed(&worker, decision.policy);
-                guard.decision_seq = fleet.record_decision(
+                guard.decision_seq = fleet.decisions.record(
                     NewDecision {
                         unix_ms: unix_ms(),
                         at_ms: fleet.now_ms(),
@@ -266,7 +260,7 @@ where
             }
             Ok(Ok((_, None))) => {
                 cancel_reservation();
-                fleet.breaker_failure(&worker);
+                fleet.workers.breaker_failure(&worker);
                 last_error = format!("worker {worker} closed the stream before answering");
             }
             Ok(Err(status)) => match status.code() {
@@ -295,7 +289,7 @@ where
                 m::deadline_exceeded(&worker, "first_token");
                 // Missed the deadline: the breaker decides when it is out, not one miss.
                 cancel_reservation();
-                fleet.breaker_failure(&worker);
+                fleet.workers.breaker_failure(&worker);
                 last_error = format!(
                     "worker {worker} did not answer within {:?}",
                     fleet.config.first_message_timeout
@@ -314,4 +308,27 @@ pub fn finish_reason_name(f: i32) -> Option<&'static str> {
         pb::FinishReason::Aborted => Some("abort"),
         pb::FinishReason::Unspecified => None,
     }
+}
+
+/// Reports a finished request to the control plane, if one is installed.
+pub fn report_usage<T>(fleet: &Fleet, d: &Dispatched<T>, usage: &Usage, ttft: Option<Duration>) {
+    let Some(hooks) = fleet.control.hooks() else {
+        return;
+    };
+    // Arrival on the wall clock: now, less the time since the request arrived.
+    let arrived_ms = unix_ms().saturating_sub(d.started.elapsed().as_millis() as u64);
+    hooks.request_done(RequestUsage {
+        tenant: d.facts.cache_salt.clone(),
+        model: fleet.model().map(|m| m.0).unwrap_or_default(),
+        prompt_tokens: usage.prompt_tokens as u64,
+        cached_tokens: usage.prompt_tokens_details.cached_tokens as u64,
+        output_tokens: usage.completion_tokens as u64,
+        worker: d.worker.clone(),
+        ttft,
+        fork_group: d.facts.fork_group.clone(),
+        session_id: d.facts.session.clone(),
+        block_hashes: d.facts.block_hashes.clone(),
+        block_size: fleet.routing.block_size() as u32,
+        timestamp_ms: arrived_ms,
+    });
 }

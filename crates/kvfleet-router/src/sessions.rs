@@ -8,7 +8,9 @@
 //! within `capacity × max_tokens × 4` bytes.
 
 use crate::prefix_breaks::{diagnose, PrefixBreak, TurnFingerprint};
+use kvfleet_core::sync::lock;
 use std::collections::HashMap;
+use std::sync::Mutex;
 
 /// What the router remembers of one session.
 #[derive(Clone, Debug, Default)]
@@ -117,6 +119,42 @@ impl SessionStore {
         {
             self.sessions.remove(&oldest);
         }
+    }
+}
+
+/// The session memory as request handlers share it: a [`SessionStore`] behind one
+/// lock, taken for each call (no guard is handed out).
+pub struct Sessions(Mutex<SessionStore>);
+
+impl Sessions {
+    /// Memory for at most `capacity` sessions, each fingerprint at most `max_tokens`.
+    pub fn new(capacity: usize, max_tokens: usize) -> Self {
+        Sessions(Mutex::new(SessionStore::new(capacity, max_tokens)))
+    }
+
+    /// A copy of session `id`'s state, if remembered.
+    pub fn get(&self, id: &str) -> Option<SessionState> {
+        lock(&self.0).get(id).cloned()
+    }
+
+    /// [`SessionStore::begin_turn`].
+    pub fn begin_turn(&self, id: &str, now_ms: u64, turn: TurnFingerprint) -> TurnContext {
+        lock(&self.0).begin_turn(id, now_ms, turn)
+    }
+
+    /// [`SessionStore::record_cached`].
+    pub fn record_cached(&self, id: &str, cached: usize, prompt: usize) {
+        lock(&self.0).record_cached(id, cached, prompt);
+    }
+
+    /// Sessions remembered.
+    pub fn len(&self) -> usize {
+        lock(&self.0).len()
+    }
+
+    /// Whether no session is remembered.
+    pub fn is_empty(&self) -> bool {
+        lock(&self.0).is_empty()
     }
 }
 

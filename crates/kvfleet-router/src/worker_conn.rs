@@ -55,14 +55,9 @@ pub enum ConnError {
 
 impl WorkerConn {
     /// Connects to `endpoint` (`host:port`, `http://host:port` or `https://host:port`)
-    /// and asks for its Info, with the default deadlines. With `tls`, the connection is
-    /// TLS (a bare `host:port` becomes `https://`) and the worker's certificate must
-    /// verify against its CA.
-    pub async fn connect(endpoint: &str, tls: Option<&ClientTlsConfig>) -> Result<Self, ConnError> {
-        Self::connect_with(endpoint, ConnTimeouts::default(), tls).await
-    }
-
-    /// [`Self::connect`] with these deadlines.
+    /// and asks for its Info, with these deadlines. With `tls`, the connection is TLS (a
+    /// bare `host:port` becomes `https://`) and the worker's certificate must verify
+    /// against its CA.
     pub async fn connect_with(
         endpoint: &str,
         timeouts: ConnTimeouts,

@@ -27,8 +27,8 @@ use crate::event_log::EventLog;
 use crate::outbox::{Delivery, Outbox};
 use kvfleet_core::{hash_blocks, TokenId};
 use kvfleet_engine::{
-    load_model, new_backend, Engine, EngineError, FinishReason, ForkChild, ForkRequest, Request,
-    RequestId, StepOutput,
+    load_model, new_backend, Engine, EngineError, FinishReason, ForkChild, ForkRequest,
+    ProgressGuard, Request, RequestId, StepOutput,
 };
 use kvfleet_proto::v1 as pb;
 use std::collections::HashMap;
@@ -204,8 +204,9 @@ struct EngineLoop {
     poisoned: bool,
     draining: Vec<Draining>,
     next_id: RequestId,
-    /// The last step scheduled nothing although requests were unfinished.
-    stalled: bool,
+    /// Whether the last step scheduled nothing although requests were unfinished
+    /// (the guard `Engine::run_to_completion` uses too).
+    progress: ProgressGuard,
     metrics: EngineMetrics,
 }
 
@@ -237,7 +238,7 @@ impl EngineLoop {
             poisoned: false,
             draining: Vec::new(),
             next_id: 1,
-            stalled: false,
+            progress: ProgressGuard::new(),
             metrics: EngineMetrics::new(worker_id),
         }
     }
@@ -264,7 +265,7 @@ impl EngineLoop {
 
     fn wait_mode(&self) -> Wait {
         let busy = self.engine.has_unfinished();
-        if busy && !self.stalled {
+        if busy && !self.progress.stalled() {
             Wait::Never
         } else if busy || !self.draining.is_empty() {
             Wait::Poll
@@ -305,7 +306,7 @@ impl EngineLoop {
             if self.engine.has_unfinished() {
                 self.step();
             } else {
-                self.stalled = false;
+                self.progress.reset();
             }
             self.metrics
                 .update(&self.engine.load(), self.engine.stats());
@@ -702,8 +703,7 @@ impl EngineLoop {
     }
 
     fn step(&mut self) {
-        let before = self.engine.stats().steps;
-        match self.engine.step() {
+        match self.progress.step(&mut self.engine) {
             Ok(outputs) => {
                 let now = Instant::now();
                 for o in outputs {
@@ -715,7 +715,6 @@ impl EngineLoop {
                 self.fail_active(Status::internal(format!("engine step failed: {e}")), true);
             }
         }
-        self.stalled = self.engine.stats().steps == before;
     }
 
     fn route(&mut self, o: StepOutput, now: Instant) {

@@ -14,7 +14,7 @@ use futures::Stream;
 use kvfleet_engine::{KvEvent, KvEventSink};
 use kvfleet_proto::v1::KvEventBatch;
 use std::collections::VecDeque;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard};
 use tokio::sync::{broadcast, watch};
 use tonic::Status;
 
@@ -112,7 +112,7 @@ impl EventLog {
     }
 
     fn lock(&self) -> MutexGuard<'_, Ring> {
-        self.ring.lock().unwrap_or_else(PoisonError::into_inner)
+        kvfleet_core::sync::lock(&self.ring)
     }
 
     /// Starts a subscription at `from_seq` (inclusive; 0 means 1): the events still in

@@ -21,6 +21,7 @@
 
 mod commands;
 pub mod config;
+pub mod control_plane;
 mod convert;
 mod engine_loop;
 mod engine_metrics;

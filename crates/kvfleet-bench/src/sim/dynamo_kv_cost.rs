@@ -16,7 +16,7 @@
 //! Defaults: overlap_weight 1.0, temperature 0.
 
 use super::{RouteReq, SimRouter, SimWorker};
-use kvfleet_router::policy::mix64;
+use kvfleet_routing::policy::mix64;
 use serde::{Deserialize, Serialize};
 
 /// Dynamo KV router settings.

@@ -10,7 +10,7 @@
 use super::lru::ChainChange;
 use super::{RouteReq, SimRouter, SimWorker};
 use kvfleet_core::kv_events::KvEvent;
-use kvfleet_router::{KvRouter, PolicyKind, RouterConfig};
+use kvfleet_routing::{KvRouter, PolicyKind, RouterConfig};
 
 /// A [`KvRouter`] driving one policy.
 pub struct KvfleetPolicy {

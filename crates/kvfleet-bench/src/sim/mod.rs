@@ -2,7 +2,7 @@
 //!
 //! Requests arrive at their trace timestamps (a child waits for its parent to finish),
 //! are routed by a [`SimRouter`] — kvfleet's own policies through the real
-//! [`KvRouter`](kvfleet_router::KvRouter) (prefix index fed by the simulated workers'
+//! [`KvRouter`](kvfleet_routing::KvRouter) (prefix index fed by the simulated workers'
 //! KV events, load fed by their queues), or a re-implemented baseline — and served by
 //! simulated workers: an [`lru::LruBlockCache`] of `cache_blocks` blocks, prefill
 //! serialized per worker and decode overlapped, timed by a [`cost_model::CostModel`].
@@ -23,7 +23,7 @@ use crate::trace::Trace;
 use cost_model::CostModel;
 use dynamo_kv_cost::{DynamoConfig, DynamoKvCost};
 use kvfleet_core::BlockHash;
-use kvfleet_router::{PolicyKind, RouterConfig};
+use kvfleet_routing::{PolicyKind, RouterConfig};
 use lru::{ChainChange, LruBlockCache};
 use serde::Serialize;
 use sglang_cache_aware::{SglangCacheAware, SglangConfig};
@@ -113,8 +113,8 @@ impl SimWorker {
     }
 
     /// The load report a real worker would send.
-    pub fn load_report(&self) -> kvfleet_router::WorkerLoad {
-        kvfleet_router::WorkerLoad {
+    pub fn load_report(&self) -> kvfleet_routing::WorkerLoad {
+        kvfleet_routing::WorkerLoad {
             running: self.decoding + usize::from(self.prefilling.is_some()),
             waiting: self.queue.len(),
             queued_prefill_tokens: self.queued_prefill_tokens,

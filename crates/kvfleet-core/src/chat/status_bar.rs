@@ -8,6 +8,7 @@
 //! state always renders to the same bytes.
 
 use super::messages::ChatMessage;
+use serde::Deserialize;
 use serde_json::{Map, Value};
 
 /// Opening tag of a rendered status.
@@ -131,6 +132,48 @@ fn push_escaped(out: &mut String, s: &str) {
             '\r' => out.push_str("\\r"),
             c => out.push(c),
         }
+    }
+}
+
+/// Server-observed fields a request may ask for.
+pub const SERVER_FIELDS: [&str; 5] = ["tool_calls", "elapsed", "turns", "now", "cache"];
+
+/// What happens to the status after this request.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StatusMode {
+    /// The status is for this request only and never enters the shared prefix cache:
+    /// the next turn's prefix stays identical.
+    #[default]
+    Replace,
+    /// The status becomes part of the history and is cached like any message.
+    Append,
+}
+
+/// The status-bar fields of a chat request.
+#[derive(Clone, Debug, Default, Deserialize)]
+pub struct StatusRequest {
+    /// Client fields, rendered in their order.
+    pub agent_status: Option<Map<String, Value>>,
+    /// `replace` (default) or `append`.
+    pub status_mode: Option<StatusMode>,
+    /// Server-observed fields to add, from [`SERVER_FIELDS`].
+    pub status_fields: Option<Vec<String>>,
+    /// Per-tool call limits for the `tool_calls` field: a number (`"search": 10` →
+    /// `search: 4/10`) or `{"max": 3, "per": "company"}`, a limit per value of one
+    /// argument (`phone_call: 3 (Xfinity: 3/3)`).
+    pub tool_call_limits: Option<Map<String, Value>>,
+}
+
+impl StatusRequest {
+    /// Whether the request asks for a status at all.
+    pub fn wanted(&self) -> bool {
+        self.agent_status.is_some() || self.status_fields.as_ref().is_some_and(|f| !f.is_empty())
+    }
+
+    /// The mode, `replace` unless asked otherwise.
+    pub fn mode(&self) -> StatusMode {
+        self.status_mode.unwrap_or_default()
     }
 }
 

@@ -1,5 +1,5 @@
-//! The CUDA kernels: their sources (embedded from `kernels/*.cu`), their entry points,
-//! and their compilation with NVRTC for the device's architecture.
+//! The CUDA kernels: their sources (embedded from the top-level `kernels/*.cu`), their
+//! entry points, and their compilation with NVRTC for the device's architecture.
 //!
 //! All files are compiled as one program, `common.cuh` first: the kernels include no
 //! toolkit header, so NVRTC's library alone compiles them (no CUDA install needed to
@@ -16,26 +16,35 @@ use crate::error::{EngineError, Result};
 
 /// Kernel sources by file name, in compilation order.
 pub const SOURCES: &[(&str, &str)] = &[
-    ("common.cuh", include_str!("../../kernels/common.cuh")),
-    ("embedding.cu", include_str!("../../kernels/embedding.cu")),
-    ("rms_norm.cu", include_str!("../../kernels/rms_norm.cu")),
-    ("rope.cu", include_str!("../../kernels/rope.cu")),
-    ("silu_mul.cu", include_str!("../../kernels/silu_mul.cu")),
+    ("common.cuh", include_str!("../../../../kernels/common.cuh")),
+    (
+        "embedding.cu",
+        include_str!("../../../../kernels/embedding.cu"),
+    ),
+    (
+        "rms_norm.cu",
+        include_str!("../../../../kernels/rms_norm.cu"),
+    ),
+    ("rope.cu", include_str!("../../../../kernels/rope.cu")),
+    (
+        "silu_mul.cu",
+        include_str!("../../../../kernels/silu_mul.cu"),
+    ),
     (
         "reshape_and_cache.cu",
-        include_str!("../../kernels/reshape_and_cache.cu"),
+        include_str!("../../../../kernels/reshape_and_cache.cu"),
     ),
     (
         "copy_blocks.cu",
-        include_str!("../../kernels/copy_blocks.cu"),
+        include_str!("../../../../kernels/copy_blocks.cu"),
     ),
     (
         "paged_decode.cu",
-        include_str!("../../kernels/paged_decode.cu"),
+        include_str!("../../../../kernels/paged_decode.cu"),
     ),
     (
         "prefill_attention.cu",
-        include_str!("../../kernels/prefill_attention.cu"),
+        include_str!("../../../../kernels/prefill_attention.cu"),
     ),
 ];
 

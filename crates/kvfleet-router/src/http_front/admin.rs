@@ -3,11 +3,11 @@
 use crate::fleet::Fleet;
 use crate::fleet_metrics;
 use crate::openai::error::ApiError;
-use crate::openai::types::{ModelCard, ModelList};
 use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
+use kvfleet_core::openai::{ModelCard, ModelList};
 use std::sync::Arc;
 
 /// `GET /v1/models`.
@@ -34,7 +34,7 @@ pub async fn models(State(fleet): State<Arc<Fleet>>) -> Json<ModelList> {
 /// `membership` (etcd) and `events` (Kafka) say whether it is reachable; `stale` means
 /// the router serves on what it last knew.
 pub async fn health(State(fleet): State<Arc<Fleet>>) -> Response {
-    let healthy = fleet.healthy_workers();
+    let healthy = fleet.workers.healthy_count();
     let draining = fleet.is_draining();
     let status = match (draining, healthy > 0) {
         (true, _) => "draining",
@@ -44,7 +44,7 @@ pub async fn health(State(fleet): State<Arc<Fleet>>) -> Response {
     let mut body = serde_json::json!({
         "status": status,
         "healthy_workers": healthy,
-        "workers": fleet.worker_statuses().len(),
+        "workers": fleet.workers.statuses().len(),
     });
     for (component, s) in fleet.control_plane_status() {
         let key = match component {
@@ -79,15 +79,15 @@ pub async fn metrics() -> Response {
 
 /// `GET /fleet`: workers, their load and counters, the index, recent decisions.
 pub async fn fleet_state(State(fleet): State<Arc<Fleet>>) -> Json<serde_json::Value> {
-    fleet.refresh_loads().await;
-    let snapshot = fleet.kv().snapshot();
-    let (colocated, fork_requests) = fleet.fork_colocation();
+    fleet.workers.refresh_loads().await;
+    let snapshot = fleet.routing.snapshot();
+    let (colocated, fork_requests) = fleet.decisions.fork_colocation();
     Json(serde_json::json!({
         "model": fleet.model().map(|m| m.0),
-        "workers": fleet.worker_statuses(),
+        "workers": fleet.workers.statuses(),
         "router": snapshot,
         "fork_groups": { "colocated": colocated, "requests": fork_requests },
-        "recent_decisions": fleet.recent_decisions(),
+        "recent_decisions": fleet.decisions.recent(),
     }))
 }
 

@@ -5,15 +5,11 @@ use super::{
     insert_header, parse_body, prepare, session_id, sse_response, tokenize_chat, unix_now,
     unix_now_ms, Prepared, RequestMeta, PREFIX_BREAK_HEADER, SESSION_TURN_HEADER,
 };
-use crate::agent_status::StatusMode;
+use crate::agent_status::{StatusMode, StatusRequestExt};
 use crate::fleet::Fleet;
 use crate::fleet_metrics as m;
 use crate::openai::error::ApiError;
 use crate::openai::tool_call_parser::{has_open, parse_tool_calls, partial_open_len};
-use crate::openai::types::{
-    AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest,
-    ChunkChoice, ChunkDelta, RenderedStatus, ToolCallDelta, Usage,
-};
 use crate::prefix_breaks::TurnFingerprint;
 use axum::body::Bytes;
 use axum::extract::State;
@@ -21,6 +17,10 @@ use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use kvfleet_core::chat::status_bar::status_message;
+use kvfleet_core::openai::{
+    AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest,
+    ChunkChoice, ChunkDelta, RenderedStatus, ToolCallDelta, Usage,
+};
 use std::sync::Arc;
 
 /// Handles a chat completion, streamed or not.
@@ -59,9 +59,7 @@ pub async fn chat_completions(
     let status = match req.status.wanted() {
         false => None,
         true => {
-            let before = session
-                .as_deref()
-                .and_then(|s| fleet.sessions().get(s).cloned());
+            let before = session.as_deref().and_then(|s| fleet.sessions.get(s));
             let fields = req
                 .status
                 .fields(&req.messages, before.as_ref(), unix_now_ms(), now_ms);
@@ -106,7 +104,7 @@ pub async fn chat_completions(
             &tools,
             prompt.ids[..prompt.history_len].to_vec(),
         );
-        fleet.sessions().begin_turn(s, now_ms, fingerprint)
+        fleet.sessions.begin_turn(s, now_ms, fingerprint)
     });
     let prompt_len = prompt.ids.len();
     let Prepared {
@@ -119,7 +117,7 @@ pub async fn chat_completions(
             .usage
             .as_ref()
             .map_or(0, |u| u.cached_tokens as usize);
-        fleet.sessions().record_cached(s, cached, prompt_len);
+        fleet.sessions.record_cached(s, cached, prompt_len);
         insert_header(
             &mut worker_header,
             SESSION_TURN_HEADER,

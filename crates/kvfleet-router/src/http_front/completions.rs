@@ -4,13 +4,13 @@ use super::relay::{collect, relay_sse, ChunkWriter};
 use super::{parse_body, prepare, sse_response, unix_now, Prepared, RequestMeta};
 use crate::fleet::Fleet;
 use crate::openai::error::ApiError;
-use crate::openai::types::{Completion, CompletionChoice, CompletionRequest, PromptInput, Usage};
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use kvfleet_core::tokenizer::{Tokenizer, TokenizerError};
+use kvfleet_core::openai::{Completion, CompletionChoice, CompletionRequest, PromptInput, Usage};
 use std::sync::Arc;
 
 /// Handles a text completion, streamed or not.

@@ -31,7 +31,8 @@
 //! for a few prefix lookups: its cost is bounded whatever the traffic or index size.
 
 use crate::decision_log::{LogSnapshot, DECISIONS_KEPT};
-use crate::fleet::{unix_ms, Fleet};
+use crate::fleet::Fleet;
+use crate::wall_clock::unix_ms;
 use axum::extract::{RawQuery, State};
 use axum::http::header;
 use axum::response::{Html, IntoResponse, Response};
@@ -81,31 +82,25 @@ fn ratio(num: u64, den: u64) -> f64 {
 /// Builds the dashboard's JSON snapshot with at most `limit` decisions.
 pub fn snapshot(fleet: &Fleet, limit: usize) -> Value {
     let now = unix_ms();
-    let log: LogSnapshot = fleet.decision_log().snapshot(limit, now);
-    let statuses = fleet.worker_statuses();
-    // One pass under the routing core's lock: per-worker index counts and where each
-    // shown group's blocks are held.
-    let (router, holders) = {
-        let kv = fleet.kv();
-        let router = kv.snapshot();
-        let holders: Vec<Map<String, Value>> = log
-            .groups
-            .iter()
-            .map(|g| {
-                let m = kv.index().find_matches(&g.chain);
-                router
-                    .workers
-                    .iter()
-                    .map(|w| {
-                        let depth = m.depth(crate::registry::WorkerIdx(w.index));
-                        (w.id.clone(), json!(depth))
-                    })
-                    .collect()
-            })
-            .collect();
-        (router, holders)
-    };
-    let (colocated, fork_requests) = fleet.fork_colocation();
+    let log: LogSnapshot = fleet.decisions.snapshot(limit, now);
+    let statuses = fleet.workers.statuses();
+    // Copied out of the routing core under one short lock: per-worker index counts and
+    // how deep each shown group's chain is held. The JSON is built after.
+    let chains: Vec<&[kvfleet_core::BlockHash]> =
+        log.groups.iter().map(|g| g.chain.as_slice()).collect();
+    let (router, depths) = fleet.routing.snapshot_with_depths(&chains);
+    let holders: Vec<Map<String, Value>> = depths
+        .iter()
+        .map(|per_worker| {
+            router
+                .workers
+                .iter()
+                .zip(per_worker)
+                .map(|(w, depth)| (w.id.clone(), json!(depth)))
+                .collect()
+        })
+        .collect();
+    let (colocated, fork_requests) = fleet.decisions.fork_colocation();
 
     let hits = |id: &str| log.workers.iter().find(|w| w.worker == id);
     let workers: Vec<Value> = statuses
@@ -113,7 +108,7 @@ pub fn snapshot(fleet: &Fleet, limit: usize) -> Value {
         .map(|s| {
             let h = hits(&s.id);
             let r = router.workers.iter().find(|w| w.id == s.id);
-            let l = s.load.clone().unwrap_or_default();
+            let l = s.load.unwrap_or_default();
             json!({
                 "id": s.id,
                 "endpoint": s.endpoint,
@@ -196,7 +191,7 @@ mod tests {
 
     fn routed(fleet: &Fleet, i: u64) -> u64 {
         let hashes: Vec<BlockHash> = (0..10).map(|b| BlockHash(i * 100 + b)).collect();
-        fleet.record_decision(
+        fleet.decisions.record(
             NewDecision {
                 unix_ms: unix_ms(),
                 at_ms: i,
@@ -221,7 +216,9 @@ mod tests {
         let fleet = Fleet::new(FleetConfig::default()).expect("fleet");
         for i in 0..400 {
             let seq = routed(&fleet, i);
-            fleet.decision_outcome(seq, Some(if i % 2 == 0 { 96 } else { 0 }), Some("ok"));
+            fleet
+                .decisions
+                .outcome(seq, Some(if i % 2 == 0 { 96 } else { 0 }), Some("ok"));
         }
         let s = snapshot(&fleet, 10_000);
         let decisions = s["decisions"].as_array().expect("decisions");

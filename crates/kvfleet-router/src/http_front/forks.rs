@@ -10,16 +10,17 @@
 //! copy-on-write. Children beyond one worker's budget go out in further `Fork` calls,
 //! routed like any request (so they follow the prefix while its worker has room).
 
-use super::relay::Tally;
+use super::relay::{next_message, Tally};
 use super::{
     insert_header, parse_body, request_id, tokenize_chat, unix_now, RequestMeta, FORK_GROUP_HEADER,
 };
-use crate::dispatch::{dispatch_with, finish_reason_name, Dispatched, GenerationSpec};
+use crate::dispatch::{
+    dispatch_with, finish_reason_name, report_usage, Dispatched, GenerationSpec,
+};
 use crate::fleet::Fleet;
 use crate::openai::error::ApiError;
 use crate::openai::params::sampling_params;
 use crate::openai::tool_call_parser::parse_tool_calls;
-use crate::openai::types::{AssistantMessage, SamplingFields, Usage};
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::HeaderMap;
@@ -28,6 +29,7 @@ use axum::Json;
 use futures::future::join_all;
 use kvfleet_core::chat::fork_message::{fork_child_message, DEFAULT_PLACEHOLDER};
 use kvfleet_core::chat::{ChatMessage, Role, ToolDefinition};
+use kvfleet_core::openai::{AssistantMessage, SamplingFields, Usage};
 use kvfleet_proto::v1 as pb;
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
@@ -164,7 +166,7 @@ pub async fn forks(
     meta.admitted.charge(longest, cost)?;
     let seed = kvfleet_core::namespace_seed(&meta.model_id, &meta.cache_salt);
     let prefix = children[0][..shared].to_vec();
-    let hashes = kvfleet_core::hash_blocks(seed, &prefix, fleet.config.router.block_size);
+    let hashes = kvfleet_core::hash_blocks(seed, &prefix, fleet.routing.block_size());
     let fork_id = request_id();
     let group = meta
         .fork_group
@@ -195,7 +197,7 @@ pub async fn forks(
         let part = part.to_vec();
         let usage_tenant = meta.usage_tenant.clone();
         async move {
-            let block_size = fleet.config.router.block_size as u32;
+            let block_size = fleet.routing.block_size() as u32;
             let mut d = dispatch_with(&fleet, &spec, |conn| {
                 let req = pb::ForkRequest {
                     request_id: spec.request_id.clone(),
@@ -329,15 +331,14 @@ async fn collect_fork(
                 out.finish = Some(f);
             }
         }
-        msg = match d.stream.message().await {
+        // The same stall deadline and breaker accounting as a single generation.
+        msg = match next_message(fleet, &mut d).await {
             Ok(m) => m,
-            Err(s) => {
-                fleet.decision_outcome(d.guard.decision_seq, None, Some("worker_error"));
-                return Err(ApiError::internal(format!(
-                    "worker {} failed mid-fork: {}",
-                    d.worker,
-                    s.message()
-                )));
+            Err(e) => {
+                fleet
+                    .decisions
+                    .outcome(d.guard.decision_seq, None, Some("worker_error"));
+                return Err(ApiError::worker_failed(e.message(&d.worker)));
             }
         };
     }
@@ -352,7 +353,7 @@ async fn collect_fork(
             "worker_error"
         };
         out.usage = tallies[k].close_counts(d.guard.policy, outcome);
-        fleet.report_usage(&d, &out.usage, tallies[k].ttft());
+        report_usage(fleet, &d, &out.usage, tallies[k].ttft());
         let cached = out
             .usage
             .prompt_tokens_details
@@ -360,15 +361,19 @@ async fn collect_fork(
             .min(prefix_tokens);
         prefix_cached = Some(prefix_cached.map_or(cached, |c| c.min(cached)));
         if out.finish.is_none() {
-            fleet.decision_outcome(d.guard.decision_seq, prefix_cached, Some("worker_error"));
-            return Err(ApiError::internal(format!(
+            fleet
+                .decisions
+                .outcome(d.guard.decision_seq, prefix_cached, Some("worker_error"));
+            return Err(ApiError::worker_failed(format!(
                 "worker {} ended fork child {k} early",
                 d.worker
             )));
         }
         done.push((indices[k], out));
     }
-    fleet.decision_outcome(d.guard.decision_seq, prefix_cached, Some("ok"));
+    fleet
+        .decisions
+        .outcome(d.guard.decision_seq, prefix_cached, Some("ok"));
     Ok((d.worker, done))
 }
 

@@ -53,7 +53,7 @@ impl Admitted {
     /// set no `max_tokens`, a 400 when it asked for more.
     pub fn cap_completion(
         &self,
-        fields: &crate::openai::types::SamplingFields,
+        fields: &kvfleet_core::openai::SamplingFields,
         params: &mut kvfleet_proto::v1::SamplingParams,
     ) -> Result<(), ApiError> {
         let Some(cap) = self.max_completion_tokens else {

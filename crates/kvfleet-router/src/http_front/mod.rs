@@ -20,11 +20,9 @@ use crate::admission::{Admission, Limits};
 use crate::dispatch::{dispatch, Dispatched, GenerationSpec};
 use crate::fleet::Fleet;
 use crate::fleet_metrics as m;
-use crate::incremental_tokenizer::TokenizedPrompt;
 use crate::openai::error::ApiError;
 use crate::openai::params::sampling_params;
-use crate::openai::types::SamplingFields;
-use crate::policy::PolicyKind;
+use crate::wall_clock::{unix_ms as unix_now_ms, unix_secs as unix_now};
 use axum::extract::DefaultBodyLimit;
 use axum::http::{HeaderMap, HeaderName, HeaderValue};
 use axum::response::sse::{Event, KeepAlive, Sse};
@@ -33,6 +31,9 @@ use axum::routing::{get, post};
 use axum::Router;
 use gate::Admitted;
 use kvfleet_core::chat::{ChatMessage, ToolDefinition};
+use kvfleet_core::incremental_tokenizer::TokenizedPrompt;
+use kvfleet_core::openai::SamplingFields;
+use kvfleet_routing::policy::PolicyKind;
 use std::convert::Infallible;
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -199,15 +200,8 @@ fn tokenize_chat(
     tools: &[ToolDefinition],
 ) -> Result<TokenizedPrompt, ApiError> {
     fleet
-        .tokenize_cache()
-        .tokenize_with_tail(
-            &meta.scope(),
-            &fleet.prompt.chat_template,
-            fleet.prompt.tokenizer.as_ref(),
-            history,
-            tail,
-            tools,
-        )
+        .tokens
+        .tokenize_with_tail(&fleet.prompt, &meta.scope(), history, tail, tools)
         .map_err(|e| ApiError::invalid_param("messages", e.to_string()))
 }
 
@@ -232,7 +226,7 @@ async fn prepare(
     let t = Instant::now();
     let seed = kvfleet_core::namespace_seed(&meta.model_id, &meta.cache_salt);
     let cacheable = cacheable_len.unwrap_or(ids.len()).min(ids.len());
-    let hashes = kvfleet_core::hash_blocks(seed, &ids[..cacheable], fleet.config.router.block_size);
+    let hashes = kvfleet_core::hash_blocks(seed, &ids[..cacheable], fleet.routing.block_size());
     m::decision_phase("hashing", t.elapsed().as_nanos() as u64);
     let spec = GenerationSpec {
         request_id: request_id(),
@@ -266,7 +260,9 @@ async fn prepare(
     // A Generate stream's first message carries the prompt's usage: the dashboard
     // learns the actual cached tokens as soon as the worker has admitted the request.
     let cached = dispatched.first.usage.map(|u| u.cached_tokens as usize);
-    fleet.decision_outcome(dispatched.guard.decision_seq, cached, None);
+    fleet
+        .decisions
+        .outcome(dispatched.guard.decision_seq, cached, None);
     let mut worker_header = HeaderMap::new();
     insert_header(&mut worker_header, WORKER_HEADER, &dispatched.worker);
     Ok(Prepared {
@@ -305,20 +301,6 @@ fn insert_header(headers: &mut HeaderMap, name: &'static str, value: &str) {
     if let Ok(v) = HeaderValue::from_str(value) {
         headers.insert(HeaderName::from_static(name), v);
     }
-}
-
-fn unix_now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
-}
-
-fn unix_now() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
 }
 
 /// An SSE response fed by `produce` through a bounded channel; a client that goes

@@ -1,12 +1,12 @@
 //! Relaying a worker's Generate stream to an HTTP client: collected into one JSON
 //! body, or re-encoded as server-sent events chunk by chunk.
 
-use crate::dispatch::{finish_reason_name, Dispatched};
+use crate::dispatch::{finish_reason_name, report_usage, Dispatched};
 use crate::fleet::Fleet;
 use crate::fleet_metrics as m;
 use crate::openai::error::ApiError;
-use crate::openai::types::{PromptTokensDetails, Usage};
 use axum::response::sse::Event;
+use kvfleet_core::openai::{PromptTokensDetails, Usage};
 use kvfleet_proto::v1 as pb;
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -116,12 +116,12 @@ impl Tally {
             d.guard.predicted_cached_tokens,
             usage.prompt_tokens_details.cached_tokens,
         );
-        fleet.kv().record_outcome(
+        fleet.routing.record_outcome(
             d.guard.predicted_cached_tokens,
             usage.prompt_tokens_details.cached_tokens,
         );
-        fleet.report_usage(d, &usage, self.ttft());
-        fleet.decision_outcome(
+        report_usage(fleet, d, &usage, self.ttft());
+        fleet.decisions.outcome(
             d.guard.decision_seq,
             Some(usage.prompt_tokens_details.cached_tokens),
             Some(outcome),
@@ -131,7 +131,7 @@ impl Tally {
 }
 
 /// Why the next message of a started stream did not come.
-enum NextError {
+pub(super) enum NextError {
     /// The worker (or its connection) failed.
     Failed(tonic::Status),
     /// Nothing came within the stall deadline.
@@ -139,7 +139,8 @@ enum NextError {
 }
 
 impl NextError {
-    fn message(&self, worker: &str) -> String {
+    /// What to tell the client.
+    pub(super) fn message(&self, worker: &str) -> String {
         match self {
             NextError::Failed(s) => {
                 format!("worker {worker} failed mid-generation: {}", s.message())
@@ -152,11 +153,12 @@ impl NextError {
 }
 
 /// The stream's next message within the stall deadline; a failure or stall counts
-/// against the worker's breaker.
-async fn next_message(
+/// against the worker's breaker. Every stream the router reads (generations and forks)
+/// goes through this one guard.
+pub(super) async fn next_message<T: prost::Message + Default>(
     fleet: &Fleet,
-    d: &mut Dispatched,
-) -> Result<Option<pb::GenerateResponse>, NextError> {
+    d: &mut Dispatched<T>,
+) -> Result<Option<T>, NextError> {
     let limit = fleet.config.stall_timeout;
     let err = match tokio::time::timeout(limit, d.stream.message()).await {
         Ok(Ok(next)) => return Ok(next),
@@ -166,7 +168,7 @@ async fn next_message(
             NextError::Stalled(limit)
         }
     };
-    fleet.breaker_failure(&d.worker);
+    fleet.workers.breaker_failure(&d.worker);
     Err(err)
 }
 

@@ -1,7 +1,7 @@
-//! The OpenAI-compatible API surface: request/response bodies, error bodies, sampling
-//! validation and tool-call parsing.
+//! The OpenAI-compatible API surface the router owns: error bodies, sampling
+//! validation and tool-call parsing. The request/response bodies themselves are wire
+//! format and live in `kvfleet_core::openai`.
 
 pub mod error;
 pub mod params;
 pub mod tool_call_parser;
-pub mod types;

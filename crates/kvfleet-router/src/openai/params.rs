@@ -2,7 +2,7 @@
 //! sampling parameters; every bad value is a 400 naming the field.
 
 use super::error::ApiError;
-use super::types::SamplingFields;
+use kvfleet_core::openai::SamplingFields;
 use kvfleet_proto::v1 as pb;
 
 /// Validated sampling parameters for a prompt of `prompt_tokens` tokens on a model

@@ -3,7 +3,7 @@
 //!
 //! It does no I/O and reads no clock for its decisions: the caller feeds it membership
 //! changes, KV events, load reports and the current time in milliseconds, and asks it
-//! where to send each request. The HTTP and gRPC layers of this crate wrap it.
+//! where to send each request. The serving router (`kvfleet-router`) wraps it.
 //!
 //! A request's life: [`KvRouter::route`] looks the prompt's block hashes up in the
 //! index and in the pending reservations, lets the chosen policy pick a worker,
@@ -408,12 +408,6 @@ impl KvRouter {
     /// Returns whether it was still live.
     pub fn cancel_reservation(&mut self, id: ReservationId) -> bool {
         self.reservations.release(id)
-    }
-
-    /// Ends every reservation whose TTL has passed at `now_ms`; [`route`](Self::route)
-    /// and [`matches`](Self::matches) do this themselves.
-    pub fn expire_reservations(&mut self, now_ms: u64) -> usize {
-        self.reservations.expire(now_ms)
     }
 
     /// Records how many prompt tokens a worker actually served from cache for a

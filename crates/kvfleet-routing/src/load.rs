@@ -6,6 +6,10 @@
 //! (`*_since_poll`), so a burst of requests does not all land on the worker that looked
 //! idle at the last poll. A new report replaces the polled fields and zeroes the
 //! since-poll counters, because the report now includes that work.
+//!
+//! [`WorkerLoad`] is the one load type from the wire to the policy: the serving router
+//! converts the worker's `Load` answer into it once (the polled fields), and the same
+//! value is what the policies score and what `/fleet` shows.
 
 use serde::{Deserialize, Serialize};
 
@@ -23,6 +27,18 @@ pub struct WorkerLoad {
     pub free_blocks: usize,
     /// All KV blocks of the worker (polled).
     pub total_blocks: usize,
+    /// KV blocks holding cached prefixes, free or in use (polled; shown, not scored).
+    pub cached_blocks: usize,
+    /// Prompt tokens received since the worker started (polled; shown, not scored).
+    pub prompt_tokens: u64,
+    /// Prompt tokens actually computed since start (polled; shown, not scored).
+    pub prompt_tokens_computed: u64,
+    /// Prompt tokens served from cache since start (polled; shown, not scored).
+    pub cached_tokens: u64,
+    /// Tokens generated since start (polled; shown, not scored).
+    pub generated_tokens: u64,
+    /// Preemptions since start (polled; shown, not scored).
+    pub preemptions: u64,
     /// Requests this router has in flight to the worker (started, not finished).
     /// Maintained by the router; ignored in load reports.
     pub inflight_requests: usize,
@@ -71,6 +87,12 @@ impl WorkerLoad {
         self.queued_prefill_tokens = report.queued_prefill_tokens;
         self.free_blocks = report.free_blocks;
         self.total_blocks = report.total_blocks;
+        self.cached_blocks = report.cached_blocks;
+        self.prompt_tokens = report.prompt_tokens;
+        self.prompt_tokens_computed = report.prompt_tokens_computed;
+        self.cached_tokens = report.cached_tokens;
+        self.generated_tokens = report.generated_tokens;
+        self.preemptions = report.preemptions;
         self.requests_since_poll = 0;
         self.prefill_tokens_since_poll = 0;
     }

@@ -5,7 +5,7 @@
 //! must be positive are parsed as signed so a negative value gets a clear 400 instead
 //! of a generic parse error.
 
-use kvfleet_core::chat::{ChatMessage, ToolCall, ToolDefinition};
+use crate::chat::{ChatMessage, ToolCall, ToolDefinition};
 use serde::{Deserialize, Serialize};
 
 /// `stop`: one string or several.
@@ -84,7 +84,7 @@ pub struct ChatCompletionRequest {
     pub tool_choice: Option<serde_json::Value>,
     /// The agent status bar (an extension).
     #[serde(flatten)]
-    pub status: crate::agent_status::StatusRequest,
+    pub status: crate::chat::status_bar::StatusRequest,
     /// Sampling and streaming.
     #[serde(flatten)]
     pub sampling: SamplingFields,
@@ -220,7 +220,7 @@ pub struct ToolCallDelta {
     #[serde(rename = "type")]
     pub kind: String,
     /// Name and arguments.
-    pub function: kvfleet_core::chat::FunctionCall,
+    pub function: crate::chat::FunctionCall,
 }
 
 /// One choice of a streamed chat chunk.

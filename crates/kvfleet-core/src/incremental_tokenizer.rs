@@ -8,9 +8,9 @@
 //! only the tail is tokenized. Anything else falls back to tokenizing from scratch, so
 //! the ids are always exactly those of a full tokenization.
 
-use kvfleet_core::chat::{ChatError, ChatMessage, ChatTemplate, ToolDefinition};
-use kvfleet_core::tokenizer::{Tokenizer, TokenizerError};
-use kvfleet_core::TokenId;
+use crate::chat::{ChatError, ChatMessage, ChatTemplate, ToolDefinition};
+use crate::tokenizer::{Tokenizer, TokenizerError};
+use crate::TokenId;
 use std::collections::{HashMap, VecDeque};
 use xxhash_rust::xxh3::Xxh3;
 
@@ -208,7 +208,7 @@ fn safe_split(tokenizer: &dyn Tokenizer, text: &str, at: usize) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvfleet_core::tokenizer::ByteTokenizer;
+    use crate::tokenizer::ByteTokenizer;
 
     #[test]
     fn split_check_survives_multibyte_text_after_a_tag() {

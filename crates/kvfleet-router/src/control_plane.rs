@@ -1,0 +1,561 @@
+//! A router's part in the control plane (`kvfleet-control`): `--etcd` / `--kafka`.
+//!
+//! The router discovers workers by watching membership (and drops them when their
+//! lease expires), indexes each one from its `CacheDump`, then follows every worker's
+//! events on the stream with its own consumer group; it shares fork-group and
+//! prefix-root placements with the other routers through compare-and-set, and
+//! publishes a usage record per request. (The worker's part, registering and
+//! publishing its KV events, is `kvfleet_worker::control_plane`.)
+
+use crate::control_hooks::{ControlHooks, PlacementRef, RequestUsage};
+use crate::fleet::Fleet;
+use crate::supervision::apply_wire_batch;
+use anyhow::{Context, Result};
+use futures::future::BoxFuture;
+use kvfleet_control::etcd::EtcdKv;
+use kvfleet_control::kafka::KafkaEventStream;
+use kvfleet_control::{
+    decode_kv_events, ControlConfig, EventStream, KvMembership, KvPlacement, MemberEvent,
+    Membership, Placement, PlacementEvent, PlacementKey, PlacementKind, Record, StartAt, Topic,
+    UsageRecord, WorkerRecord,
+};
+use kvfleet_core::sync::lock;
+use kvfleet_routing::IndexError;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+
+/// Router settings for the control plane.
+pub struct RouterControlConfig {
+    /// This router's id (its consumer group is `kvfleet-router-<id>`).
+    pub router_id: String,
+    /// TTL of the placements this router writes.
+    pub placement_ttl: Duration,
+}
+
+/// A router's part in the control plane: the [`ControlHooks`] it installs in its fleet,
+/// and the tasks following membership, placements and KV events.
+pub struct RouterControl {
+    fleet: Arc<Fleet>,
+    placement: Arc<dyn Placement>,
+    placement_ttl: Duration,
+    placed: Mutex<HashMap<PlacementRef, String>>,
+    incarnations: Mutex<HashMap<String, u64>>,
+    usage_tx: Option<mpsc::Sender<UsageRecord>>,
+    tasks: Mutex<Vec<JoinHandle<()>>>,
+}
+
+fn to_key(r: &PlacementRef) -> PlacementKey {
+    match r {
+        PlacementRef::ForkGroup(g) => PlacementKey::fork_group(g),
+        PlacementRef::PrefixRoot(h) => PlacementKey::prefix_root(*h),
+    }
+}
+
+fn from_key(k: &PlacementKey) -> Option<PlacementRef> {
+    match k.kind {
+        PlacementKind::ForkGroup => Some(PlacementRef::ForkGroup(k.key.clone())),
+        PlacementKind::PrefixRoot => u64::from_str_radix(&k.key, 16)
+            .ok()
+            .map(PlacementRef::PrefixRoot),
+    }
+}
+
+impl RouterControl {
+    /// The control-plane link of `fleet` over `placement`, with no background task
+    /// yet ([`Self::start`] starts them); `usage_tx` takes the usage records.
+    pub fn new(
+        fleet: Arc<Fleet>,
+        placement: Arc<dyn Placement>,
+        placement_ttl: Duration,
+        usage_tx: Option<mpsc::Sender<UsageRecord>>,
+    ) -> Arc<Self> {
+        Arc::new(RouterControl {
+            fleet,
+            placement,
+            placement_ttl,
+            placed: Mutex::new(HashMap::new()),
+            incarnations: Mutex::new(HashMap::new()),
+            usage_tx,
+            tasks: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// Joins the control plane: follows membership (etcd, required) and KV events
+    /// (Kafka, optional: without it the router follows each worker's gRPC stream),
+    /// installs placement and usage hooks in `fleet`.
+    pub async fn start(
+        control: impl Into<ControlConfig>,
+        config: RouterControlConfig,
+        fleet: Arc<Fleet>,
+    ) -> Result<Arc<Self>> {
+        let args: ControlConfig = control.into();
+        let kv = args
+            .etcd()
+            .await?
+            .context("a router in control-plane mode needs --etcd (membership)")?;
+        let stream = args.kafka().await?;
+        let (usage_tx, usage_rx) = match stream {
+            Some(_) => {
+                let (tx, rx) = mpsc::channel(8192);
+                (Some(tx), Some(rx))
+            }
+            None => (None, None),
+        };
+        let placement: Arc<dyn Placement> = Arc::new(KvPlacement::new(kv.clone()));
+        let me = Self::new(fleet.clone(), placement, config.placement_ttl, usage_tx);
+        let mut tasks = Vec::new();
+        if let (Some(stream), Some(rx)) = (stream.clone(), usage_rx) {
+            tasks.push(tokio::spawn(publish_usage(stream.clone(), rx)));
+            // Subscribe before listing workers: no event falls between a worker's dump
+            // and the stream (a new group replays from the earliest record; seqs at or
+            // below a dump's are dropped).
+            let group = format!("kvfleet-router-{}", config.router_id);
+            let sub = stream
+                .subscribe(Topic::KvEvents, &group, StartAt::Earliest)
+                .await
+                .context("subscribing to KV events")?;
+            tasks.push(tokio::spawn(me.clone().consume_kv_events(sub)));
+            fleet.set_control_plane_up("kafka", true);
+            tasks.push(tokio::spawn(probe_kafka(fleet.clone(), stream.clone())));
+        }
+        let (rev, placements) = me.placement.list().await.context("listing placements")?;
+        {
+            let mut placed = lock(&me.placed);
+            for (k, w) in placements {
+                if let Some(r) = from_key(&k) {
+                    placed.insert(r, w);
+                }
+            }
+        }
+        tasks.push(tokio::spawn(me.clone().follow_placements(rev + 1)));
+        let membership = Arc::new(KvMembership::new(kv));
+        let snapshot = membership.list().await.context("listing workers")?;
+        let watch = membership
+            .watch(snapshot.revision + 1)
+            .await
+            .context("watching workers")?;
+        fleet.set_control_plane_up("etcd", true);
+        tasks.push(tokio::spawn(me.clone().follow_members_forever(
+            membership.clone(),
+            snapshot.workers,
+            watch,
+        )));
+        tasks.push(tokio::spawn(probe_etcd(fleet.clone(), membership)));
+        *lock(&me.tasks) = tasks;
+        fleet.set_control_hooks(me.clone());
+        Ok(me)
+    }
+
+    /// Stops the background tasks.
+    pub fn shutdown(&self) {
+        for t in lock(&self.tasks).drain(..) {
+            t.abort();
+        }
+    }
+
+    /// Follows membership; when the watch fails (etcd unreachable) keeps serving on
+    /// the workers it knows and lists + watches again once etcd answers.
+    async fn follow_members_forever(
+        self: Arc<Self>,
+        membership: Arc<KvMembership<EtcdKv>>,
+        mut initial: Vec<WorkerRecord>,
+        mut watch: kvfleet_control::WatchStream<MemberEvent>,
+    ) {
+        loop {
+            self.clone().follow_members(initial, watch).await;
+            self.fleet.set_control_plane_up("etcd", false);
+            loop {
+                tokio::time::sleep(ETCD_PROBE_INTERVAL).await;
+                let Ok(Ok(snap)) =
+                    tokio::time::timeout(ETCD_PROBE_TIMEOUT, membership.list()).await
+                else {
+                    continue;
+                };
+                let w =
+                    tokio::time::timeout(ETCD_PROBE_TIMEOUT, membership.watch(snap.revision + 1));
+                if let Ok(Ok(w)) = w.await {
+                    initial = snap.workers;
+                    watch = w;
+                    break;
+                }
+            }
+            tracing::info!("membership watch resumed");
+            self.fleet.set_control_plane_up("etcd", true);
+        }
+    }
+
+    async fn follow_members(
+        self: Arc<Self>,
+        initial: Vec<WorkerRecord>,
+        mut watch: kvfleet_control::WatchStream<MemberEvent>,
+    ) {
+        let mut adders: HashMap<String, JoinHandle<()>> = HashMap::new();
+        for w in initial {
+            let id = w.id.clone();
+            adders.insert(id, self.clone().spawn_add(w));
+        }
+        while let Some(item) = watch.next().await {
+            match item {
+                Ok(MemberEvent::Joined { worker, .. }) => {
+                    if let Some(old) = adders.remove(&worker.id) {
+                        old.abort();
+                    }
+                    let id = worker.id.clone();
+                    adders.insert(id, self.clone().spawn_add(worker));
+                }
+                Ok(MemberEvent::Left { id, .. }) => {
+                    tracing::info!(worker = %id, "worker left the fleet (lease expired or revoked)");
+                    if let Some(old) = adders.remove(&id) {
+                        old.abort();
+                    }
+                    lock(&self.incarnations).remove(&id);
+                    self.fleet.remove_worker(&id);
+                    lock(&self.placed).retain(|_, w| *w != id);
+                    match self.placement.release_worker(&id).await {
+                        Ok(n) if n > 0 => tracing::info!(worker = %id, "freed {n} placements"),
+                        Ok(_) => {}
+                        Err(e) => tracing::warn!(worker = %id, "freeing placements: {e}"),
+                    }
+                }
+                Err(e) => {
+                    tracing::error!("membership watch failed: {e}");
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Adds a worker to the fleet, retrying until it answers (or leaves).
+    fn spawn_add(self: Arc<Self>, w: WorkerRecord) -> JoinHandle<()> {
+        tokio::spawn(async move {
+            lock(&self.incarnations).insert(w.id.clone(), w.incarnation);
+            // A new incarnation restarts its seqs: forget the old one first.
+            self.fleet.remove_worker(&w.id);
+            let mut backoff = Duration::from_millis(100);
+            loop {
+                match self.fleet.add_worker(&w.grpc_addr).await {
+                    Ok(id) if id == w.id => {
+                        tracing::info!(worker = %id, addr = %w.grpc_addr, "worker joined");
+                        return;
+                    }
+                    Ok(id) => {
+                        tracing::warn!(
+                            "{} answers as worker {id}, not {}; dropping it",
+                            w.grpc_addr,
+                            w.id
+                        );
+                        self.fleet.remove_worker(&id);
+                        return;
+                    }
+                    Err(e) => tracing::debug!(worker = %w.id, "cannot add yet: {e}"),
+                }
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(2));
+            }
+        })
+    }
+
+    async fn follow_placements(self: Arc<Self>, from: i64) {
+        let mut watch = match self.placement.watch(from).await {
+            Ok(w) => w,
+            Err(e) => {
+                tracing::error!("placement watch failed: {e}");
+                return;
+            }
+        };
+        while let Some(item) = watch.next().await {
+            match item {
+                Ok(PlacementEvent::Placed { key, worker, .. }) => {
+                    if let Some(r) = from_key(&key) {
+                        lock(&self.placed).insert(r, worker);
+                    }
+                }
+                Ok(PlacementEvent::Freed { key, .. }) => {
+                    if let Some(r) = from_key(&key) {
+                        lock(&self.placed).remove(&r);
+                    }
+                }
+                Err(e) => {
+                    tracing::error!("placement watch failed: {e}");
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Applies every worker's KV events from the stream, committing as it goes.
+    async fn consume_kv_events(self: Arc<Self>, mut sub: Box<dyn kvfleet_control::Subscription>) {
+        let mut pending: Option<Record> = None;
+        let mut last_commit = tokio::time::Instant::now();
+        loop {
+            match sub.next(Duration::from_millis(500)).await {
+                Ok(Some(rec)) => {
+                    self.fleet.set_control_plane_up("kafka", true);
+                    self.apply_record(&rec).await;
+                    pending = Some(rec);
+                }
+                // Nothing new is not proof of a live broker (librdkafka reports a dead
+                // one once per reconnect attempt, then stays quiet): `probe_kafka`
+                // decides.
+                Ok(None) => {}
+                Err(e) => {
+                    // Unreachable: routing goes on from the router's own reservations
+                    // and load polls; the stream resumes from the committed offset.
+                    self.fleet.set_control_plane_up("kafka", false);
+                    tracing::warn!("KV event stream: {e}");
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+            }
+            if last_commit.elapsed() >= Duration::from_millis(500) {
+                if let Some(rec) = pending.take() {
+                    if let Err(e) = sub.commit(&rec).await {
+                        tracing::warn!("committing KV event offset: {e}");
+                    }
+                }
+                last_commit = tokio::time::Instant::now();
+            }
+        }
+    }
+
+    async fn apply_record(&self, rec: &Record) {
+        let env = match decode_kv_events(&rec.payload) {
+            Ok(e) => e,
+            Err(e) => {
+                tracing::warn!(offset = rec.offset, "skipping a KV event record: {e}");
+                return;
+            }
+        };
+        let Some(batch) = env.batch else { return };
+        let id = batch.worker_id.as_str();
+        // Events of a worker this router does not follow (yet), or of another
+        // incarnation, are covered by its dump.
+        if lock(&self.incarnations).get(id) != Some(&env.incarnation) {
+            return;
+        }
+        let gap = match apply_wire_batch(&self.fleet.routing, id, &batch) {
+            Ok(()) | Err(IndexError::UnknownWorker(_)) => false,
+            Err(e) => {
+                tracing::info!(worker = id, "{e}");
+                true
+            }
+        };
+        if gap {
+            if let Err(e) = self.fleet.resync_worker(id).await {
+                tracing::warn!(worker = id, "resync after a gap failed: {e}");
+            }
+        }
+    }
+}
+
+async fn publish_usage(stream: Arc<KafkaEventStream>, mut rx: mpsc::Receiver<UsageRecord>) {
+    while let Some(rec) = rx.recv().await {
+        if let Err(e) = stream
+            .publish(Topic::Usage, &rec.worker, rec.encode())
+            .await
+        {
+            tracing::warn!("publishing a usage record failed: {e}");
+        }
+    }
+}
+
+impl ControlHooks for RouterControl {
+    fn placed_worker(&self, key: &PlacementRef) -> Option<String> {
+        let w = lock(&self.placed).get(key).cloned()?;
+        self.fleet.conn(&w).map(|_| w)
+    }
+
+    fn claim(&self, key: PlacementRef, worker: String) -> BoxFuture<'static, Option<String>> {
+        let placement = self.placement.clone();
+        let ttl = self.placement_ttl;
+        Box::pin(async move {
+            match placement.place(&to_key(&key), &worker, ttl).await {
+                Ok(owner) => Some(owner),
+                Err(e) => {
+                    tracing::warn!("placing {key:?}: {e}");
+                    None
+                }
+            }
+        })
+    }
+
+    fn request_done(&self, u: RequestUsage) {
+        let Some(tx) = &self.usage_tx else { return };
+        let rec = UsageRecord {
+            tenant: u.tenant,
+            model: u.model,
+            prompt_tokens: u.prompt_tokens,
+            cached_tokens: u.cached_tokens,
+            output_tokens: u.output_tokens,
+            worker: u.worker,
+            ttft_ms: u.ttft.map_or(0.0, |t| t.as_secs_f64() * 1000.0),
+            fork_group: u.fork_group,
+            session_id: u.session_id,
+            block_hashes: u.block_hashes,
+            block_size: u.block_size,
+            timestamp_ms: u.timestamp_ms,
+        };
+        if tx.try_send(rec).is_err() {
+            tracing::warn!("usage record dropped: the publisher is behind");
+        }
+    }
+}
+
+/// How often Kafka's reachability is checked.
+const KAFKA_PROBE_INTERVAL: Duration = Duration::from_secs(1);
+/// Deadline of one Kafka probe (a metadata request).
+const KAFKA_PROBE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Asks a broker for the KV event topic's metadata every [`KAFKA_PROBE_INTERVAL`]:
+/// the consumer alone cannot tell an idle topic from an unreachable broker.
+async fn probe_kafka(fleet: Arc<Fleet>, stream: Arc<KafkaEventStream>) {
+    loop {
+        tokio::time::sleep(KAFKA_PROBE_INTERVAL).await;
+        let up = stream.probe(KAFKA_PROBE_TIMEOUT).await.is_ok();
+        fleet.set_control_plane_up("kafka", up);
+    }
+}
+
+/// How often etcd's reachability is checked.
+const ETCD_PROBE_INTERVAL: Duration = Duration::from_secs(1);
+/// Deadline of one etcd probe (a membership list).
+const ETCD_PROBE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Lists membership every [`ETCD_PROBE_INTERVAL`]: a cut connection may leave a watch
+/// silent rather than failed, so reachability is probed, not inferred from the watch.
+async fn probe_etcd(fleet: Arc<Fleet>, membership: Arc<KvMembership<EtcdKv>>) {
+    loop {
+        tokio::time::sleep(ETCD_PROBE_INTERVAL).await;
+        let up = matches!(
+            tokio::time::timeout(ETCD_PROBE_TIMEOUT, membership.list()).await,
+            Ok(Ok(_))
+        );
+        fleet.set_control_plane_up("etcd", up);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fleet::FleetConfig;
+    use kvfleet_control::encode_kv_events;
+    use kvfleet_control::memory::MemKv;
+    use kvfleet_core::BlockHash;
+    use kvfleet_proto::v1 as pb;
+
+    fn control(usage_tx: Option<mpsc::Sender<UsageRecord>>) -> (Arc<Fleet>, Arc<RouterControl>) {
+        let fleet = Fleet::new(FleetConfig::default()).expect("fleet");
+        let placement: Arc<dyn Placement> = Arc::new(KvPlacement::new(MemKv::new()));
+        let rc = RouterControl::new(fleet.clone(), placement, Duration::from_secs(60), usage_tx);
+        (fleet, rc)
+    }
+
+    fn record(worker: &str, incarnation: u64, seq: u64, hashes: &[u64]) -> Record {
+        use pb::kv_event::{Kind, Stored};
+        let batch = pb::KvEventBatch {
+            worker_id: worker.to_string(),
+            events: vec![pb::KvEvent {
+                seq,
+                kind: Some(Kind::Stored(Stored {
+                    parent_hash: None,
+                    block_hashes: hashes.to_vec(),
+                })),
+            }],
+        };
+        Record {
+            key: worker.to_string(),
+            payload: encode_kv_events(incarnation, &batch),
+            partition: 0,
+            offset: seq as i64,
+        }
+    }
+
+    #[tokio::test]
+    async fn stream_records_feed_the_index_of_the_followed_incarnation_only() {
+        let (fleet, rc) = control(None);
+        let bs = fleet.routing.block_size();
+        fleet.routing.add_worker("w0", bs).unwrap();
+        lock(&rc.incarnations).insert("w0".into(), 7);
+
+        rc.apply_record(&record("w0", 7, 1, &[10, 11])).await;
+        assert_eq!(fleet.routing.last_seq("w0"), Some(1));
+        assert_eq!(fleet.routing.worker_blocks("w0").map(|b| b.len()), Some(2));
+
+        // Another incarnation's events are covered by that incarnation's dump.
+        rc.apply_record(&record("w0", 8, 2, &[12])).await;
+        assert_eq!(fleet.routing.last_seq("w0"), Some(1));
+
+        // A gap is not applied (the resync it triggers fails: no connection here).
+        rc.apply_record(&record("w0", 7, 3, &[13])).await;
+        assert_eq!(fleet.routing.last_seq("w0"), Some(1));
+
+        rc.apply_record(&record("w0", 7, 2, &[12])).await;
+        assert_eq!(fleet.routing.last_seq("w0"), Some(2));
+        let chain = [10, 11, 12].map(BlockHash);
+        assert!(fleet.routing.is_known_prefix(&chain));
+
+        // A worker this router does not follow: ignored, nothing registered.
+        rc.apply_record(&record("w9", 7, 1, &[10])).await;
+        assert!(!fleet.routing.is_registered("w9"));
+    }
+
+    #[tokio::test]
+    async fn claims_follow_the_first_owner_and_keys_round_trip() {
+        let (_fleet, rc) = control(None);
+        let key = PlacementRef::ForkGroup("g1".into());
+        assert_eq!(
+            rc.claim(key.clone(), "w0".into()).await.as_deref(),
+            Some("w0")
+        );
+        assert_eq!(
+            rc.claim(key.clone(), "w1".into()).await.as_deref(),
+            Some("w0")
+        );
+        let root = PlacementRef::PrefixRoot(0xdead_beef);
+        assert_eq!(
+            rc.claim(root.clone(), "w1".into()).await.as_deref(),
+            Some("w1")
+        );
+        for r in [key, root] {
+            assert_eq!(from_key(&to_key(&r)), Some(r));
+        }
+        // Placed, but on a worker this router has no connection to: not used.
+        lock(&rc.placed).insert(PlacementRef::ForkGroup("g1".into()), "w0".into());
+        assert_eq!(
+            rc.placed_worker(&PlacementRef::ForkGroup("g1".into())),
+            None
+        );
+    }
+
+    #[tokio::test]
+    async fn a_finished_request_becomes_one_usage_record() {
+        let (tx, mut rx) = mpsc::channel(4);
+        let (_fleet, rc) = control(Some(tx));
+        rc.request_done(RequestUsage {
+            tenant: "t".into(),
+            model: "m".into(),
+            prompt_tokens: 100,
+            cached_tokens: 64,
+            output_tokens: 5,
+            worker: "w0".into(),
+            ttft: Some(Duration::from_millis(250)),
+            fork_group: Some("g".into()),
+            session_id: None,
+            block_hashes: vec![1, 2, 3, 4],
+            block_size: 16,
+            timestamp_ms: 1_700_000_000_000,
+        });
+        let rec = rx.try_recv().expect("one record");
+        assert_eq!(
+            (rec.prompt_tokens, rec.cached_tokens, rec.output_tokens),
+            (100, 64, 5)
+        );
+        assert_eq!(rec.worker, "w0");
+        assert!((rec.ttft_ms - 250.0).abs() < 1e-9, "{}", rec.ttft_ms);
+        assert_eq!(rec.block_hashes, vec![1, 2, 3, 4]);
+        assert_eq!(rec.fork_group.as_deref(), Some("g"));
+        assert!(rx.try_recv().is_err(), "exactly one record");
+    }
+}
