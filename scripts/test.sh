@@ -101,4 +101,6 @@ export LD_LIBRARY_PATH="$(nvrtc_lib)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
 # Tests run with optimised dependencies (see [profile.*] in Cargo.toml): the model tests
 # do real matrix work and would crawl at opt-level 0.
+# No incremental state: a one-off build gains nothing from it, and it was 4 GB of CI's disk.
+export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
 cargo test --workspace --locked 2>&1
