@@ -10,6 +10,8 @@
 //!   through block tables ([`kv_cache`]).
 //! - [`device`]: `--device cpu|cuda:N` and the backend built for it; the CUDA
 //!   backend itself is in `cuda` (feature `cuda`).
+//! - [`kv_sizing`]: bytes of a KV block and how many blocks a device-memory budget
+//!   holds (`--gpu-memory-utilization`).
 //! - [`kv_events`]: `Stored` / `Removed` / `Cleared` events with sequence numbers.
 
 pub mod backend;
@@ -21,6 +23,7 @@ pub mod engine;
 pub mod error;
 pub mod kv_cache;
 pub mod kv_events;
+pub mod kv_sizing;
 pub mod model;
 pub mod model_config;
 pub mod model_source;
@@ -37,6 +40,7 @@ pub use engine::{
 };
 pub use error::{EngineError, Result};
 pub use kv_events::{KvEvent, KvEventKind, KvEventSink, RecordingSink};
+pub use kv_sizing::{KvPool, KvSizing};
 pub use model::{ForwardItem, LlamaModel, LogitsRequest};
 pub use model_config::ModelConfig;
 pub use model_source::{load_model, LoadedModel};
