@@ -75,6 +75,39 @@ def render(values):
     return objs
 
 
+def wants_gpu(values):
+    """Whether the values give a worker `nvidia.com/gpu` (limits or requests)."""
+    res = (values.get("worker") or {}).get("resources") or {}
+    return any(int((res.get(k) or {}).get("nvidia.com/gpu", 0) or 0) > 0
+               for k in ("limits", "requests"))
+
+
+def gpu_flag_problems(values, worker_args):
+    """What is wrong with the worker's CUDA flags for these values ([] when right)."""
+    engine = (values.get("worker") or {}).get("engine") or {}
+    util = engine.get("gpuMemoryUtilization", 0.9)
+    blocks = engine.get("numBlocks")
+    problems = []
+    if wants_gpu(values):
+        for flag in ["--device=cuda:0", f"--gpu-memory-utilization={util}"]:
+            if flag not in worker_args:
+                problems.append(f"GPU worker lacks {flag}")
+    else:
+        problems += [f"CPU worker has {a}" for a in worker_args
+                     if a.startswith(("--device", "--gpu-memory-utilization"))]
+    want_blocks = [f"--num-blocks={blocks}"] if blocks else []
+    got_blocks = [a for a in worker_args if a.startswith("--num-blocks")]
+    if got_blocks != want_blocks:
+        problems.append(f"--num-blocks: want {want_blocks}, got {got_blocks}")
+    return problems
+
+
+def worker_args_of(values):
+    objs = render(values)
+    sts = [o for _, o in objs if o["kind"] == "StatefulSet" and "worker" in o["metadata"]["name"]][0]
+    return sts["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
 def load_values(name):
     if name == DEFAULTS:
         return {}
@@ -110,6 +143,11 @@ def main():
                            and o["metadata"]["name"].endswith("-config")][0]["data"]
         entry["worker_replicas"] = sts["spec"]["replicas"]
         entry["worker_limits"] = sts["spec"]["template"]["spec"]["containers"][0]["resources"].get("limits", {})
+        # A worker that asks for a GPU runs on it, sized from its memory; one that does
+        # not gets no CUDA flags.
+        entry["gpu_flags"] = gpu_flag_problems(values, entry["worker_args"])
+        if entry["gpu_flags"]:
+            entry["ok"] = False
         # Dashboards ship as sidecar-labelled ConfigMaps holding the JSON unchanged.
         shipped = {}
         for _, o in objs:
@@ -125,18 +163,47 @@ def main():
         report["examples"][name] = entry
         report["ok"] &= entry["ok"]
 
+    # GPU flags beyond the examples: a GPU in requests only, an explicit block count on
+    # a GPU worker, another fraction.
+    gpu = {"nvidia.com/gpu": 1}
+    gpu_cases = {
+        "gpu_in_requests_only": {"worker": {"resources": {"requests": gpu}}},
+        "gpu_with_num_blocks": {"worker": {"resources": {"limits": gpu},
+                                           "engine": {"numBlocks": 1000}}},
+        "gpu_at_0_75": {"worker": {"resources": {"limits": gpu},
+                                   "engine": {"gpuMemoryUtilization": 0.75}}},
+        "cpu_with_num_blocks": {"worker": {"engine": {"numBlocks": 512}}},
+    }
+    report["gpu_cases"] = {}
+    for case, values in gpu_cases.items():
+        args = worker_args_of(values)
+        problems = gpu_flag_problems(values, args)
+        report["gpu_cases"][case] = {"worker_args": args, "problems": problems}
+        report["ok"] &= not problems
+    # The flag check itself fails on a wrong rendering (it is not vacuous).
+    cpu_args = worker_args_of({})
+    report["gpu_cases"]["check_catches_missing_device"] = {
+        "caught": bool(gpu_flag_problems({"worker": {"resources": {"limits": gpu}}}, cpu_args))}
+    report["ok"] &= report["gpu_cases"]["check_catches_missing_device"]["caught"]
+
     # The chart refuses combinations that cannot work.
     bad_values = {
-        "two_routers_without_etcd": {"router": {"replicas": 2}},
-        "kafka_without_etcd": {"kafka": {"brokers": ["k:9092"]}},
-        "model_dir_without_volume": {"config": {"model": "/models/x"}},
+        "two_routers_without_etcd": ({"router": {"replicas": 2}}, "more than one router"),
+        "kafka_without_etcd": ({"kafka": {"brokers": ["k:9092"]}}, "needs etcd"),
+        "model_dir_without_volume": ({"config": {"model": "/models/x"}}, "modelVolume"),
+        "two_gpus_per_worker": ({"worker": {"resources": {"limits": {"nvidia.com/gpu": 2}}}},
+                                "one GPU"),
+        "gpu_utilization_above_1": ({"worker": {"engine": {"gpuMemoryUtilization": 1.5}}},
+                                    "gpuMemoryUtilization"),
+        "gpu_utilization_0": ({"worker": {"engine": {"gpuMemoryUtilization": 0}}},
+                              "gpuMemoryUtilization"),
     }
-    for case, values in bad_values.items():
+    for case, (values, why) in bad_values.items():
         try:
             render(values)
             refused = False
         except helm.HelmError as e:
-            refused = "more than one router" in str(e) or "needs etcd" in str(e) or "modelVolume" in str(e)
+            refused = why in str(e)
         report["negative"][case] = {"refused": refused}
         report["ok"] &= refused
 

@@ -49,6 +49,8 @@ pub fn prompt_model_of(
         chat_template: model.chat_template.clone(),
     }
 }
+/// KV blocks of a worker without `--num-blocks` on the CPU.
+const CPU_DEFAULT_BLOCKS: usize = 2048;
 
 /// Engine sizing of a worker.
 #[derive(Args, Clone, Debug)]
@@ -57,9 +59,16 @@ pub struct EngineArgs {
     /// NVRTC and cuBLAS 13; a missing one is reported at start).
     #[arg(long, default_value = "cpu")]
     pub device: Device,
-    /// KV blocks per worker.
-    #[arg(long, default_value_t = 2048)]
-    pub num_blocks: usize,
+    /// KV blocks per worker. Unset: 2048 on the CPU, and on cuda:N as many as
+    /// --gpu-memory-utilization leaves room for. Set, it is used on either.
+    #[arg(long)]
+    pub num_blocks: Option<usize>,
+    /// On cuda:N without --num-blocks: the fraction of the device's total memory the
+    /// worker may hold (weights, step workspace and KV cache, as in vLLM); the KV pool
+    /// gets what is left once the weights are loaded. The workers of one `kvfleet up`
+    /// share the fraction.
+    #[arg(long, default_value_t = 0.9)]
+    pub gpu_memory_utilization: f64,
     /// Tokens per KV block (routers and workers must agree).
     #[arg(long, default_value_t = kvfleet_core::DEFAULT_BLOCK_SIZE)]
     pub block_size: usize,
@@ -79,7 +88,11 @@ impl EngineArgs {
     pub fn worker_config(&self, worker_id: String, model: WorkerModel) -> WorkerConfig {
         let mut c = WorkerConfig::new(worker_id, model);
         c.device = self.device;
-        c.num_blocks = self.num_blocks;
+        c.num_blocks = self.num_blocks.unwrap_or(CPU_DEFAULT_BLOCKS);
+        c.gpu_memory_utilization = self
+            .num_blocks
+            .is_none()
+            .then_some(self.gpu_memory_utilization);
         c.block_size = self.block_size;
         c.max_num_seqs = self.max_num_seqs;
         c.max_batched_tokens = self.max_batched_tokens;

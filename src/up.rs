@@ -46,9 +46,15 @@ async fn serve(args: UpArgs) -> Result<()> {
     let model = args.model.load()?;
     let mut workers = Vec::new();
     for i in 0..args.workers {
-        let config = args
+        let mut config = args
             .engine
             .worker_config(format!("worker-{i}"), WorkerModel::Loaded(model.clone()));
+        // The workers share one device and start one after another, each measuring what
+        // the ones before it hold: worker i may bring the process to (i+1)/n of the
+        // fraction, so each gets about an n-th.
+        config.gpu_memory_utilization = config
+            .gpu_memory_utilization
+            .map(|u| u * (i + 1) as f64 / args.workers as f64);
         workers.push(spawn_worker(config).await.context("starting a worker")?);
     }
     let fleet = Fleet::new(args.routing.fleet_config(

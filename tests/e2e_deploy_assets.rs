@@ -118,6 +118,30 @@ fn chart_lints_renders_and_validates_for_every_example() {
     let gpu = &examples["values-2routers-8gpu"];
     assert_eq!(gpu["worker_replicas"], 8);
     assert_eq!(gpu["worker_limits"]["nvidia.com/gpu"], 1);
+    // GPU workers run on their GPU, the pool sized from its memory (no hand-computed
+    // block count); CPU workers get no CUDA flags.
+    let gpu_args = gpu["worker_args"].to_string();
+    assert!(
+        gpu_args.contains("\"--device=cuda:0\"")
+            && gpu_args.contains("\"--gpu-memory-utilization=0.9\"")
+            && !gpu_args.contains("--num-blocks"),
+        "{gpu_args}"
+    );
+    for cpu in ["defaults", "values-single-node", "values-external"] {
+        let args = examples[cpu]["worker_args"].to_string();
+        assert!(
+            !args.contains("--device") && !args.contains("--gpu-memory-utilization"),
+            "{cpu}: {args}"
+        );
+    }
+    let cases = report["gpu_cases"].as_object().expect("gpu_cases");
+    for (case, c) in cases {
+        println!("GPU flag case {case}: {c}");
+        if let Some(p) = c.get("problems") {
+            assert_eq!(p.as_array().map(Vec::len), Some(0), "{case}: {c}");
+        }
+    }
+    assert_eq!(cases["check_catches_missing_device"]["caught"], true);
     assert_eq!(gpu["kinds"]["HorizontalPodAutoscaler"], 1);
     assert_eq!(
         gpu["kinds"]["StatefulSet"], 2,
@@ -134,10 +158,21 @@ fn chart_lints_renders_and_validates_for_every_example() {
         Some(&1.into())
     );
     // The real binary accepts every rendered command line: flag names and value types
-    // (clap checks each argument before `--help`), with the pods' $(VAR)s expanded.
-    for (name, e) in examples {
-        let config = e["config"].as_object().expect("config");
-        for key in ["router_args", "worker_args"] {
+    // (clap checks each argument before `--help`), with the pods' $(VAR)s expanded. The
+    // GPU flag cases render with the defaults' config.
+    let default_config = examples["defaults"]["config"].clone();
+    let rendered = examples
+        .iter()
+        .map(|(name, e)| (name, e, &e["config"], vec!["router_args", "worker_args"]))
+        .chain(
+            cases
+                .iter()
+                .filter(|(_, c)| c.get("worker_args").is_some())
+                .map(|(name, c)| (name, c, &default_config, vec!["worker_args"])),
+        );
+    for (name, e, config, keys) in rendered {
+        let config = config.as_object().expect("config");
+        for key in keys {
             let args: Vec<String> = e[key]
                 .as_array()
                 .expect("args")

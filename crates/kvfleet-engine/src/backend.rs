@@ -4,6 +4,7 @@
 
 use crate::error::Result;
 use crate::kv_cache::KvCache;
+use crate::kv_sizing::KvSizing;
 use crate::model::{ForwardItem, LlamaModel};
 use crate::model_config::ModelConfig;
 use std::sync::Arc;
@@ -20,6 +21,10 @@ pub trait ModelBackend: Send {
     fn copy_block(&mut self, src: u32, dst: u32);
     /// Short name for logs and metrics ("cpu", "cuda:0").
     fn device_name(&self) -> String;
+    /// How the pool was sized from device memory, when it was (for the start log).
+    fn kv_sizing(&self) -> Option<KvSizing> {
+        None
+    }
 }
 
 /// The model on the CPU, with its KV cache in host memory.

@@ -6,9 +6,8 @@ use std::str::FromStr;
 use std::sync::Arc;
 
 use crate::backend::{CpuBackend, ModelBackend};
-#[cfg(not(feature = "cuda"))]
-use crate::error::EngineError;
-use crate::error::Result;
+use crate::error::{EngineError, Result};
+use crate::kv_sizing::KvPool;
 use crate::model::LlamaModel;
 
 /// A compute device.
@@ -46,20 +45,28 @@ impl fmt::Display for Device {
     }
 }
 
-/// The backend for `device`, with `num_blocks` KV blocks of `block_size` tokens. CUDA
-/// checks that its libraries and the device are there before touching them, and fails
-/// with an [`EngineError::Device`] naming what is missing.
+/// The backend for `device`, with a KV pool of blocks of `block_size` tokens sized by
+/// `pool` (sizing from device memory is CUDA's; the CPU backend needs a block count).
+/// CUDA checks that its libraries and the device are there before touching them, and
+/// fails with an [`EngineError::Device`] naming what is missing.
 pub fn new_backend(
     device: Device,
     model: Arc<LlamaModel>,
-    num_blocks: usize,
+    pool: KvPool,
     block_size: usize,
 ) -> Result<Box<dyn ModelBackend>> {
     match device {
-        Device::Cpu => Ok(Box::new(CpuBackend::new(model, num_blocks, block_size))),
+        Device::Cpu => match pool {
+            KvPool::Blocks(n) => Ok(Box::new(CpuBackend::new(model, n, block_size))),
+            KvPool::MemoryFraction { .. } => Err(EngineError::Config(
+                "the CPU backend's KV pool needs a block count (--num-blocks); sizing from \
+                 device memory is for cuda:N"
+                    .into(),
+            )),
+        },
         #[cfg(feature = "cuda")]
         Device::Cuda(n) => Ok(Box::new(crate::cuda::CudaBackend::new(
-            model, num_blocks, block_size, n,
+            model, pool, block_size, n,
         )?)),
         #[cfg(not(feature = "cuda"))]
         Device::Cuda(_) => Err(EngineError::Device(
@@ -82,5 +89,19 @@ mod tests {
         assert!("cuda:x".parse::<Device>().is_err());
         assert_eq!(Device::Cuda(2).to_string(), "cuda:2");
         assert_eq!(Device::Cpu.to_string(), "cpu");
+    }
+
+    #[test]
+    fn cpu_pool_takes_a_block_count_only() {
+        let model = Arc::new(LlamaModel::seeded(crate::ModelConfig::tiny(), 1).unwrap());
+        let b = new_backend(Device::Cpu, Arc::clone(&model), KvPool::Blocks(8), 16).unwrap();
+        assert_eq!(b.num_blocks(), 8);
+        assert!(b.kv_sizing().is_none());
+        let fraction = KvPool::MemoryFraction {
+            utilization: 0.9,
+            max_step_tokens: 2048,
+        };
+        let e = new_backend(Device::Cpu, model, fraction, 16).err().unwrap();
+        assert!(e.to_string().contains("--num-blocks"), "{e}");
     }
 }

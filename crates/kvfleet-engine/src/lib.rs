@@ -12,6 +12,8 @@
 //! - [`device`]: `--device cpu|cuda:N` and the backend built for it; the CUDA
 //!   backend itself is in `cuda` (feature `cuda`).
 //! - [`gguf_tokenizer`]: the tokenizer and chat template of a GGUF file.
+//! - [`kv_sizing`]: bytes of a KV block and how many blocks a device-memory budget
+//!   holds (`--gpu-memory-utilization`).
 //! - [`kv_events`]: `Stored` / `Removed` / `Cleared` events with sequence numbers.
 
 pub mod backend;
@@ -25,6 +27,7 @@ pub mod gguf;
 pub mod gguf_tokenizer;
 pub mod kv_cache;
 pub mod kv_events;
+pub mod kv_sizing;
 pub mod model;
 pub mod model_cache;
 pub mod model_config;
@@ -44,6 +47,7 @@ pub use engine::{
 pub use error::{EngineError, Result};
 pub use gguf::{GgufFile, GgufLoadOptions};
 pub use kv_events::{KvEvent, KvEventKind, KvEventSink, RecordingSink};
+pub use kv_sizing::{KvPool, KvSizing};
 pub use model::{ForwardItem, LlamaModel, LogitsRequest};
 pub use model_config::ModelConfig;
 pub use model_source::{load_model, load_prompt_model, LoadedModel, PromptSide};

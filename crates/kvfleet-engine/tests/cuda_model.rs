@@ -2,7 +2,8 @@
 //! scripts/gpu-check.sh on a machine with CUDA): whole-model logits of the CUDA backend
 //! against the CPU backend within bf16 tolerance (prefill, decode, split-K long
 //! context, GQA, qk-norm, biases, sliding window), cached vs. cold logits, and fork
-//! children made with `copy_block` against computing from scratch.
+//! children made with `copy_block` against computing from scratch, and a pool sized
+//! from device memory (`--gpu-memory-utilization`) with step buffers reused.
 
 #![cfg(feature = "gpu-tests")]
 
@@ -319,4 +320,57 @@ fn bad_items_are_rejected_before_anything_runs() {
         .expect_err("block 9 is outside 4 blocks");
     assert!(err.to_string().contains("block id 9"), "{err}");
     assert_eq!(gpu.device_name(), "cuda:0");
+}
+
+#[test]
+fn pool_sized_from_device_memory_and_step_buffers_are_reused() {
+    use kvfleet_engine::kv_sizing::{kv_block_bytes_of, KvDtype};
+    use kvfleet_engine::KvPool;
+    let config = ModelConfig::small();
+    let vocab = config.vocab_size;
+    let block_bytes = kv_block_bytes_of(&config, BS, KvDtype::Bf16).expect("block bytes");
+    let model = Arc::new(LlamaModel::seeded(config, 11).expect("model"));
+    // A small fraction, so a busy GPU still has room and the test does not hold it all.
+    let pool = KvPool::MemoryFraction {
+        utilization: 0.2,
+        max_step_tokens: 512,
+    };
+    let mut gpu = CudaBackend::new(Arc::clone(&model), pool, BS, 0).expect("cuda:0");
+    let sizing = gpu.kv_sizing().expect("sized from memory");
+    println!("{sizing}");
+    assert_eq!(gpu.num_blocks(), sizing.num_blocks);
+    assert_eq!(sizing.block_bytes, block_bytes);
+    assert_eq!(gpu.kv_bytes(), sizing.num_blocks * block_bytes);
+    let allowed = (sizing.memory.total as f64 * 0.2) as usize;
+    let in_use = sizing.memory.total - sizing.memory.free;
+    assert!(in_use + sizing.reserve + gpu.kv_bytes() <= allowed);
+    assert!(allowed - in_use - sizing.reserve - gpu.kv_bytes() < block_bytes);
+    // Same-shape steps allocate nothing after the first, and the logits still match
+    // a pool of an explicit size.
+    let mut fixed = CudaBackend::new(model, 64, BS, 0).expect("cuda:0");
+    let toks = tokens(300, 9, vocab);
+    let table: Vec<u32> = (0..19).collect();
+    let item = [ForwardItem {
+        tokens: &toks,
+        start_pos: 0,
+        block_table: &table,
+        logits: LogitsRequest::Last,
+    }];
+    let first = step(&mut gpu, &item);
+    let held = gpu.step_buffer_bytes();
+    assert!(held > 0);
+    let again = step(&mut gpu, &item);
+    assert_eq!(
+        gpu.step_buffer_bytes(),
+        held,
+        "a same-shape step grew the buffers"
+    );
+    let (rerun, _) = compare(&first[0], &again[0], vocab);
+    assert!(
+        rerun < 1e-5,
+        "a rerun over reused buffers moved the logits by {rerun}"
+    );
+    let (diff, agree) = compare(&first[0], &step(&mut fixed, &item)[0], vocab);
+    assert!(diff < 1e-3, "sized vs fixed pool: max diff {diff}");
+    assert_eq!(agree, 1.0);
 }

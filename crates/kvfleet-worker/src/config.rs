@@ -2,7 +2,7 @@
 //! batches, and how many KV events it keeps for late subscribers.
 
 use crate::error::WorkerError;
-use kvfleet_engine::{Device, EngineConfig, LoadedModel};
+use kvfleet_engine::{Device, EngineConfig, KvPool, LoadedModel};
 
 /// The model a worker serves.
 #[derive(Clone)]
@@ -52,8 +52,13 @@ pub struct WorkerConfig {
     pub model: WorkerModel,
     /// The device the model runs on (`cpu`, the default, or `cuda:N`).
     pub device: Device,
-    /// KV blocks in the pool.
+    /// KV blocks in the pool (on a CUDA device, unless `gpu_memory_utilization` is set).
     pub num_blocks: usize,
+    /// On a CUDA device, size the pool from device memory instead of `num_blocks`: the
+    /// fraction of total device memory the process may hold once this worker's pool is
+    /// allocated (weights, workspace and KV; as vLLM's `--gpu-memory-utilization`).
+    /// Ignored on the CPU.
+    pub gpu_memory_utilization: Option<f64>,
     /// Tokens per KV block; routers must hash with the same size.
     pub block_size: usize,
     /// Most sequences the engine runs at once.
@@ -86,6 +91,7 @@ impl WorkerConfig {
             model: model.into(),
             device: Device::Cpu,
             num_blocks: 2048,
+            gpu_memory_utilization: None,
             block_size: engine.block_size,
             max_num_seqs: engine.max_num_seqs,
             max_batched_tokens: engine.max_batched_tokens,
@@ -111,10 +117,28 @@ impl WorkerConfig {
                 return Err(WorkerError::Config(format!("{name} must be positive")));
             }
         }
+        if let Some(u) = self.gpu_memory_utilization {
+            if !(u > 0.0 && u <= 1.0) {
+                return Err(WorkerError::Config(format!(
+                    "gpu_memory_utilization must be in (0, 1], got {u}"
+                )));
+            }
+        }
         if self.worker_id.is_empty() {
             return Err(WorkerError::Config("worker_id must not be empty".into()));
         }
         Ok(())
+    }
+
+    /// How the backend sizes its KV pool on this worker's device.
+    pub(crate) fn kv_pool(&self) -> KvPool {
+        match (self.device, self.gpu_memory_utilization) {
+            (Device::Cuda(_), Some(utilization)) => KvPool::MemoryFraction {
+                utilization,
+                max_step_tokens: self.max_batched_tokens,
+            },
+            _ => KvPool::Blocks(self.num_blocks),
+        }
     }
 
     /// The engine configuration for `model_id`.
@@ -126,5 +150,42 @@ impl WorkerConfig {
             max_batched_tokens: self.max_batched_tokens,
             max_prefill_chunk: self.max_prefill_chunk,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn memory_fraction_sizes_cuda_pools_only() {
+        let mut c = WorkerConfig::new("w", "tiny");
+        c.num_blocks = 64;
+        c.max_batched_tokens = 512;
+        c.gpu_memory_utilization = Some(0.8);
+        // The CPU always takes the block count.
+        assert_eq!(c.kv_pool(), KvPool::Blocks(64));
+        c.device = Device::Cuda(1);
+        assert_eq!(
+            c.kv_pool(),
+            KvPool::MemoryFraction {
+                utilization: 0.8,
+                max_step_tokens: 512
+            }
+        );
+        // An explicit count (no fraction) wins on CUDA too.
+        c.gpu_memory_utilization = None;
+        assert_eq!(c.kv_pool(), KvPool::Blocks(64));
+    }
+
+    #[test]
+    fn rejects_a_fraction_outside_zero_to_one() {
+        let mut c = WorkerConfig::new("w", "tiny");
+        for bad in [0.0, 1.5, -1.0, f64::NAN] {
+            c.gpu_memory_utilization = Some(bad);
+            assert!(c.validate().is_err(), "{bad}");
+        }
+        c.gpu_memory_utilization = Some(1.0);
+        assert!(c.validate().is_ok());
     }
 }

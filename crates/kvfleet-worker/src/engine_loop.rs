@@ -104,10 +104,19 @@ fn build_engine(
     let backend = new_backend(
         config.device,
         Arc::clone(&model.model),
-        config.num_blocks,
+        config.kv_pool(),
         config.block_size,
     )?;
     let device = backend.device_name();
+    if let Some(sizing) = backend.kv_sizing() {
+        tracing::info!(
+            worker = %config.worker_id,
+            device = %device,
+            blocks = sizing.num_blocks,
+            block_bytes = sizing.block_bytes,
+            "KV pool sized from device memory: {sizing}"
+        );
+    }
     let mut engine = Engine::new(
         config.engine_config(&model.id),
         backend,

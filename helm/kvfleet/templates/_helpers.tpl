@@ -82,3 +82,11 @@ app.kubernetes.io/component: {{ .component }}
 {{- define "kvfleet.containerSecurityContext" -}}
 {{- toYaml .Values.containerSecurityContext -}}
 {{- end -}}
+
+{{/* GPUs a worker pod asks for: `nvidia.com/gpu` in its resource limits or requests (0 when none). */}}
+{{- define "kvfleet.workerGpus" -}}
+{{- $r := .Values.worker.resources | default dict -}}
+{{- $limit := index ($r.limits | default dict) "nvidia.com/gpu" | default 0 -}}
+{{- $request := index ($r.requests | default dict) "nvidia.com/gpu" | default 0 -}}
+{{- max (int $limit) (int $request) -}}
+{{- end -}}

@@ -19,9 +19,14 @@ use super::kernels::{decode_kernel_name, prefill_kernel_name, Kernels};
 use super::kv_blocks::DeviceKv;
 use super::launch::{i32_of, launch, ptr, Arg};
 use super::probe::{probe, DeviceInfo};
+use super::step_buffers::StepBuffers;
 use super::weights::DeviceWeights;
 use crate::backend::ModelBackend;
 use crate::error::{EngineError, Result};
+use crate::kv_sizing::{
+    kv_block_bytes_of, size_from_memory, step_workspace_bytes, DeviceMemory, KvDtype, KvPool,
+    KvSizing,
+};
 use crate::model::{ForwardItem, LlamaModel, LogitsRequest};
 use crate::model_config::ModelConfig;
 
@@ -130,17 +135,31 @@ impl Gpu {
         s: &CudaSlice<T>,
         n: usize,
     ) -> Result<Vec<T>> {
-        let mut out = vec![T::default(); s.len()];
+        let head = s.try_slice(..n).ok_or_else(|| {
+            EngineError::Device(format!(
+                "reading {n} elements of a {}-element device buffer",
+                s.len()
+            ))
+        })?;
+        let mut out = vec![T::default(); n];
         self.stream
-            .memcpy_dtoh(s, &mut out)
+            .memcpy_dtoh(&head, &mut out)
             .map_err(device_err("copying from the device"))?;
-        out.truncate(n);
         Ok(out)
     }
 
     /// Device address of `s`.
     pub(crate) fn ptr<T>(&self, s: &CudaSlice<T>) -> u64 {
         ptr(s, &self.stream)
+    }
+
+    /// Free and total bytes of the device (`cuMemGetInfo` on this context).
+    pub(crate) fn memory(&self) -> Result<DeviceMemory> {
+        let (free, total) = self
+            .ctx
+            .mem_get_info()
+            .map_err(device_err("querying free device memory"))?;
+        Ok(DeviceMemory { free, total })
     }
 }
 
@@ -243,14 +262,19 @@ pub struct CudaBackend {
     prefill_kernel: String,
     /// A failed `copy_block` (which cannot return an error), reported by the next step.
     pending_error: Option<EngineError>,
+    /// How the pool was sized from device memory, when it was.
+    sizing: Option<KvSizing>,
+    /// Activations and step metadata, kept across steps.
+    bufs: StepBuffers,
 }
 
 impl CudaBackend {
     /// Probes `cuda:{ordinal}`, compiles the kernels for it, uploads the weights (bf16)
-    /// and allocates `num_blocks` KV blocks of `block_size` tokens.
+    /// and allocates the KV pool of blocks of `block_size` tokens: a fixed count, or
+    /// (`KvPool::MemoryFraction`) what fits in device memory once the weights are there.
     pub fn new(
         model: Arc<LlamaModel>,
-        num_blocks: usize,
+        pool: impl Into<KvPool>,
         block_size: usize,
         ordinal: usize,
     ) -> Result<Self> {
@@ -269,6 +293,25 @@ impl CudaBackend {
         let gpu = Gpu::open(ordinal)?;
         let weights = DeviceWeights::upload(model.weights(), &gpu.stream)?;
         let inv_freq = gpu.upload(model.rope_inv_freq())?;
+        let (num_blocks, sizing) = match pool.into() {
+            KvPool::Blocks(n) => (n, None),
+            KvPool::MemoryFraction {
+                utilization,
+                max_step_tokens,
+            } => {
+                // Measure once the weights are resident, so they count as in use.
+                gpu.stream
+                    .synchronize()
+                    .map_err(device_err("uploading the model"))?;
+                let s = size_from_memory(
+                    gpu.memory()?,
+                    utilization,
+                    step_workspace_bytes(config, max_step_tokens),
+                    kv_block_bytes_of(config, block_size, KvDtype::Bf16)?,
+                )?;
+                (s.num_blocks, Some(s))
+            }
+        };
         let kv = DeviceKv::new(
             &gpu.stream,
             config.num_hidden_layers,
@@ -289,6 +332,8 @@ impl CudaBackend {
             decode_kernel,
             prefill_kernel,
             pending_error: None,
+            sizing,
+            bufs: StepBuffers::default(),
         })
     }
 
@@ -300,6 +345,12 @@ impl CudaBackend {
     /// Bytes of device memory held by the KV cache.
     pub fn kv_bytes(&self) -> usize {
         self.kv.bytes()
+    }
+
+    /// Bytes of device memory held by the step buffers (activations, metadata,
+    /// logits): the most any step so far has needed.
+    pub fn step_buffer_bytes(&self) -> usize {
+        self.bufs.bytes()
     }
 
     /// Waits for the device to finish queued work (for timing).
@@ -329,24 +380,25 @@ impl CudaBackend {
         let (h, qd, kvd) = (g.hidden, g.q_dim(), g.kv_dim());
         let qkv_out = qd + 2 * kvd;
 
-        // Step metadata, one upload each.
-        let d_tokens = gpu.upload(&plan.tokens)?;
-        let d_pos = gpu.upload(&plan.pos)?;
-        let d_slots = gpu.upload(&plan.slots)?;
-        let d_table_off = gpu.upload(&plan.table_off)?;
-        let d_tables = gpu.upload(&plan.tables)?;
-        let d_dec_rows = gpu.upload(&plan.dec_rows)?;
-        let d_tile_row0 = gpu.upload(&plan.tile_row0)?;
-        let d_tile_rows = gpu.upload(&plan.tile_rows)?;
-        let d_logit_rows = gpu.upload(&plan.logit_rows)?;
+        // Step metadata, one upload each, and the activations: buffers kept across
+        // steps (grown when a step is bigger than any before).
+        let b = &mut self.bufs;
+        let d_tokens = b.tokens.upload(gpu, &plan.tokens)?;
+        let d_pos = b.pos.upload(gpu, &plan.pos)?;
+        let d_slots = b.slots.upload(gpu, &plan.slots)?;
+        let d_table_off = b.table_off.upload(gpu, &plan.table_off)?;
+        let d_tables = b.tables.upload(gpu, &plan.tables)?;
+        let d_dec_rows = b.dec_rows.upload(gpu, &plan.dec_rows)?;
+        let d_tile_row0 = b.tile_row0.upload(gpu, &plan.tile_row0)?;
+        let d_tile_rows = b.tile_rows.upload(gpu, &plan.tile_rows)?;
+        let d_logit_rows = b.logit_rows.upload(gpu, &plan.logit_rows)?;
 
-        // Activations.
-        let x: CudaSlice<f32> = gpu.alloc(n * h)?;
-        let hb: CudaSlice<u16> = gpu.alloc(n * h)?;
-        let qkv: CudaSlice<f32> = gpu.alloc(n * qkv_out)?;
-        let attn: CudaSlice<u16> = gpu.alloc(n * qd)?;
-        let gu: CudaSlice<f32> = gpu.alloc(n * 2 * g.inter)?;
-        let act: CudaSlice<u16> = gpu.alloc(n * g.inter)?;
+        let x = &*b.x.at_least(gpu, n * h)?;
+        let hb = &*b.hb.at_least(gpu, n * h)?;
+        let qkv = &*b.qkv.at_least(gpu, n * qkv_out)?;
+        let attn = &*b.attn.at_least(gpu, n * qd)?;
+        let gu = &*b.gu.at_least(gpu, n * 2 * g.inter)?;
+        let act = &*b.act.at_least(gpu, n * g.inter)?;
         let n_dec = plan.dec_rows.len();
         let splits = plan.max_dec_keys.div_ceil(DECODE_PARTITION).max(1);
         let part_len = if splits > 1 {
@@ -354,9 +406,9 @@ impl CudaBackend {
         } else {
             1
         };
-        let part_out: CudaSlice<f32> = gpu.alloc(part_len * g.head_dim)?;
-        let part_max: CudaSlice<f32> = gpu.alloc(part_len)?;
-        let part_sum: CudaSlice<f32> = gpu.alloc(part_len)?;
+        let part_out = &*b.part_out.at_least(gpu, part_len * g.head_dim)?;
+        let part_max = &*b.part_max.at_least(gpu, part_len)?;
+        let part_sum = &*b.part_sum.at_least(gpu, part_len)?;
 
         let p = |s: &CudaSlice<f32>| Arg::Ptr(gpu.ptr(s));
         let pb = |s: &CudaSlice<u16>| Arg::Ptr(gpu.ptr(s));
@@ -367,7 +419,7 @@ impl CudaBackend {
             "embed_tokens",
             grid1(n),
             threads(h),
-            &[pb(&self.weights.embed), pi(&d_tokens), p(&x), i32_of(h)],
+            &[pb(&self.weights.embed), pi(d_tokens), p(x), i32_of(h)],
         )?;
         let add_bias = |y: &CudaSlice<f32>,
                         b: &Option<CudaSlice<f32>>,
@@ -392,24 +444,24 @@ impl CudaBackend {
                 grid1(n),
                 threads(h).min(256),
                 &[
-                    p(&x),
+                    p(x),
                     p(&layer.input_norm),
-                    pb(&hb),
+                    pb(hb),
                     Arg::Ptr(0),
                     i32_of(h),
                     Arg::F32(g.eps),
                 ],
             )?;
             gpu.gemm.linear(
-                gpu.ptr(&hb),
+                gpu.ptr(hb),
                 gpu.ptr(&layer.qkv.w),
-                gpu.ptr(&qkv),
+                gpu.ptr(qkv),
                 n,
                 qkv_out,
                 h,
                 0.0,
             )?;
-            add_bias(&qkv, &layer.qkv.bias, n, qkv_out)?;
+            add_bias(qkv, &layer.qkv.bias, n, qkv_out)?;
             let (qn, kn) = match &layer.qk_norm {
                 Some((q, k)) => (p(q), p(k)),
                 None => (Arg::Ptr(0), Arg::Ptr(0)),
@@ -419,14 +471,14 @@ impl CudaBackend {
                 (n as u32, (g.n_heads + g.n_kv_heads) as u32, 1),
                 32,
                 &[
-                    p(&qkv),
+                    p(qkv),
                     i32_of(qkv_out),
                     i32_of(g.n_heads),
                     i32_of(g.head_dim),
                     qn,
                     kn,
                     Arg::F32(g.eps),
-                    pi(&d_pos),
+                    pi(d_pos),
                     p(&self.inv_freq),
                 ],
             )?;
@@ -439,12 +491,12 @@ impl CudaBackend {
                 grid1(n),
                 threads(kvd).min(256),
                 &[
-                    p(&qkv),
+                    p(qkv),
                     i32_of(qkv_out),
                     i32_of(qd),
                     i32_of(qd + kvd),
                     i32_of(kvd),
-                    pi(&d_slots),
+                    pi(d_slots),
                     Arg::Ptr(kc),
                     Arg::Ptr(vc),
                 ],
@@ -455,19 +507,19 @@ impl CudaBackend {
                     (n_dec as u32, g.n_kv_heads as u32, splits as u32),
                     128,
                     &[
-                        pb(&attn),
+                        pb(attn),
                         i32_of(qd),
-                        p(&part_out),
-                        p(&part_max),
-                        p(&part_sum),
-                        p(&qkv),
+                        p(part_out),
+                        p(part_max),
+                        p(part_sum),
+                        p(qkv),
                         i32_of(qkv_out),
                         Arg::Ptr(kc),
                         Arg::Ptr(vc),
-                        pi(&d_tables),
-                        pi(&d_table_off),
-                        pi(&d_pos),
-                        pi(&d_dec_rows),
+                        pi(d_tables),
+                        pi(d_table_off),
+                        pi(d_pos),
+                        pi(d_dec_rows),
                         i32_of(g.n_heads),
                         i32_of(g.n_kv_heads),
                         i32_of(bs),
@@ -481,12 +533,12 @@ impl CudaBackend {
                         (n_dec as u32, g.n_heads as u32, 1),
                         threads(g.head_dim).min(128),
                         &[
-                            pb(&attn),
+                            pb(attn),
                             i32_of(qd),
-                            p(&part_out),
-                            p(&part_max),
-                            p(&part_sum),
-                            pi(&d_dec_rows),
+                            p(part_out),
+                            p(part_max),
+                            p(part_sum),
+                            pi(d_dec_rows),
                             i32_of(g.n_heads),
                             i32_of(g.head_dim),
                             i32_of(splits),
@@ -500,17 +552,17 @@ impl CudaBackend {
                     (plan.tile_row0.len() as u32, g.n_heads as u32, 1),
                     (PREFILL_TILE_ROWS * 32) as u32,
                     &[
-                        pb(&attn),
+                        pb(attn),
                         i32_of(qd),
-                        p(&qkv),
+                        p(qkv),
                         i32_of(qkv_out),
                         Arg::Ptr(kc),
                         Arg::Ptr(vc),
-                        pi(&d_tables),
-                        pi(&d_tile_row0),
-                        pi(&d_tile_rows),
-                        pi(&d_table_off),
-                        pi(&d_pos),
+                        pi(d_tables),
+                        pi(d_tile_row0),
+                        pi(d_tile_rows),
+                        pi(d_table_off),
+                        pi(d_pos),
                         i32_of(g.n_heads),
                         i32_of(g.n_kv_heads),
                         i32_of(bs),
@@ -521,55 +573,55 @@ impl CudaBackend {
             }
             // o_proj straight into the residual stream.
             gpu.gemm.linear(
-                gpu.ptr(&attn),
+                gpu.ptr(attn),
                 gpu.ptr(&layer.o.w),
-                gpu.ptr(&x),
+                gpu.ptr(x),
                 n,
                 h,
                 qd,
                 1.0,
             )?;
-            add_bias(&x, &layer.o.bias, n, h)?;
+            add_bias(x, &layer.o.bias, n, h)?;
             gpu.launch(
                 "rms_norm",
                 grid1(n),
                 threads(h).min(256),
                 &[
-                    p(&x),
+                    p(x),
                     p(&layer.post_norm),
-                    pb(&hb),
+                    pb(hb),
                     Arg::Ptr(0),
                     i32_of(h),
                     Arg::F32(g.eps),
                 ],
             )?;
             gpu.gemm.linear(
-                gpu.ptr(&hb),
+                gpu.ptr(hb),
                 gpu.ptr(&layer.gate_up.w),
-                gpu.ptr(&gu),
+                gpu.ptr(gu),
                 n,
                 2 * g.inter,
                 h,
                 0.0,
             )?;
-            add_bias(&gu, &layer.gate_up.bias, n, 2 * g.inter)?;
+            add_bias(gu, &layer.gate_up.bias, n, 2 * g.inter)?;
             let blocks = (n * g.inter).div_ceil(256).min(65_535);
             gpu.launch(
                 "silu_mul",
                 grid1(blocks),
                 256,
-                &[p(&gu), pb(&act), i32_of(n), i32_of(g.inter)],
+                &[p(gu), pb(act), i32_of(n), i32_of(g.inter)],
             )?;
             gpu.gemm.linear(
-                gpu.ptr(&act),
+                gpu.ptr(act),
                 gpu.ptr(&layer.down.w),
-                gpu.ptr(&x),
+                gpu.ptr(x),
                 n,
                 h,
                 g.inter,
                 1.0,
             )?;
-            add_bias(&x, &layer.down.bias, n, h)?;
+            add_bias(x, &layer.down.bias, n, h)?;
         }
 
         let m = plan.logit_rows.len();
@@ -586,22 +638,22 @@ impl CudaBackend {
             grid1(m),
             threads(h).min(256),
             &[
-                p(&x),
+                p(x),
                 p(&self.weights.norm),
-                pb(&hb),
-                pi(&d_logit_rows),
+                pb(hb),
+                pi(d_logit_rows),
                 i32_of(h),
                 Arg::F32(g.eps),
             ],
         )?;
-        let logits: CudaSlice<f32> = gpu.alloc(m * g.vocab)?;
+        let logits = &*b.logits.at_least(gpu, m * g.vocab)?;
         let head = match &self.weights.lm_head {
             Some(l) => gpu.ptr(&l.w),
             None => gpu.ptr(&self.weights.embed),
         };
         gpu.gemm
-            .linear(gpu.ptr(&hb), head, gpu.ptr(&logits), m, g.vocab, h, 0.0)?;
-        let host = gpu.download(&logits, m * g.vocab)?;
+            .linear(gpu.ptr(hb), head, gpu.ptr(logits), m, g.vocab, h, 0.0)?;
+        let host = gpu.download(logits, m * g.vocab)?;
         let mut r = 0;
         for &k in &plan.logit_counts {
             out.push(host[r * g.vocab..(r + k) * g.vocab].to_vec());
@@ -631,11 +683,14 @@ impl ModelBackend for CudaBackend {
             return;
         }
         let res = (|| -> Result<()> {
-            let pairs = self.gpu.upload(&[src as i32, dst as i32])?;
-            let (args, grid) = self.kv.copy_args(&self.gpu.stream, self.gpu.ptr(&pairs), 1);
-            self.gpu.launch("copy_blocks", grid, 256, &args)?;
-            // `pairs` is freed on drop: finish the copy first.
-            self.synchronize()
+            // The pair buffer is reused: the next write to it is ordered after this
+            // copy on the one stream, so nothing waits here.
+            let pairs = self
+                .bufs
+                .copy_pairs
+                .upload(&self.gpu, &[src as i32, dst as i32])?;
+            let (args, grid) = self.kv.copy_args(&self.gpu.stream, self.gpu.ptr(pairs), 1);
+            self.gpu.launch("copy_blocks", grid, 256, &args)
         })();
         if let Err(e) = res {
             self.pending_error.get_or_insert(e);
@@ -643,5 +698,8 @@ impl ModelBackend for CudaBackend {
     }
     fn device_name(&self) -> String {
         format!("cuda:{}", self.gpu.info.ordinal)
+    }
+    fn kv_sizing(&self) -> Option<KvSizing> {
+        self.sizing
     }
 }

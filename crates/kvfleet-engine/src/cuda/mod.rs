@@ -6,7 +6,8 @@
 //! embedded in the binary and compiled by NVRTC at start for the device's architecture
 //! ([`kernels`]); projections are cuBLAS GEMMs in bf16 with f32 accumulation
 //! ([`gemm`]). Weights and the KV cache live on the device in bf16
-//! ([`weights`], [`kv_blocks`]); the residual stream stays in f32.
+//! ([`weights`], [`kv_blocks`]); the residual stream stays in f32. A step's
+//! activations and metadata live in buffers kept across steps ([`step_buffers`]).
 
 pub mod backend;
 pub mod bench;
@@ -15,6 +16,7 @@ pub mod kernels;
 pub(crate) mod kv_blocks;
 pub(crate) mod launch;
 pub mod probe;
+pub(crate) mod step_buffers;
 pub(crate) mod weights;
 
 #[cfg(all(test, feature = "gpu-tests"))]
