@@ -28,7 +28,8 @@ fn no_special_tokens(text: &str) {
 
 #[test]
 fn the_default_model_is_smollm2_served_under_its_file_stem() {
-    let c = Cluster::up(&["--workers", "1"]);
+    // No --model: what a user gets from plain `kvfleet up`.
+    let c = Cluster::up_exact(&["--workers", "1"]);
     assert_eq!(model_id(&c), "SmolLM2-135M-Instruct.Q4_1");
 }
 

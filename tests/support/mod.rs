@@ -28,11 +28,18 @@ impl Cluster {
     /// Starts `kvfleet up` with `args` on a free port and waits until it is healthy
     /// (with `--model tiny` unless `args` name a model).
     pub fn up(args: &[&str]) -> Cluster {
+        let mut all = args.to_vec();
+        all.extend_from_slice(model_args(args));
+        Cluster::up_exact(&all)
+    }
+
+    /// Starts `kvfleet up` with exactly `args` (no model added: with none named, it
+    /// serves its own default).
+    pub fn up_exact(args: &[&str]) -> Cluster {
         let mut child = Command::new(env!("CARGO_BIN_EXE_kvfleet"))
             .arg("up")
             .args(["--http", "127.0.0.1:0"])
             .args(args)
-            .args(model_args(args))
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
