@@ -103,4 +103,5 @@ export LD_LIBRARY_PATH="$(nvrtc_lib)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 # do real matrix work and would crawl at opt-level 0.
 # No incremental state: a one-off build gains nothing from it, and it was 4 GB of CI's disk.
 export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
-cargo test --workspace --locked 2>&1
+# --no-fail-fast: one run reports every failing test binary, not just the first.
+cargo test --workspace --locked --no-fail-fast "$@" 2>&1
