@@ -64,8 +64,12 @@ fn schemathesis_finds_no_server_errors() {
             "45",
             "--seed",
             "1",
+            // One worker thread: hypothesis parses source with `ast` while it generates, and
+            // with two threads CPython 3.11.7 (this kind's) failed one run with "SystemError:
+            // AST constructor recursion depth mismatch" (the counter behind it is not
+            // per-thread in 3.11; see CPython gh-106905), an error of the tool, not the server.
             "--workers",
-            "2",
+            "1",
             "--request-timeout",
             "30",
             "--generation-database",
