@@ -54,7 +54,13 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     } else {
         args.prompt.clone()
     };
-    let prompt = loaded.tokenizer.encode(&text).context("tokenizing")?;
+    // A chat template renders any BOS itself; a raw prompt gets the one the model asks for.
+    let prompt = if args.chat {
+        loaded.tokenizer.encode(&text)
+    } else {
+        loaded.tokenizer.encode_text_prompt(&text)
+    }
+    .context("tokenizing")?;
     let backend = CpuBackend::new(loaded.model.clone(), args.num_blocks, args.block_size);
     let mut engine = Engine::new(
         EngineConfig {

@@ -108,6 +108,20 @@ pub trait Tokenizer: Send + Sync {
         None
     }
 
+    /// The ids of a raw-text prompt (`/v1/completions`, `kvfleet generate`): its tokens,
+    /// after the BOS the tokenizer asks for, as transformers and llama.cpp tokenize a
+    /// completion prompt. A prompt that already starts with BOS (written as text) keeps
+    /// just that one.
+    fn encode_text_prompt(&self, text: &str) -> Result<Vec<TokenId>, TokenizerError> {
+        let mut ids = self.encode(text)?;
+        if let Some(bos) = self.bos_token_id_to_add() {
+            if !ids.is_empty() && ids.first() != Some(&bos) {
+                ids.insert(0, bos);
+            }
+        }
+        Ok(ids)
+    }
+
     /// Whether `id` is a special (control) token such as `<|im_start|>`: generated
     /// text leaves these out, as Hugging Face's `skip_special_tokens` does. Added tokens
     /// that are not special (`<tool_call>`, `<think>`) stay in the text.
@@ -133,6 +147,43 @@ pub(crate) fn special_token_text(value: &serde_json::Value) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The byte tokenizer, asking for `<|endoftext|>` (256) as BOS.
+    struct WithBos(ByteTokenizer);
+
+    impl Tokenizer for WithBos {
+        fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
+            self.0.encode(text)
+        }
+        fn decode(&self, ids: &[u32]) -> Result<String, TokenizerError> {
+            self.0.decode(ids)
+        }
+        fn vocab_size(&self) -> usize {
+            self.0.vocab_size()
+        }
+        fn token_id(&self, token: &str) -> Option<u32> {
+            self.0.token_id(token)
+        }
+        fn eos_token_ids(&self) -> Vec<u32> {
+            self.0.eos_token_ids()
+        }
+        fn bos_token_id_to_add(&self) -> Option<u32> {
+            Some(256)
+        }
+    }
+
+    #[test]
+    fn text_prompts_get_bos_once_when_the_tokenizer_asks() {
+        let with = WithBos(ByteTokenizer::new());
+        assert_eq!(with.encode_text_prompt("hi").unwrap(), vec![256, 104, 105]);
+        assert_eq!(
+            with.encode_text_prompt("<|endoftext|>hi").unwrap(),
+            vec![256, 104, 105]
+        );
+        assert!(with.encode_text_prompt("").unwrap().is_empty());
+        let without = ByteTokenizer::new();
+        assert_eq!(without.encode_text_prompt("hi").unwrap(), vec![104, 105]);
+    }
     use serde_json::json;
 
     #[test]

@@ -9,7 +9,6 @@ use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use kvfleet_core::tokenizer::{Tokenizer, TokenizerError};
 use kvfleet_core::openai::{Completion, CompletionChoice, CompletionRequest, PromptInput, Usage};
 use std::sync::Arc;
 
@@ -85,22 +84,11 @@ pub async fn completions(
 }
 
 fn encode(fleet: &Fleet, text: &str) -> Result<Vec<u32>, ApiError> {
-    text_prompt_ids(fleet.prompt.tokenizer.as_ref(), text)
+    fleet
+        .prompt
+        .tokenizer
+        .encode_text_prompt(text)
         .map_err(|e| ApiError::invalid_param("prompt", e.to_string()))
-}
-
-/// The ids of a raw-text prompt: its tokens, after the BOS the model's tokenizer asks
-/// for (`add_bos_token`), as `transformers` and llama.cpp tokenize a completion prompt.
-/// A prompt that already starts with BOS (written as text) keeps just that one; token-id
-/// prompts are taken as given.
-fn text_prompt_ids(tokenizer: &dyn Tokenizer, text: &str) -> Result<Vec<u32>, TokenizerError> {
-    let mut ids = tokenizer.encode(text)?;
-    if let Some(bos) = tokenizer.bos_token_id_to_add() {
-        if !ids.is_empty() && ids.first() != Some(&bos) {
-            ids.insert(0, bos);
-        }
-    }
-    Ok(ids)
 }
 
 fn token_ids(ids: &[i64], vocab: usize) -> Result<Vec<u32>, ApiError> {
@@ -167,48 +155,5 @@ impl ChunkWriter for TextChunks {
             out.push(self.chunk(String::new(), None, Some(u.clone()), false));
         }
         out
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use kvfleet_core::tokenizer::ByteTokenizer;
-
-    /// The byte tokenizer, asking for `<|endoftext|>` (256) as BOS.
-    struct WithBos(ByteTokenizer);
-
-    impl Tokenizer for WithBos {
-        fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
-            self.0.encode(text)
-        }
-        fn decode(&self, ids: &[u32]) -> Result<String, TokenizerError> {
-            self.0.decode(ids)
-        }
-        fn vocab_size(&self) -> usize {
-            self.0.vocab_size()
-        }
-        fn token_id(&self, token: &str) -> Option<u32> {
-            self.0.token_id(token)
-        }
-        fn eos_token_ids(&self) -> Vec<u32> {
-            self.0.eos_token_ids()
-        }
-        fn bos_token_id_to_add(&self) -> Option<u32> {
-            Some(256)
-        }
-    }
-
-    #[test]
-    fn text_prompts_get_bos_once_when_the_tokenizer_asks() {
-        let with = WithBos(ByteTokenizer::new());
-        assert_eq!(text_prompt_ids(&with, "hi").unwrap(), vec![256, 104, 105]);
-        assert_eq!(
-            text_prompt_ids(&with, "<|endoftext|>hi").unwrap(),
-            vec![256, 104, 105]
-        );
-        assert!(text_prompt_ids(&with, "").unwrap().is_empty());
-        let without = ByteTokenizer::new();
-        assert_eq!(text_prompt_ids(&without, "hi").unwrap(), vec![104, 105]);
     }
 }
