@@ -120,6 +120,17 @@ pub fn locate_model_in(spec: &str, cache: &Path) -> Result<ModelLocation> {
     )))
 }
 
+/// The default model's GGUF file in the model cache; when it is not installed, an error
+/// naming the fetch command (the real-model tests fail with that message).
+pub fn default_model_file() -> Result<PathBuf> {
+    match locate_model(DEFAULT_MODEL)? {
+        ModelLocation::Gguf(path) => Ok(path),
+        other => Err(EngineError::Config(format!(
+            "the default model resolved to {other:?}, not a GGUF file"
+        ))),
+    }
+}
+
 /// The id a GGUF model is served under by default: its file stem.
 pub fn gguf_model_id(path: &Path) -> String {
     path.file_stem()

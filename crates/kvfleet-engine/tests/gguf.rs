@@ -13,22 +13,7 @@ use safetensors::SafeTensors;
 
 /// The real model, found as CI and `bash scripts/fetch-model.sh` lay it out.
 fn real_model() -> PathBuf {
-    let cache = std::env::var_os("KVFLEET_MODEL_CACHE")
-        .map(PathBuf::from)
-        .or_else(|| {
-            std::env::var_os("XDG_CACHE_HOME").map(|x| PathBuf::from(x).join("kvfleet/models"))
-        })
-        .or_else(|| {
-            std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/kvfleet/models"))
-        })
-        .expect("neither KVFLEET_MODEL_CACHE, XDG_CACHE_HOME nor HOME is set");
-    let path = cache.join("smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf");
-    assert!(
-        path.is_file(),
-        "{} is missing: run `bash scripts/fetch-model.sh` (or point KVFLEET_MODEL_CACHE at a cache holding it)",
-        path.display()
-    );
-    path
+    kvfleet_engine::model_cache::default_model_file().unwrap_or_else(|e| panic!("{e}"))
 }
 
 fn prompt(n: usize, seed: u64, vocab: usize) -> Vec<u32> {

@@ -37,19 +37,11 @@ struct Prompt {
 }
 
 fn model_path(file: &str) -> PathBuf {
-    let cache = std::env::var_os("KVFLEET_MODEL_CACHE")
-        .map(PathBuf::from)
-        .or_else(|| {
-            std::env::var_os("XDG_CACHE_HOME").map(|x| PathBuf::from(x).join("kvfleet/models"))
-        })
-        .or_else(|| {
-            std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/kvfleet/models"))
-        })
-        .expect("neither KVFLEET_MODEL_CACHE, XDG_CACHE_HOME nor HOME is set");
-    let path = cache.join("smollm2-135m").join(file);
-    assert!(
-        path.is_file(),
-        "{} is missing: run `bash scripts/fetch-model.sh` (or point KVFLEET_MODEL_CACHE at a cache holding it)",
+    let path = kvfleet_engine::model_cache::default_model_file().unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        path.file_name().and_then(|n| n.to_str()),
+        Some(file),
+        "the fixture was made from {file}, the default model is {}",
         path.display()
     );
     path

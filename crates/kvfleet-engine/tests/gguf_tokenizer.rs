@@ -18,25 +18,12 @@ use kvfleet_core::chat::{ChatMessage, ChatTemplate};
 use kvfleet_core::tokenizer::{HfTokenizer, Tokenizer};
 use kvfleet_engine::gguf_tokenizer::tokenizer_from_gguf;
 use proptest::prelude::*;
-use std::path::PathBuf;
 use std::sync::OnceLock;
 
-const GGUF: &str = "smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf";
 const FIXTURE: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
     "/tests/fixtures/smollm2_gguf_tokenizer.json"
 );
-
-fn model_cache() -> PathBuf {
-    if let Some(dir) = std::env::var_os("KVFLEET_MODEL_CACHE") {
-        return PathBuf::from(dir);
-    }
-    let base = std::env::var_os("XDG_CACHE_HOME")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
-        .expect("neither XDG_CACHE_HOME nor HOME is set");
-    base.join("kvfleet/models")
-}
 
 struct Loaded {
     ours: HfTokenizer,
@@ -50,7 +37,8 @@ struct Loaded {
 fn loaded() -> &'static Loaded {
     static LOADED: OnceLock<Loaded> = OnceLock::new();
     LOADED.get_or_init(|| {
-        let path = model_cache().join(GGUF);
+        let path =
+            kvfleet_engine::model_cache::default_model_file().unwrap_or_else(|e| panic!("{e}"));
         let mut file = std::fs::File::open(&path).unwrap_or_else(|e| {
             panic!(
                 "the real-model tests need {} ({e}); fetch it with `bash scripts/fetch-model.sh`",
