@@ -66,6 +66,8 @@ fn params(max_tokens: usize) -> SamplingParams {
     SamplingParams {
         max_tokens,
         ignore_eos: true,
+        // Greedy, as llama-bench (which samples nothing) and the HTTP benchmark run.
+        temperature: 0.0,
         ..SamplingParams::default()
     }
 }

@@ -11,6 +11,7 @@
 
 pub(crate) mod attention;
 pub(crate) mod ops;
+mod quant_dot;
 pub(crate) mod rope;
 mod seeded;
 pub(crate) mod weights;

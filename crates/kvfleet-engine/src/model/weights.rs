@@ -14,6 +14,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use candle_core::quantized::{GgmlDType, QStorage, QTensor};
+
+use super::quant_dot::{quant_product, QuantKind};
 use candle_core::{CpuStorage, DType, Device, Storage, Tensor};
 use safetensors::tensor::{Dtype, SafeTensors, TensorView};
 
@@ -129,6 +131,11 @@ fn maybe(
 /// is the faster one in its range (decode vs. prefill).
 const SMALL_BATCH_ROWS: usize = 32;
 
+/// Most rows a product takes straight from Q4_0/Q4_1/Q8_0 blocks ([`quant_product`]);
+/// above it, unpacking each block once per row costs more than widening a tile of
+/// weights once for all rows and running gemm.
+const QUANT_DOT_MAX_ROWS: usize = 8;
+
 /// Rows of an f16/bf16 or quantized matrix widened to f32 at a time for one product: small enough
 /// that the widened tile stays in cache, large enough that gemm runs at full speed.
 const HALF_TILE_ROWS: usize = 256;
@@ -161,8 +168,9 @@ impl Matrix {
         }
     }
 
-    /// `x` (`rows × in`, as a tensor) times `Wᵀ`: `rows × out`, row-major.
-    fn forward(&self, xt: &Tensor, rows: usize) -> Result<Vec<f32>> {
+    /// `x` (`rows × in`, row-major, and the same as the tensor `xt`) times `Wᵀ`:
+    /// `rows × out`, row-major.
+    fn forward(&self, x: &[f32], xt: &Tensor, rows: usize) -> Result<Vec<f32>> {
         match self {
             Matrix::Dense(w) if w.dtype() == DType::F32 => dense_product(w, xt, rows),
             Matrix::Dense(w) => {
@@ -185,6 +193,14 @@ impl Matrix {
             Matrix::Quant(q) => {
                 let (out, inp) = q.shape().dims2()?;
                 let data = q.data()?;
+                // A decode step's few rows: straight from the packed blocks.
+                if rows <= QUANT_DOT_MAX_ROWS {
+                    if let Some(kind) = QuantKind::of(q.dtype()) {
+                        if let Some(y) = quant_product(kind, &data, out, inp, x, rows) {
+                            return Ok(y);
+                        }
+                    }
+                }
                 let row_bytes = data.len() / out.max(1);
                 let mut y = vec![0.0f32; rows * out];
                 let mut start = 0;
@@ -415,13 +431,13 @@ impl Linear {
         }
         let xt = Tensor::from_slice(x, (rows, self.in_dim), &Device::Cpu)?;
         let mut y = if let [one] = self.segments.as_slice() {
-            one.forward(&xt, rows)?
+            one.forward(x, &xt, rows)?
         } else {
             let mut y = vec![0.0f32; rows * self.out_dim];
             let mut start = 0;
             for seg in &self.segments {
                 let n = seg.dims()?.0;
-                scatter_columns(&seg.forward(&xt, rows)?, n, &mut y, self.out_dim, start);
+                scatter_columns(&seg.forward(x, &xt, rows)?, n, &mut y, self.out_dim, start);
                 start += n;
             }
             y
