@@ -70,6 +70,14 @@ class Server:
                                      env=env, start_new_session=True)
         wait_http(health)
 
+    def rss_mib(self):
+        """Resident memory of the server process (kvfleet up: router and worker in one)."""
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+        return None
+
     def stop(self):
         try:
             os.killpg(self.proc.pid, signal.SIGTERM)
@@ -172,6 +180,8 @@ def http_cases(server, rng):
     out["fork_prompt_tokens_computed"] = sum((r[3] or 0) for r in res)
     # One cold request of a child's length, for the fork ratio.
     out["fork_cold_ttft_s"] = server.complete(token_prompt(rng, 1850), 1)[0]
+    out["fork_slowest_over_cold"] = out["fork_max_ttft_s"] / out["fork_cold_ttft_s"]
+    out["rss_mib"] = server.rss_mib()
     return out
 
 
@@ -254,7 +264,8 @@ def main():
         json.dump(report, f, indent=1)
     med = report["median"]
     keys = ["pp512", "pp2048", "tg128", "agg4", "agg8", "ttft_cold_s", "ttft_cached_s",
-            "fork_max_ttft_s", "fork_cold_ttft_s", "fork_prompt_tokens_computed"]
+            "fork_max_ttft_s", "fork_cold_ttft_s", "fork_slowest_over_cold",
+            "fork_prompt_tokens_computed", "rss_mib"]
     print("| metric | " + " | ".join(med) + " | kvfleet / llama.cpp |")
     print("|---|" + "---|" * (len(med) + 1))
     for k in keys:

@@ -59,7 +59,7 @@ impl NamedModel {
 #[derive(Debug, Clone)]
 pub enum ModelLocation {
     /// A seeded preset (`tiny`, `small`): weights generated, byte tokenizer, ChatML.
-    Preset(&'static str, ModelConfig),
+    Preset(&'static str, Box<ModelConfig>),
     /// A GGUF file: weights, tokenizer and chat template all from it.
     Gguf(PathBuf),
     /// A Hugging Face directory: config.json, *.safetensors, tokenizer.json.
@@ -76,8 +76,13 @@ pub fn locate_model(spec: &str) -> Result<ModelLocation> {
 /// [`locate_model`] with named models looked up in `cache`.
 pub fn locate_model_in(spec: &str, cache: &Path) -> Result<ModelLocation> {
     match spec {
-        "tiny" => return Ok(ModelLocation::Preset("tiny", ModelConfig::tiny())),
-        "small" => return Ok(ModelLocation::Preset("small", ModelConfig::small())),
+        "tiny" => return Ok(ModelLocation::Preset("tiny", Box::new(ModelConfig::tiny()))),
+        "small" => {
+            return Ok(ModelLocation::Preset(
+                "small",
+                Box::new(ModelConfig::small()),
+            ))
+        }
         _ => {}
     }
     if let Some(named) = NAMED_MODELS.iter().find(|m| m.name == spec) {

@@ -47,7 +47,7 @@ pub fn load_model(spec: &str) -> Result<LoadedModel> {
     match locate_model(spec)? {
         ModelLocation::Preset(name, config) => Ok(LoadedModel {
             id: name.to_string(),
-            model: Arc::new(LlamaModel::seeded(config, PRESET_SEED)?),
+            model: Arc::new(LlamaModel::seeded(*config, PRESET_SEED)?),
             tokenizer: Arc::new(ByteTokenizer::new()),
             chat_template: ChatTemplate::ChatMl,
         }),

@@ -69,7 +69,7 @@ pub(crate) fn quant_product(
     x: &[f32],
     rows: usize,
 ) -> Option<Vec<f32>> {
-    if inp % BLOCK != 0 || x.len() != rows * inp || rows == 0 {
+    if !inp.is_multiple_of(BLOCK) || x.len() != rows * inp || rows == 0 {
         return None;
     }
     let row_bytes = inp / BLOCK * kind.block_bytes();
