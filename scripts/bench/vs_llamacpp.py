@@ -111,6 +111,10 @@ class LlamaServer(Server):
                         ttft = time.perf_counter() - t0
                     n += max(1, len(ev.get("tokens") or []))
                 if ev.get("stop"):
+                    # A lone token that decodes to no text (a partial UTF-8 sequence of
+                    # random ids) arrives with the final event only.
+                    if ttft is None:
+                        ttft = time.perf_counter() - t0
                     computed = ev.get("timings", {}).get("prompt_n")
                     n = ev.get("timings", {}).get("predicted_n", n)
                     break
@@ -142,6 +146,8 @@ class KvfleetServer(Server):
                         if ttft is None:
                             ttft = time.perf_counter() - t0
                 usage = ev.get("usage")
+                if usage and ttft is None:
+                    ttft = time.perf_counter() - t0
                 if usage:
                     n = usage["completion_tokens"]
                     computed = usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"]
