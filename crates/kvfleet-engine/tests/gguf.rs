@@ -1,7 +1,9 @@
 //! GGUF loading: synthetic files written from seeded models (the q/k permutation, the
 //! metadata config, quantized matrices), the real SmolLM2 file, and corrupt input.
 
+mod support;
 use std::path::{Path, PathBuf};
+use support::cosine;
 
 use candle_core::quantized::gguf_file::{self, Value};
 use candle_core::quantized::{GgmlDType, QTensor};
@@ -38,17 +40,6 @@ fn max_diff(a: &[f32], b: &[f32]) -> f32 {
 
 fn max_abs(a: &[f32]) -> f32 {
     a.iter().map(|x| x.abs()).fold(0.0, f32::max)
-}
-
-fn cosine(a: &[f32], b: &[f32]) -> f64 {
-    let dot: f64 = a
-        .iter()
-        .zip(b)
-        .map(|(x, y)| f64::from(*x) * f64::from(*y))
-        .sum();
-    let na: f64 = a.iter().map(|x| f64::from(*x).powi(2)).sum();
-    let nb: f64 = b.iter().map(|x| f64::from(*x).powi(2)).sum();
-    dot / (na.sqrt() * nb.sqrt())
 }
 
 /// Hugging Face tensors of `model` (via its safetensors save).

@@ -9,7 +9,9 @@
 //!
 //! Prompt ids come from the fixture (tokenizer equality is tested with the tokenizer).
 
+mod support;
 use std::path::PathBuf;
+use support::cosine;
 
 use kvfleet_engine::model::{ForwardItem, LlamaModel, LogitsRequest};
 use kvfleet_engine::GgufLoadOptions;
@@ -102,17 +104,6 @@ fn argmax(v: &[f32]) -> usize {
     (0..v.len())
         .max_by(|&a, &b| v[a].total_cmp(&v[b]))
         .unwrap_or(0)
-}
-
-fn cosine(a: &[f32], b: &[f32]) -> f64 {
-    let dot: f64 = a
-        .iter()
-        .zip(b)
-        .map(|(x, y)| f64::from(*x) * f64::from(*y))
-        .sum();
-    let na: f64 = a.iter().map(|x| f64::from(*x).powi(2)).sum();
-    let nb: f64 = b.iter().map(|x| f64::from(*x).powi(2)).sum();
-    dot / (na.sqrt() * nb.sqrt())
 }
 
 /// Logits at every position of `ids`, through the paged path the engine serves with.
