@@ -177,25 +177,17 @@ impl Matrix {
             Matrix::Dense(w) if w.dtype() == DType::F32 => dense_product(w, xt, rows),
             Matrix::Dense(w) => {
                 let (out, _) = w.dims2()?;
-                let mut y = vec![0.0f32; rows * out];
-                let mut start = 0;
-                while start < out {
-                    let n = HALF_TILE_ROWS.min(out - start);
-                    let tile = w.narrow(0, start, n)?.to_dtype(DType::F32)?;
-                    let yt = dense_product(&tile, xt, rows)?;
-                    scatter_columns(&yt, n, &mut y, out, start);
-                    start += n;
-                }
-                Ok(y)
+                widened_product(out, xt, rows, |start, n| {
+                    Ok(w.narrow(0, start, n)?.to_dtype(DType::F32)?)
+                })
             }
-            // Weight tiles are dequantized to f32 (in cache) and multiplied with gemm,
-            // so activations stay f32. candle's QMatMul quantizes activations to 8
-            // bits: on SmolLM2 Q4_1 its logits' cosine to the f32-dequantized reference
-            // fell to 0.9978 (the issue asks ≥ 0.999), for ~20% faster decode.
+            // Activations stay f32 on both paths: candle's QMatMul quantizes them to 8
+            // bits, and on SmolLM2 Q4_1 its logits' cosine to the f32-dequantized
+            // reference fell to 0.9978 (the issue asks ≥ 0.999).
             Matrix::Quant(q) => {
                 let (out, inp) = q.shape().dims2()?;
                 let data = q.data()?;
-                // A decode step's few rows: straight from the packed blocks.
+                // Decode steps and short prefills: straight from the packed blocks.
                 if rows <= QUANT_DOT_MAX_ROWS {
                     if let Some(kind) = QuantKind::of(q.dtype()) {
                         if let Some(y) = quant_product(kind, &data, out, inp, x, rows) {
@@ -203,19 +195,13 @@ impl Matrix {
                         }
                     }
                 }
+                // Many rows: weight tiles dequantized to f32 (in cache), then gemm.
                 let row_bytes = data.len() / out.max(1);
-                let mut y = vec![0.0f32; rows * out];
-                let mut start = 0;
-                while start < out {
-                    let n = HALF_TILE_ROWS.min(out - start);
+                widened_product(out, xt, rows, |start, n| {
                     let bytes = &data[start * row_bytes..(start + n) * row_bytes];
-                    let tile = QTensor::new(quant_storage(bytes, q.dtype())?, (n, inp))?
-                        .dequantize(&Device::Cpu)?;
-                    let yt = dense_product(&tile, xt, rows)?;
-                    scatter_columns(&yt, n, &mut y, out, start);
-                    start += n;
-                }
-                Ok(y)
+                    Ok(QTensor::new(quant_storage(bytes, q.dtype())?, (n, inp))?
+                        .dequantize(&Device::Cpu)?)
+                })
             }
         }
     }
@@ -352,6 +338,25 @@ fn dense_product(w: &Tensor, xt: &Tensor, rows: usize) -> Result<Vec<f32>> {
     } else {
         Ok(xt.matmul(&w.t()?)?.flatten_all()?.to_vec1::<f32>()?)
     }
+}
+
+/// `x·Wᵀ` for a `W` of `out` rows that `tile(start, n)` gives in f32, `HALF_TILE_ROWS`
+/// rows at a time, so the widened copy stays in cache.
+fn widened_product(
+    out: usize,
+    xt: &Tensor,
+    rows: usize,
+    mut tile: impl FnMut(usize, usize) -> Result<Tensor>,
+) -> Result<Vec<f32>> {
+    let mut y = vec![0.0f32; rows * out];
+    let mut start = 0;
+    while start < out {
+        let n = HALF_TILE_ROWS.min(out - start);
+        let yt = dense_product(&tile(start, n)?, xt, rows)?;
+        scatter_columns(&yt, n, &mut y, out, start);
+        start += n;
+    }
+    Ok(y)
 }
 
 /// Copies the `rows × n` block `src` into columns `start..start + n` of `dst` (`rows × width`).
