@@ -47,6 +47,15 @@ pub struct ModelArgs {
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
+    /// The cases to measure, comma-separated: pp512, pp2048, tg128, agg4, agg8.
+    #[arg(long, value_delimiter = ',', value_parser = parse_case,
+          default_value = "pp512,pp2048,tg128,agg4,agg8")]
+    cases: Vec<kvfleet_engine::throughput::Case>,
+}
+
+fn parse_case(name: &str) -> std::result::Result<kvfleet_engine::throughput::Case, String> {
+    kvfleet_engine::throughput::Case::parse(name)
+        .ok_or_else(|| format!("unknown case {name:?}: pp512, pp2048, tg128, agg4 or agg8"))
 }
 
 /// Arguments of `kvfleet bench gen`.
@@ -440,8 +449,12 @@ fn run_matrix_cmd(a: MatrixArgs) -> Result<()> {
 
 fn run_model_bench(args: ModelArgs) -> Result<()> {
     let loaded = kvfleet_engine::load_model(&args.model).context("loading the model")?;
-    let r =
-        kvfleet_engine::throughput::measure_throughput(&loaded.model, &loaded.id, args.repeats)?;
+    let r = kvfleet_engine::throughput::measure_throughput(
+        &loaded.model,
+        &loaded.id,
+        args.repeats,
+        &args.cases,
+    )?;
     if args.json {
         println!("{}", serde_json::to_string(&r)?);
     } else {
@@ -450,10 +463,12 @@ fn run_model_bench(args: ModelArgs) -> Result<()> {
             loaded.id,
             args.repeats.max(1)
         );
-        println!(
-            "pp512 {:.1}  pp2048 {:.1}  tg128 {:.1}  agg4 {:.1}  agg8 {:.1}",
-            r.pp512, r.pp2048, r.tg128, r.agg4, r.agg8
-        );
+        let cells: Vec<String> = r
+            .measured()
+            .into_iter()
+            .map(|(c, v)| format!("{} {v:.1}", c.name()))
+            .collect();
+        println!("{}", cells.join("  "));
     }
     Ok(())
 }

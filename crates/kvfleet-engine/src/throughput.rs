@@ -14,19 +14,78 @@ use crate::error::Result;
 use crate::model::LlamaModel;
 use crate::sampling::SamplingParams;
 
-/// Tokens per second for each case (medians over `repeats`).
-#[derive(Debug, Clone, Serialize)]
+/// One measured case of [`measure_throughput`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Case {
+    /// Prompt processing, 512 tokens.
+    Pp512,
+    /// Prompt processing, 2,048 tokens.
+    Pp2048,
+    /// Decode at batch 1.
+    Tg128,
+    /// Aggregate decode over 4 sequences.
+    Agg4,
+    /// Aggregate decode over 8 sequences.
+    Agg8,
+}
+
+impl Case {
+    /// Every case, in report order.
+    pub const ALL: [Case; 5] = [
+        Case::Pp512,
+        Case::Pp2048,
+        Case::Tg128,
+        Case::Agg4,
+        Case::Agg8,
+    ];
+
+    /// The case's name in reports and on the command line (`pp512`, `tg128`...).
+    pub fn name(self) -> &'static str {
+        match self {
+            Case::Pp512 => "pp512",
+            Case::Pp2048 => "pp2048",
+            Case::Tg128 => "tg128",
+            Case::Agg4 => "agg4",
+            Case::Agg8 => "agg8",
+        }
+    }
+
+    /// The case named `name`, if there is one.
+    pub fn parse(name: &str) -> Option<Case> {
+        Case::ALL.into_iter().find(|c| c.name() == name)
+    }
+}
+
+/// Tokens per second for each measured case (medians over `repeats`); a case not asked
+/// for is `None` and left out of the JSON.
+#[derive(Debug, Clone, Default, Serialize)]
 pub struct ThroughputReport {
     /// Prompt processing, 512 tokens, nothing cached.
-    pub pp512: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pp512: Option<f64>,
     /// Prompt processing, 2,048 tokens, nothing cached.
-    pub pp2048: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pp2048: Option<f64>,
     /// Decode at batch 1 (128 tokens after a 32-token prompt).
-    pub tg128: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tg128: Option<f64>,
     /// Aggregate decode tokens/s over 4 concurrent sequences.
-    pub agg4: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub agg4: Option<f64>,
     /// Aggregate decode tokens/s over 8 concurrent sequences.
-    pub agg8: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub agg8: Option<f64>,
+}
+
+impl ThroughputReport {
+    /// The measured cases with their rates, in report order.
+    pub fn measured(&self) -> Vec<(Case, f64)> {
+        [self.pp512, self.pp2048, self.tg128, self.agg4, self.agg8]
+            .into_iter()
+            .zip(Case::ALL)
+            .filter_map(|(v, c)| v.map(|v| (c, v)))
+            .collect()
+    }
 }
 
 const BLOCK_SIZE: usize = 16;
@@ -77,25 +136,26 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// Measures `model` (served as `id`) `repeats` times per case; returns the medians.
+/// Measures `cases` of `model` (served as `id`) `repeats` times each; returns the medians.
 pub fn measure_throughput(
     model: &Arc<LlamaModel>,
     id: &str,
     repeats: usize,
+    cases: &[Case],
 ) -> Result<ThroughputReport> {
     let vocab = model.config().vocab_size;
     let repeats = repeats.max(1);
     let mut e = engine(model, id)?;
     let mut next_id = 0u64;
-    let mut pp = |e: &mut Engine, len: usize| -> Result<f64> {
+    let pp = |e: &mut Engine, next_id: &mut u64, len: usize| -> Result<f64> {
         let mut rates = Vec::with_capacity(repeats);
         for _ in 0..repeats {
             e.clear_cache();
-            next_id += 1;
+            *next_id += 1;
             let t = Instant::now();
             e.add_request(Request::new(
-                next_id,
-                prompt(next_id, len, vocab),
+                *next_id,
+                prompt(*next_id, len, vocab),
                 params(1),
             ))?;
             while e.has_unfinished() {
@@ -105,17 +165,15 @@ pub fn measure_throughput(
         }
         Ok(median(rates))
     };
-    let pp512 = pp(&mut e, 512)?;
-    let pp2048 = pp(&mut e, 2048)?;
-    let mut decode = |e: &mut Engine, batch: usize| -> Result<f64> {
+    let decode = |e: &mut Engine, next_id: &mut u64, batch: usize| -> Result<f64> {
         let mut rates = Vec::with_capacity(repeats);
         for _ in 0..repeats {
             e.clear_cache();
             for _ in 0..batch {
-                next_id += 1;
+                *next_id += 1;
                 e.add_request(Request::new(
-                    next_id,
-                    prompt(next_id, 32, vocab),
+                    *next_id,
+                    prompt(*next_id, 32, vocab),
                     params(DECODE_TOKENS + 1),
                 ))?;
             }
@@ -129,11 +187,15 @@ pub fn measure_throughput(
         }
         Ok(median(rates))
     };
-    Ok(ThroughputReport {
-        pp512,
-        pp2048,
-        tg128: decode(&mut e, 1)?,
-        agg4: decode(&mut e, 4)?,
-        agg8: decode(&mut e, 8)?,
-    })
+    let mut report = ThroughputReport::default();
+    for case in Case::ALL.into_iter().filter(|c| cases.contains(c)) {
+        match case {
+            Case::Pp512 => report.pp512 = Some(pp(&mut e, &mut next_id, 512)?),
+            Case::Pp2048 => report.pp2048 = Some(pp(&mut e, &mut next_id, 2048)?),
+            Case::Tg128 => report.tg128 = Some(decode(&mut e, &mut next_id, 1)?),
+            Case::Agg4 => report.agg4 = Some(decode(&mut e, &mut next_id, 4)?),
+            Case::Agg8 => report.agg8 = Some(decode(&mut e, &mut next_id, 8)?),
+        }
+    }
+    Ok(report)
 }
