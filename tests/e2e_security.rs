@@ -290,3 +290,73 @@ fn limits_answer_413_400_and_429_with_retry_after_and_release_their_slots() {
     eprintln!("FIGURE token rate: second request refused, Retry-After {wait} s");
     assert!((1..=60).contains(&wait), "{wait}");
 }
+
+/// One turn of `key`'s conversation on session `id`: (turn header, prefix-break header,
+/// the status bar the model saw).
+fn session_turn(
+    c: &Cluster,
+    key: &str,
+    id: &str,
+    messages: &[Value],
+) -> (String, Option<String>, String) {
+    let body = json!({
+        "model": "tiny",
+        "messages": messages,
+        "max_tokens": 2,
+        "temperature": 0,
+        "status_fields": ["turns", "elapsed", "cache"],
+    });
+    let auth = format!("Bearer {key}");
+    let (s, h, r) = c.post_with_headers(
+        "/v1/chat/completions",
+        &body,
+        &[("authorization", &auth), ("x-kvfleet-session", id)],
+    );
+    assert_eq!(s, 200, "{r}");
+    let header = |name: &str| h.get(name).map(|v| v.to_str().unwrap_or("?").to_string());
+    let status = r["agent_status"]["message"]["content"]
+        .as_str()
+        .expect("status bar")
+        .to_string();
+    (
+        header("x-kvfleet-session-turn").expect("turn header"),
+        header("x-kvfleet-prefix-break"),
+        status,
+    )
+}
+
+#[test]
+fn a_second_tenant_on_the_same_session_id_starts_at_turn_one() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let keys = keys_file(dir.path());
+    let c = Cluster::up(&["--workers", "1", "--api-keys", keys.to_str().expect("path")]);
+    let mut alpha = vec![
+        json!({"role": "system", "content": format!("alpha's agent. {}", filler(21, 400))}),
+        json!({"role": "user", "content": "first"}),
+    ];
+    for turn in 1..=3 {
+        let (n, brk, _) = session_turn(&c, "key-a", "shared-id-1", &alpha);
+        assert_eq!(n, turn.to_string());
+        assert_eq!(brk, None);
+        alpha.push(json!({"role": "assistant", "content": "ok"}));
+        alpha.push(json!({"role": "user", "content": format!("step {turn}")}));
+    }
+    // Beta's conversation differs from its first token: on alpha's session it would be
+    // a prefix break at token 0 and turn 4.
+    let beta = vec![
+        json!({"role": "system", "content": format!("beta's agent. {}", filler(22, 400))}),
+        json!({"role": "user", "content": "first"}),
+    ];
+    let (n, brk, status) = session_turn(&c, "key-b", "shared-id-1", &beta);
+    assert_eq!(n, "1", "beta's first turn: {status}");
+    assert_eq!(
+        brk, None,
+        "alpha's history shows in beta's prefix-break header"
+    );
+    assert!(status.contains("\nturns: 1\n"), "{status}");
+    assert!(status.contains("cache: n/a (first turn)"), "{status}");
+    assert!(status.contains("elapsed: 0s"), "{status}");
+    // Alpha's session goes on where it was.
+    let (n, brk, _) = session_turn(&c, "key-a", "shared-id-1", &alpha);
+    assert_eq!((n.as_str(), brk), ("4", None));
+}

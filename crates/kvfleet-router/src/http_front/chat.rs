@@ -59,7 +59,9 @@ pub async fn chat_completions(
     let status = match req.status.wanted() {
         false => None,
         true => {
-            let before = session.as_deref().and_then(|s| fleet.sessions.get(s));
+            let before = session
+                .as_deref()
+                .and_then(|s| fleet.sessions.get(meta.tenant_name(), s));
             let fields = req
                 .status
                 .fields(&req.messages, before.as_ref(), unix_now_ms(), now_ms);
@@ -104,7 +106,9 @@ pub async fn chat_completions(
             &tools,
             prompt.ids[..prompt.history_len].to_vec(),
         );
-        fleet.sessions.begin_turn(s, now_ms, fingerprint)
+        fleet
+            .sessions
+            .begin_turn(meta.tenant_name(), s, now_ms, fingerprint)
     });
     let prompt_len = prompt.ids.len();
     let Prepared {
@@ -117,7 +121,9 @@ pub async fn chat_completions(
             .usage
             .as_ref()
             .map_or(0, |u| u.cached_tokens as usize);
-        fleet.sessions.record_cached(s, cached, prompt_len);
+        fleet
+            .sessions
+            .record_cached(meta.tenant_name(), s, cached, prompt_len);
         insert_header(
             &mut worker_header,
             SESSION_TURN_HEADER,

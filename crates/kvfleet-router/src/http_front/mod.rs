@@ -188,6 +188,12 @@ impl RequestMeta {
     fn scope(&self) -> String {
         format!("{}\u{0}{}", self.model_id, self.cache_salt)
     }
+
+    /// The tenant sessions are kept under: a session id names a session only within
+    /// its tenant.
+    fn tenant_name(&self) -> &str {
+        &self.admitted.tenant.tenant.name
+    }
 }
 
 /// Renders and tokenizes `history` followed by a per-request `tail` (which stays out of
