@@ -53,7 +53,7 @@ fn bench_tokenize(c: &mut Criterion) {
     g.bench_function("incremental", |b| {
         b.iter_batched(
             || {
-                let mut inc = IncrementalTokenizer::new(16);
+                let mut inc = IncrementalTokenizer::new(64 << 20);
                 let _ = inc.tokenize("tiny", &tpl, &tok, &previous, &[]);
                 inc
             },

@@ -8,10 +8,10 @@
 //! only the tail is tokenized. Anything else falls back to tokenizing from scratch, so
 //! the ids are always exactly those of a full tokenization.
 
+use crate::byte_lru::ByteLru;
 use crate::chat::{ChatError, ChatMessage, ChatTemplate, ToolDefinition};
 use crate::tokenizer::{Tokenizer, TokenizerError};
 use crate::TokenId;
-use std::collections::{HashMap, VecDeque};
 use xxhash_rust::xxh3::Xxh3;
 
 /// Why a conversation could not be turned into ids.
@@ -43,27 +43,38 @@ struct Entry {
     ids: Vec<TokenId>,
 }
 
-/// Per-conversation memo of rendered text → token ids, bounded in entries (LRU-ish:
-/// the oldest inserted conversation goes first).
+impl Entry {
+    /// What the entry holds: its text, its ids and a fixed allowance for the map.
+    fn bytes(&self) -> usize {
+        ENTRY_OVERHEAD_BYTES + self.text.len() + self.ids.len() * std::mem::size_of::<TokenId>()
+    }
+}
+
+/// Per-entry bytes beyond text and ids: the node, its key and the map's slot.
+const ENTRY_OVERHEAD_BYTES: usize = 128;
+
+/// Per-conversation memo of rendered text → token ids, bounded in bytes (the least
+/// recently used conversation goes first).
 pub struct IncrementalTokenizer {
-    entries: HashMap<u64, Entry>,
-    order: VecDeque<u64>,
-    capacity: usize,
+    entries: ByteLru<u64, Entry>,
 }
 
 impl IncrementalTokenizer {
-    /// A memo for at most `capacity` conversations.
-    pub fn new(capacity: usize) -> Self {
+    /// A memo holding at most `max_bytes` of rendered text and ids.
+    pub fn new(max_bytes: usize) -> Self {
         IncrementalTokenizer {
-            entries: HashMap::new(),
-            order: VecDeque::new(),
-            capacity: capacity.max(1),
+            entries: ByteLru::new(max_bytes),
         }
     }
 
     /// Conversations remembered.
     pub fn len(&self) -> usize {
         self.entries.len()
+    }
+
+    /// Bytes the memo holds (at most the bound it was made with).
+    pub fn bytes(&self) -> usize {
+        self.entries.bytes()
     }
 
     /// Whether nothing is remembered.
@@ -153,17 +164,9 @@ impl IncrementalTokenizer {
     }
 
     fn remember(&mut self, key: u64, text: String, ids: Vec<TokenId>) {
-        if self.entries.insert(key, Entry { text, ids }).is_none() {
-            self.order.push_back(key);
-            while self.entries.len() > self.capacity {
-                match self.order.pop_front() {
-                    Some(old) => {
-                        self.entries.remove(&old);
-                    }
-                    None => break,
-                }
-            }
-        }
+        let entry = Entry { text, ids };
+        let bytes = entry.bytes();
+        self.entries.insert(key, entry, bytes);
     }
 }
 
@@ -235,7 +238,7 @@ mod tests {
     fn incremental_ids_equal_a_render_from_scratch() {
         let tok = ByteTokenizer::new();
         let tpl = ChatTemplate::ChatMl;
-        let mut inc = IncrementalTokenizer::new(16);
+        let mut inc = IncrementalTokenizer::new(1 << 20);
         // Each turn is the previous one plus the assistant's answer and a new question.
         let mut msgs = conversation(0);
         for turns in 0..6 {
@@ -259,7 +262,7 @@ mod tests {
     fn conversations_sharing_a_system_prompt_do_not_evict_each_other() {
         let tok = ByteTokenizer::new();
         let tpl = ChatTemplate::ChatMl;
-        let mut inc = IncrementalTokenizer::new(16);
+        let mut inc = IncrementalTokenizer::new(1 << 20);
         let a = conversation(1);
         let mut b = conversation(1);
         b[1] = ChatMessage::user("a different first question");
@@ -280,7 +283,7 @@ mod tests {
     fn edited_history_falls_back_to_scratch() {
         let tok = ByteTokenizer::new();
         let tpl = ChatTemplate::ChatMl;
-        let mut inc = IncrementalTokenizer::new(16);
+        let mut inc = IncrementalTokenizer::new(1 << 20);
         let mut msgs = conversation(2);
         inc.tokenize("tiny", &tpl, &tok, &msgs, &[]).unwrap();
         msgs[1] = ChatMessage::user("an edited question");
@@ -296,7 +299,7 @@ mod tests {
     fn a_replaced_tail_stays_out_of_the_next_turns_prefix() {
         let tok = ByteTokenizer::new();
         let tpl = ChatTemplate::ChatMl;
-        let mut inc = IncrementalTokenizer::new(16);
+        let mut inc = IncrementalTokenizer::new(1 << 20);
         let mut msgs = conversation(1);
         let status = [ChatMessage::user(
             "<agent_status>\nturns: 1\n</agent_status>",
@@ -327,15 +330,53 @@ mod tests {
         assert_eq!(&second.ids[..history.len()], &history[..]);
     }
 
+    /// Bytes the memo charges for `msgs`' rendered history.
+    fn history_bytes(msgs: &[ChatMessage]) -> usize {
+        let text = ChatTemplate::ChatMl.render(msgs, &[], false).unwrap();
+        let ids = ByteTokenizer::new().encode(&text).unwrap().len();
+        ENTRY_OVERHEAD_BYTES + text.len() + ids * std::mem::size_of::<TokenId>()
+    }
+
     #[test]
-    fn capacity_bounds_memory() {
+    fn memory_is_bounded_in_bytes_and_the_least_recently_used_goes_first() {
         let tok = ByteTokenizer::new();
-        let mut inc = IncrementalTokenizer::new(2);
-        for i in 0..5 {
-            let msgs = vec![ChatMessage::system(format!("s{i}")), ChatMessage::user("u")];
-            inc.tokenize("m", &ChatTemplate::ChatMl, &tok, &msgs, &[])
-                .unwrap();
+        let tpl = ChatTemplate::ChatMl;
+        let convo = |i: usize| {
+            vec![
+                ChatMessage::system(format!("conversation {i}: {}", "x".repeat(1000))),
+                ChatMessage::user("u"),
+            ]
+        };
+        let one = history_bytes(&convo(0));
+        // Room for three conversations' histories, not four.
+        let mut inc = IncrementalTokenizer::new(one * 3 + one / 2);
+        for i in 0..3 {
+            inc.tokenize("m", &tpl, &tok, &convo(i), &[]).unwrap();
         }
-        assert_eq!(inc.len(), 2);
+        assert_eq!((inc.len(), inc.bytes()), (3, one * 3));
+        // Conversation 0 is used again: 1 is now the least recently used.
+        let mut next = convo(0);
+        next.push(ChatMessage::assistant("a"));
+        next.push(ChatMessage::user("again"));
+        assert!(inc.tokenize("m", &tpl, &tok, &next, &[]).unwrap().reused > 0);
+        inc.tokenize("m", &tpl, &tok, &convo(3), &[]).unwrap();
+        assert!(inc.bytes() <= one * 3 + one / 2, "{}", inc.bytes());
+        let reused = |inc: &mut IncrementalTokenizer, i: usize| {
+            let mut m = convo(i);
+            m.push(ChatMessage::assistant("a"));
+            m.push(ChatMessage::user("later"));
+            inc.tokenize("m", &tpl, &tok, &m, &[]).unwrap().reused > 0
+        };
+        assert!(reused(&mut inc, 0), "the oldest but recently used stayed");
+        assert!(!reused(&mut inc, 1), "the least recently used went first");
+        // A conversation larger than the whole bound is tokenized, never kept.
+        let mut small = IncrementalTokenizer::new(one / 2);
+        let got = small.tokenize("m", &tpl, &tok, &convo(9), &[]).unwrap();
+        assert_eq!(
+            got.ids,
+            tok.encode(&tpl.render(&convo(9), &[], true).unwrap())
+                .unwrap()
+        );
+        assert_eq!((small.len(), small.bytes()), (0, 0));
     }
 }

@@ -45,7 +45,7 @@ pub fn chat_request(data: &[u8]) {
     let Ok(full) = template.render(&req.messages, &tools, true) else {
         return;
     };
-    let memo = MEMO.get_or_init(|| Mutex::new(IncrementalTokenizer::new(64)));
+    let memo = MEMO.get_or_init(|| Mutex::new(IncrementalTokenizer::new(16 << 20)));
     let mut memo = lock(memo);
     let Ok(prompt) = memo.tokenize(&req.model, &template, &tokenizer, &req.messages, &tools) else {
         return;

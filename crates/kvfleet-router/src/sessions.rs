@@ -5,13 +5,14 @@
 //! A session is named by the client (`x-kvfleet-session`, or the OpenAI `user` field)
 //! within its tenant: the store is keyed by (tenant, session id), so two tenants that
 //! pick the same id never see each other's turns, timings or cache figures.
-//! The store is bounded: past `capacity` sessions, the least recently seen is
-//! forgotten, and a fingerprint holds at most `max_tokens` ids, so memory stays
-//! within `capacity × max_tokens × 4` bytes.
+//!
+//! The store is bounded in bytes: each session is charged its key, its state and its
+//! fingerprint (at most `max_tokens` ids), and past the bound the least recently seen
+//! session is forgotten, in O(1) ([`kvfleet_core::byte_lru`]).
 
 use crate::prefix_breaks::{diagnose, PrefixBreak, TurnFingerprint};
+use kvfleet_core::byte_lru::ByteLru;
 use kvfleet_core::sync::lock;
-use std::collections::HashMap;
 use std::sync::Mutex;
 
 /// What the router remembers of one session.
@@ -25,8 +26,6 @@ pub struct SessionState {
     pub last_cached: Option<(usize, usize)>,
     /// The last turn's fingerprint.
     pub last_turn: Option<TurnFingerprint>,
-    /// The store's clock when the session was last seen (for eviction).
-    pub last_used: u64,
 }
 
 /// What a new turn learns from its session's history.
@@ -45,23 +44,40 @@ fn key(tenant: &str, id: &str) -> SessionKey {
     (tenant.to_string(), id.to_string())
 }
 
+/// Bytes a session costs beyond its key and fingerprint: its state and the store's
+/// node and slot.
+const SESSION_OVERHEAD_BYTES: usize = std::mem::size_of::<SessionState>() + 128;
+
+/// What session `key` in `state` is charged against the bound.
+fn session_bytes(key: &SessionKey, state: &SessionState) -> usize {
+    SESSION_OVERHEAD_BYTES
+        + key.0.len()
+        + key.1.len()
+        + state
+            .last_turn
+            .as_ref()
+            .map_or(0, TurnFingerprint::heap_bytes)
+}
+
 /// Bounded session memory.
 pub struct SessionStore {
-    sessions: HashMap<SessionKey, SessionState>,
-    capacity: usize,
+    sessions: ByteLru<SessionKey, SessionState>,
     max_tokens: usize,
-    tick: u64,
 }
 
 impl SessionStore {
-    /// A store for at most `capacity` sessions, each fingerprint at most `max_tokens`.
-    pub fn new(capacity: usize, max_tokens: usize) -> Self {
+    /// A store holding at most `max_bytes` of sessions, each fingerprint at most
+    /// `max_tokens` ids.
+    pub fn new(max_bytes: usize, max_tokens: usize) -> Self {
         SessionStore {
-            sessions: HashMap::new(),
-            capacity: capacity.max(1),
+            sessions: ByteLru::new(max_bytes),
             max_tokens,
-            tick: 0,
         }
+    }
+
+    /// Bytes the sessions are charged (at most the bound).
+    pub fn bytes(&self) -> usize {
+        self.sessions.bytes()
     }
 
     /// Sessions remembered.
@@ -76,7 +92,7 @@ impl SessionStore {
 
     /// Tenant `tenant`'s session `id`, if remembered.
     pub fn get(&self, tenant: &str, id: &str) -> Option<&SessionState> {
-        self.sessions.get(&key(tenant, id))
+        self.sessions.peek(&key(tenant, id))
     }
 
     /// Records a new turn of tenant `tenant`'s session `id`: diagnoses it against the
@@ -88,19 +104,17 @@ impl SessionStore {
         now_ms: u64,
         mut turn: TurnFingerprint,
     ) -> TurnContext {
-        self.tick += 1;
         let k = key(tenant, id);
-        if !self.sessions.contains_key(&k) && self.sessions.len() >= self.capacity {
-            self.evict_oldest();
-        }
-        let tick = self.tick;
-        let state = self.sessions.entry(k).or_insert_with(|| SessionState {
+        // Out and back in: the new fingerprint changes the session's size.
+        let mut state = self.sessions.remove(&k).unwrap_or_else(|| SessionState {
             first_seen_ms: now_ms,
             ..SessionState::default()
         });
         let before = SessionState {
+            first_seen_ms: state.first_seen_ms,
+            turns: state.turns,
+            last_cached: state.last_cached,
             last_turn: None,
-            ..state.clone()
         };
         let prefix_break = state
             .last_turn
@@ -109,7 +123,8 @@ impl SessionStore {
         turn.tokens.truncate(self.max_tokens);
         state.last_turn = Some(turn);
         state.turns += 1;
-        state.last_used = tick;
+        let bytes = session_bytes(&k, &state);
+        self.sessions.insert(k, state, bytes);
         TurnContext {
             before,
             prefix_break,
@@ -118,19 +133,9 @@ impl SessionStore {
 
     /// Records how many of the turn's prompt tokens were cached.
     pub fn record_cached(&mut self, tenant: &str, id: &str, cached: usize, prompt: usize) {
+        // Two integers in place: the session's size does not change.
         if let Some(s) = self.sessions.get_mut(&key(tenant, id)) {
             s.last_cached = Some((cached, prompt));
-        }
-    }
-
-    fn evict_oldest(&mut self) {
-        if let Some(oldest) = self
-            .sessions
-            .iter()
-            .min_by_key(|(_, s)| s.last_used)
-            .map(|(k, _)| k.clone())
-        {
-            self.sessions.remove(&oldest);
         }
     }
 }
@@ -140,9 +145,9 @@ impl SessionStore {
 pub struct Sessions(Mutex<SessionStore>);
 
 impl Sessions {
-    /// Memory for at most `capacity` sessions, each fingerprint at most `max_tokens`.
-    pub fn new(capacity: usize, max_tokens: usize) -> Self {
-        Sessions(Mutex::new(SessionStore::new(capacity, max_tokens)))
+    /// Memory of at most `max_bytes`, each fingerprint at most `max_tokens` ids.
+    pub fn new(max_bytes: usize, max_tokens: usize) -> Self {
+        Sessions(Mutex::new(SessionStore::new(max_bytes, max_tokens)))
     }
 
     /// A copy of tenant `tenant`'s session `id`, if remembered.
@@ -193,7 +198,7 @@ mod tests {
 
     #[test]
     fn turns_count_and_breaks_are_found_against_the_previous_turn() {
-        let mut s = SessionStore::new(8, 1 << 20);
+        let mut s = SessionStore::new(1 << 20, 1 << 20);
         let t0 = s.begin_turn("t", "a", 1000, turn("s", &[1, 2, 3]));
         assert_eq!((t0.before.turns, t0.prefix_break.is_none()), (0, true));
         s.record_cached("t", "a", 0, 3);
@@ -209,7 +214,7 @@ mod tests {
 
     #[test]
     fn tenants_with_the_same_session_id_are_separate_sessions() {
-        let mut s = SessionStore::new(8, 1 << 20);
+        let mut s = SessionStore::new(1 << 20, 1 << 20);
         s.begin_turn("alpha", "shared", 1000, turn("s", &[1, 2, 3]));
         s.record_cached("alpha", "shared", 2, 3);
         s.begin_turn("alpha", "shared", 2000, turn("s", &[1, 2, 3, 4]));
@@ -221,22 +226,52 @@ mod tests {
         assert_eq!(s.get("alpha", "shared").map(|a| a.turns), Some(2));
     }
 
+    /// Bytes one session of `tokens` ids costs (id of one byte, tenant `t`).
+    fn one_session(tokens: usize) -> usize {
+        let fp = turn("s", &vec![1; tokens]);
+        SESSION_OVERHEAD_BYTES + 2 + fp.heap_bytes()
+    }
+
     #[test]
-    fn capacity_evicts_the_least_recently_seen() {
-        let mut s = SessionStore::new(2, 16);
-        s.begin_turn("t", "a", 0, turn("s", &[1]));
-        s.begin_turn("t", "b", 0, turn("s", &[1]));
-        s.begin_turn("t", "a", 0, turn("s", &[1]));
-        s.begin_turn("t", "c", 0, turn("s", &[1]));
+    fn the_byte_bound_holds_and_the_least_recently_seen_goes_first() {
+        let one = one_session(1000);
+        // Room for two sessions of 1000 ids, not three.
+        let mut s = SessionStore::new(2 * one + one / 2, 1 << 20);
+        s.begin_turn("t", "a", 0, turn("s", &[1; 1000]));
+        s.begin_turn("t", "b", 0, turn("s", &[1; 1000]));
+        assert_eq!(s.bytes(), 2 * one);
+        // a is seen again, so b is now the least recently seen.
+        s.begin_turn("t", "a", 0, turn("s", &[1; 1000]));
+        s.begin_turn("t", "c", 0, turn("s", &[1; 1000]));
         assert_eq!(s.len(), 2);
-        assert!(
-            s.get("t", "a").is_some() && s.get("t", "b").is_none() && s.get("t", "c").is_some()
-        );
+        assert!(s.bytes() <= 2 * one + one / 2);
+        assert!(s.get("t", "a").is_some() && s.get("t", "b").is_none());
+        assert!(s.get("t", "c").is_some());
+        // One long session pushes out as many as it needs.
+        s.begin_turn("t", "d", 0, turn("s", &[1; 2000]));
+        assert!(s.bytes() <= 2 * one + one / 2, "{}", s.bytes());
+        assert_eq!(s.len(), 1);
+        assert!(s.get("t", "d").is_some());
+    }
+
+    #[test]
+    fn sessions_are_charged_their_fingerprints() {
+        // 4,096 sessions of 256k ids were ~4 GiB under the old count bound; a 16 MiB
+        // bound keeps what fits in 16 MiB, the most recent.
+        let max = 16 << 20;
+        let mut s = SessionStore::new(max, 256 * 1024);
+        for i in 0..64 {
+            s.begin_turn("t", &format!("s{i:02}"), 0, turn("s", &vec![7; 256 * 1024]));
+            assert!(s.bytes() <= max);
+        }
+        let per = one_session(256 * 1024) + 2;
+        assert_eq!(s.len(), max / per);
+        assert!(s.get("t", "s63").is_some() && s.get("t", "s00").is_none());
     }
 
     #[test]
     fn fingerprints_are_bounded() {
-        let mut s = SessionStore::new(2, 4);
+        let mut s = SessionStore::new(1 << 20, 4);
         s.begin_turn("t", "a", 0, turn("s", &[1, 2, 3, 4, 5, 6]));
         assert_eq!(
             s.get("t", "a")

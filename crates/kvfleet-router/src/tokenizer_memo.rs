@@ -11,9 +11,9 @@ use std::sync::Mutex;
 pub struct TokenizerMemo(Mutex<IncrementalTokenizer>);
 
 impl TokenizerMemo {
-    /// A memo of at most `entries` conversations.
-    pub fn new(entries: usize) -> Self {
-        TokenizerMemo(Mutex::new(IncrementalTokenizer::new(entries)))
+    /// A memo holding at most `max_bytes` of rendered conversations and their ids.
+    pub fn new(max_bytes: usize) -> Self {
+        TokenizerMemo(Mutex::new(IncrementalTokenizer::new(max_bytes)))
     }
 
     /// Renders `messages` then `tail` with `prompt`'s template and tokenizes them,
@@ -41,6 +41,11 @@ impl TokenizerMemo {
     /// Conversations remembered.
     pub fn len(&self) -> usize {
         lock(&self.0).len()
+    }
+
+    /// Bytes the memo holds.
+    pub fn bytes(&self) -> usize {
+        lock(&self.0).bytes()
     }
 
     /// Whether no conversation is remembered.
