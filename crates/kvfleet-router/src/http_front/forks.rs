@@ -275,7 +275,8 @@ pub async fn forks(
     }
     let choices: Vec<ForkChoice> = choices.into_iter().flatten().collect();
     if choices.len() != req.directives.len() {
-        return Err(ApiError::internal(
+        // A worker's failure, like every other way a fork ends early: 502.
+        return Err(ApiError::worker_failed(
             "a worker ended the fork before every child finished",
         ));
     }
