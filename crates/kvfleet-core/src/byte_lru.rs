@@ -277,9 +277,9 @@ mod tests {
             x ^= x >> 17;
             x ^= x << 5;
             let key = x % 64;
-            if x % 7 == 0 {
+            if x.is_multiple_of(7) {
                 m.remove(&key);
-            } else if x % 5 == 0 {
+            } else if x.is_multiple_of(5) {
                 m.get(&key);
             } else {
                 m.insert(key, x, (x % 200) as usize + 1);
