@@ -53,11 +53,11 @@ fn bench_tokenize(c: &mut Criterion) {
     g.bench_function("incremental", |b| {
         b.iter_batched(
             || {
-                let mut inc = IncrementalTokenizer::new(16);
+                let inc = IncrementalTokenizer::new(64 << 20);
                 let _ = inc.tokenize("tiny", &tpl, &tok, &previous, &[]);
                 inc
             },
-            |mut inc| {
+            |inc| {
                 inc.tokenize("tiny", &tpl, &tok, &convo, &[])
                     .map(|p| p.reused)
                     .unwrap_or(0)

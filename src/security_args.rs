@@ -38,6 +38,10 @@ pub struct SecurityArgs {
     /// Longest wait for a running slot, seconds (429 after).
     #[arg(long, default_value_t = 30.0)]
     pub queue_timeout_s: f64,
+    /// Longest time (ms) a client may take to send a request's whole body (408 after).
+    /// Bodies are read before admission: a stalled upload holds no running slot.
+    #[arg(long, default_value_t = 30_000)]
+    pub body_timeout_ms: u64,
     /// Default per-tenant limit on concurrent requests (a key's own limit wins).
     #[arg(long)]
     pub tenant_max_concurrent: Option<usize>,
@@ -68,6 +72,7 @@ impl SecurityArgs {
             max_inflight: self.max_inflight.max(1),
             max_queued: self.max_queued,
             queue_timeout: Duration::from_secs_f64(self.queue_timeout_s),
+            body_timeout: Duration::from_millis(self.body_timeout_ms.max(1)),
             tenant_defaults: TenantLimits {
                 max_concurrent: self.tenant_max_concurrent.filter(|n| *n > 0),
                 tokens_per_minute: self.tenant_tokens_per_minute.filter(|n| *n > 0),

@@ -129,6 +129,14 @@ pub struct RoutingArgs {
     /// How long (ms) an open breaker keeps its worker out before one probe request.
     #[arg(long, default_value_t = 5_000)]
     pub breaker_cooldown_ms: u64,
+    /// Bytes of session memory (turn counts, cache-break fingerprints); past it the
+    /// least recently seen session is forgotten.
+    #[arg(long, default_value_t = kvfleet_router::fleet::DEFAULT_SESSION_MEMORY_BYTES)]
+    pub session_memory_bytes: usize,
+    /// Bytes of the tokenizer memo (rendered conversations and their ids, so a new
+    /// turn tokenizes only its tail); past it the least recently used goes.
+    #[arg(long, default_value_t = kvfleet_router::fleet::DEFAULT_TOKENIZER_MEMO_BYTES)]
+    pub tokenizer_memo_bytes: usize,
     /// On SIGTERM, how long (s) streams in flight may take to finish before exit.
     #[arg(long, default_value_t = 30)]
     pub drain_timeout: u64,
@@ -158,6 +166,8 @@ impl RoutingArgs {
                 failure_threshold: self.breaker_failures.max(1),
                 cooldown: Duration::from_millis(self.breaker_cooldown_ms),
             },
+            session_memory_bytes: self.session_memory_bytes,
+            tokenizer_memo_bytes: self.tokenizer_memo_bytes,
             ..FleetConfig::default()
         }
     }

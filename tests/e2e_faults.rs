@@ -426,3 +426,82 @@ fn a_rolling_restart_loses_no_request() {
         router_drain.as_secs_f64() * 1e3
     );
 }
+
+#[test]
+fn a_fork_whose_worker_hangs_mid_generation_gets_502_within_the_stall_deadline() {
+    let w0 = worker("w0", "127.0.0.1:0");
+    let r = router(&w0.addr, FAST_DEADLINES);
+    let url = format!("http://{}", r.addr);
+    let http = client();
+    let routed = |http: &reqwest::blocking::Client| {
+        let text = http
+            .get(format!("{url}/metrics"))
+            .send()
+            .and_then(|r| r.text())
+            .unwrap_or_default();
+        // Summed over policies.
+        text.lines()
+            .filter(|l| l.starts_with("kvfleet_routed_total{") && l.contains("worker=\"w0\""))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>()
+    };
+    let before = routed(&http);
+    // Long enough that it is still generating when the worker stops.
+    let body = json!({
+        "model": "tiny",
+        "messages": [
+            {"role": "user", "content": filler(7, 300)},
+            {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function",
+                "function": {"name": "search", "arguments": "{}"}}]},
+        ],
+        "directives": ["one", "two"],
+        "max_tokens": 7000,
+        "ignore_eos": true,
+        "temperature": 0,
+    });
+    let fork = {
+        let url = url.clone();
+        std::thread::spawn(move || {
+            let r = client()
+                .post(format!("{url}/v1/forks"))
+                .json(&body)
+                .send()
+                .expect("fork request");
+            let status = r.status().as_u16();
+            let body: serde_json::Value = r.json().unwrap_or_default();
+            (status, body, Instant::now())
+        })
+    };
+    // The worker has accepted the fork (its first message reached the router): stop it.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while routed(&http) <= before && !fork.is_finished() {
+        assert!(Instant::now() < deadline, "the fork was never routed");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    signal(&w0, "STOP");
+    let stopped_at = Instant::now();
+    let (status, body, answered_at) = fork.join().expect("fork thread");
+    signal(&w0, "CONT");
+    let took = answered_at - stopped_at;
+    eprintln!(
+        "FIGURE fork stall: SIGSTOP -> {status} in {:.0} ms",
+        took.as_secs_f64() * 1e3
+    );
+    assert_eq!(status, 502, "{body}");
+    assert_eq!(body["error"]["code"], "worker_failed", "{body}");
+    assert!(took < Duration::from_secs(10), "answered after {took:?}");
+    // The stall counted against the worker's breaker like a chat stall.
+    let text = http
+        .get(format!("{url}/metrics"))
+        .send()
+        .and_then(|r| r.text())
+        .unwrap_or_default();
+    assert!(
+        metric(
+            &text,
+            "kvfleet_deadline_exceeded_total{worker=\"w0\",stage=\"stall\"}"
+        )
+        .is_some_and(|n| n >= 1.0),
+        "no stall recorded"
+    );
+}

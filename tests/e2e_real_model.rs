@@ -140,3 +140,84 @@ fn a_repeated_agent_turn_is_served_from_cache_by_the_same_worker() {
         "cached {cached} of {prompt1}: {second}"
     );
 }
+
+#[test]
+fn large_prompts_being_tokenized_do_not_stall_health_or_a_small_request() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+    let c = up("1");
+    let model = model_id(&c);
+    let small_chat = |c: &Cluster| {
+        let t = Instant::now();
+        let status = c
+            .http
+            .post(format!("{}/v1/chat/completions", c.url))
+            .timeout(Duration::from_secs(30))
+            .json(&json!({"model": model, "max_tokens": 1,
+                          "messages": [{"role": "user", "content": "Hi!"}]}))
+            .send()
+            .map(|r| r.status().as_u16());
+        (status, t.elapsed())
+    };
+    // Warm (the worker's first request), then timed idle for comparison.
+    let _ = small_chat(&c);
+    let (_, idle) = small_chat(&c);
+    // More large prompts than the router has runtime threads (one per core): seconds
+    // of BPE work each.
+    let n = std::thread::available_parallelism().map_or(2, |n| n.get()) + 1;
+    let big = support::filler(3, 8 << 20);
+    let done = Arc::new(AtomicUsize::new(0));
+    let senders: Vec<_> = (0..n)
+        .map(|i| {
+            let (url, model, done) = (c.url.clone(), model.clone(), done.clone());
+            let content = format!("{i} {big}");
+            std::thread::spawn(move || {
+                let r = reqwest::blocking::Client::new()
+                    .post(format!("{url}/v1/chat/completions"))
+                    .timeout(Duration::from_secs(600))
+                    .json(&json!({"model": model, "max_tokens": 1,
+                                  "messages": [{"role": "user", "content": content}]}))
+                    .send()
+                    .map(|r| r.status().as_u16());
+                done.fetch_add(1, Ordering::SeqCst);
+                r
+            })
+        })
+        .collect();
+    // Let the uploads arrive and their tokenization start.
+    std::thread::sleep(Duration::from_secs(2));
+    let t = Instant::now();
+    let health = c
+        .http
+        .get(format!("{}/health", c.url))
+        .timeout(Duration::from_secs(30))
+        .send()
+        .map(|r| r.status().as_u16());
+    let health_took = t.elapsed();
+    let (small, small_took) = small_chat(&c);
+    let still_running = n - done.load(Ordering::SeqCst);
+    eprintln!(
+        "FIGURE tokenizing {n} x 8 MiB prompts: /health {health:?} in {health_took:?}, \
+         small chat {small:?} in {small_took:?} (idle {idle:?}), {still_running} large still running"
+    );
+    assert!(
+        still_running > 0,
+        "the large prompts finished before the probes: not a test"
+    );
+    assert_eq!(health.ok(), Some(200));
+    assert!(
+        health_took < Duration::from_secs(2),
+        "/health took {health_took:?}"
+    );
+    assert_eq!(small.ok(), Some(200));
+    // Generous: the small chat shares the CPU with the large prompts' tokenization.
+    assert!(
+        small_took < Duration::from_secs(10),
+        "a small chat took {small_took:?}"
+    );
+    drop(c);
+    for s in senders {
+        let _ = s.join();
+    }
+}

@@ -290,3 +290,146 @@ fn limits_answer_413_400_and_429_with_retry_after_and_release_their_slots() {
     eprintln!("FIGURE token rate: second request refused, Retry-After {wait} s");
     assert!((1..=60).contains(&wait), "{wait}");
 }
+
+/// One turn of `key`'s conversation on session `id`: (turn header, prefix-break header,
+/// the status bar the model saw).
+fn session_turn(
+    c: &Cluster,
+    key: &str,
+    id: &str,
+    messages: &[Value],
+) -> (String, Option<String>, String) {
+    let body = json!({
+        "model": "tiny",
+        "messages": messages,
+        "max_tokens": 2,
+        "temperature": 0,
+        "status_fields": ["turns", "elapsed", "cache"],
+    });
+    let auth = format!("Bearer {key}");
+    let (s, h, r) = c.post_with_headers(
+        "/v1/chat/completions",
+        &body,
+        &[("authorization", &auth), ("x-kvfleet-session", id)],
+    );
+    assert_eq!(s, 200, "{r}");
+    let header = |name: &str| h.get(name).map(|v| v.to_str().unwrap_or("?").to_string());
+    let status = r["agent_status"]["message"]["content"]
+        .as_str()
+        .expect("status bar")
+        .to_string();
+    (
+        header("x-kvfleet-session-turn").expect("turn header"),
+        header("x-kvfleet-prefix-break"),
+        status,
+    )
+}
+
+#[test]
+fn a_second_tenant_on_the_same_session_id_starts_at_turn_one() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let keys = keys_file(dir.path());
+    let c = Cluster::up(&["--workers", "1", "--api-keys", keys.to_str().expect("path")]);
+    let mut alpha = vec![
+        json!({"role": "system", "content": format!("alpha's agent. {}", filler(21, 400))}),
+        json!({"role": "user", "content": "first"}),
+    ];
+    for turn in 1..=3 {
+        let (n, brk, _) = session_turn(&c, "key-a", "shared-id-1", &alpha);
+        assert_eq!(n, turn.to_string());
+        assert_eq!(brk, None);
+        alpha.push(json!({"role": "assistant", "content": "ok"}));
+        alpha.push(json!({"role": "user", "content": format!("step {turn}")}));
+    }
+    // Beta's conversation differs from its first token: on alpha's session it would be
+    // a prefix break at token 0 and turn 4.
+    let beta = vec![
+        json!({"role": "system", "content": format!("beta's agent. {}", filler(22, 400))}),
+        json!({"role": "user", "content": "first"}),
+    ];
+    let (n, brk, status) = session_turn(&c, "key-b", "shared-id-1", &beta);
+    assert_eq!(n, "1", "beta's first turn: {status}");
+    assert_eq!(
+        brk, None,
+        "alpha's history shows in beta's prefix-break header"
+    );
+    assert!(status.contains("\nturns: 1\n"), "{status}");
+    assert!(status.contains("cache: n/a (first turn)"), "{status}");
+    assert!(status.contains("elapsed: 0s"), "{status}");
+    // Alpha's session goes on where it was.
+    let (n, brk, _) = session_turn(&c, "key-a", "shared-id-1", &alpha);
+    assert_eq!((n.as_str(), brk), ("4", None));
+}
+
+/// Opens a raw TCP connection that sends a chat request's headers, announces a
+/// 100 kB body, sends a few bytes of it and then stalls (the socket stays open).
+fn stalled_upload(c: &Cluster) -> std::net::TcpStream {
+    use std::io::Write;
+    let addr = c.url.trim_start_matches("http://");
+    let mut s = std::net::TcpStream::connect(addr).expect("connect");
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\n\
+         content-length: 100000\r\n\r\n{{\"model\": \"tiny\", \"messages\": ["
+    );
+    s.write_all(head.as_bytes()).expect("send headers");
+    s.flush().expect("flush");
+    s
+}
+
+#[test]
+fn stalled_uploads_do_not_hold_admission_slots() {
+    let c = Cluster::up(&["--workers", "1", "--max-inflight", "8"]);
+    // Twice the running slots' worth of clients that never finish their bodies.
+    let stalled: Vec<_> = (0..16).map(|_| stalled_upload(&c)).collect();
+    std::thread::sleep(Duration::from_millis(500));
+    let t = Instant::now();
+    let resp = c
+        .http
+        .post(format!("{}/v1/chat/completions", c.url))
+        .timeout(Duration::from_secs(15))
+        .json(&chat_body("a normal request", 2))
+        .send();
+    let took = t.elapsed();
+    let status = resp.map(|r| r.status().as_u16());
+    eprintln!(
+        "FIGURE stalled uploads: 16 stalled, a normal request answered {status:?} in {took:?}"
+    );
+    assert_eq!(status.ok(), Some(200), "no answer while uploads stall");
+    assert!(
+        took < Duration::from_secs(5),
+        "answered only after {took:?}"
+    );
+    drop(stalled);
+}
+
+#[test]
+fn a_stalled_upload_is_answered_408_after_the_body_deadline() {
+    use std::io::Read;
+    let c = Cluster::up(&["--workers", "1", "--body-timeout-ms", "1500"]);
+    let mut s = stalled_upload(&c);
+    s.set_read_timeout(Some(Duration::from_secs(20)))
+        .expect("read timeout");
+    let t = Instant::now();
+    let mut answer = Vec::new();
+    let mut buf = [0u8; 4096];
+    // Until the connection closes or the whole answer (headers and JSON) is in.
+    while let Ok(n) = s.read(&mut buf) {
+        if n == 0 {
+            break;
+        }
+        answer.extend_from_slice(&buf[..n]);
+        if String::from_utf8_lossy(&answer).ends_with('}') {
+            break;
+        }
+    }
+    let took = t.elapsed();
+    let text = String::from_utf8_lossy(&answer).to_string();
+    assert!(text.starts_with("HTTP/1.1 408"), "{text:?}");
+    let body: Value = serde_json::from_str(text.split("\r\n\r\n").nth(1).unwrap_or_default())
+        .unwrap_or_else(|e| panic!("{e}: {text:?}"));
+    assert_openai_error(&body, "invalid_request_error", "request_timeout");
+    assert!(
+        (Duration::from_millis(1000)..Duration::from_secs(10)).contains(&took),
+        "answered after {took:?}"
+    );
+}

@@ -1,17 +1,25 @@
 //! Incremental tokenization: a conversation that grows by appending turns is tokenized
 //! only in its new tail.
 //!
-//! Each turn re-sends the whole conversation. The router renders it (cheap) and looks up
-//! what it tokenized for the same conversation last time: if that rendered text is a
-//! byte prefix of the new one and the cut falls right before a special token (where
-//! tokenizers split anyway, so ids cannot merge across it), the old ids are reused and
-//! only the tail is tokenized. Anything else falls back to tokenizing from scratch, so
-//! the ids are always exactly those of a full tokenization.
+//! Each turn re-sends the whole conversation. The router renders its history once and
+//! looks up what it tokenized for the same conversation last time: every point of the
+//! new history right before a special token (where tokenizers split anyway, so ids
+//! cannot merge across it) is a candidate end of an earlier turn, and all candidates'
+//! keys come from one pass of a streaming hash over the text, so no earlier turn is
+//! rendered again. If a remembered text is a byte prefix of the new one, its ids are
+//! reused and only the tail is tokenized. Anything else falls back to tokenizing from
+//! scratch, so the ids are always exactly those of a full tokenization.
+//!
+//! The memo is shared by every request: its lock is held only to look entries up and
+//! insert them, never while rendering or tokenizing, so conversations never wait on each
+//! other's work (two turns of one conversation at once both compute exact ids).
 
+use crate::byte_lru::ByteLru;
 use crate::chat::{ChatError, ChatMessage, ChatTemplate, ToolDefinition};
+use crate::sync::lock;
 use crate::tokenizer::{Tokenizer, TokenizerError};
 use crate::TokenId;
-use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
 use xxhash_rust::xxh3::Xxh3;
 
 /// Why a conversation could not be turned into ids.
@@ -43,38 +51,57 @@ struct Entry {
     ids: Vec<TokenId>,
 }
 
-/// Per-conversation memo of rendered text → token ids, bounded in entries (LRU-ish:
-/// the oldest inserted conversation goes first).
+impl Entry {
+    /// What the entry holds: its text, its ids and a fixed allowance for the map.
+    fn bytes(&self) -> usize {
+        ENTRY_OVERHEAD_BYTES + self.text.len() + self.ids.len() * std::mem::size_of::<TokenId>()
+    }
+}
+
+/// Per-entry bytes beyond text and ids: the node, its key and the map's slot.
+const ENTRY_OVERHEAD_BYTES: usize = 128;
+
+/// Per-conversation memo of rendered text → token ids, bounded in bytes (the least
+/// recently used conversation goes first). Shared: every method takes `&self`.
 pub struct IncrementalTokenizer {
-    entries: HashMap<u64, Entry>,
-    order: VecDeque<u64>,
-    capacity: usize,
+    /// Held only for lookups and inserts (see the module docs).
+    entries: Mutex<ByteLru<u64, Arc<Entry>>>,
+}
+
+/// A conversation's history, rendered and tokenized once: every prompt built on it (a
+/// turn with its status tail, each child of a fork) extends it with one render.
+pub struct TokenizedHistory {
+    entry: Arc<Entry>,
+    reused: usize,
 }
 
 impl IncrementalTokenizer {
-    /// A memo for at most `capacity` conversations.
-    pub fn new(capacity: usize) -> Self {
+    /// A memo holding at most `max_bytes` of rendered text and ids.
+    pub fn new(max_bytes: usize) -> Self {
         IncrementalTokenizer {
-            entries: HashMap::new(),
-            order: VecDeque::new(),
-            capacity: capacity.max(1),
+            entries: Mutex::new(ByteLru::new(max_bytes)),
         }
     }
 
     /// Conversations remembered.
     pub fn len(&self) -> usize {
-        self.entries.len()
+        lock(&self.entries).len()
+    }
+
+    /// Bytes the memo holds (at most the bound it was made with).
+    pub fn bytes(&self) -> usize {
+        lock(&self.entries).bytes()
     }
 
     /// Whether nothing is remembered.
     pub fn is_empty(&self) -> bool {
-        self.entries.is_empty()
+        lock(&self.entries).is_empty()
     }
 
     /// Renders and tokenizes `messages`, reusing the ids of an earlier turn of the same
     /// conversation where that is exact. `scope` separates models and tenants.
     pub fn tokenize(
-        &mut self,
+        &self,
         scope: &str,
         template: &ChatTemplate,
         tokenizer: &dyn Tokenizer,
@@ -86,9 +113,10 @@ impl IncrementalTokenizer {
 
     /// Like [`tokenize`](Self::tokenize), with `tail` messages (a per-request agent
     /// status) rendered after `messages` but kept out of the memo, so that the next
-    /// turn, which replaces the tail, still extends the remembered history.
+    /// turn, which replaces the tail, still extends the remembered history. Two
+    /// renders: the history and the prompt.
     pub fn tokenize_with_tail(
-        &mut self,
+        &self,
         scope: &str,
         template: &ChatTemplate,
         tokenizer: &dyn Tokenizer,
@@ -96,40 +124,80 @@ impl IncrementalTokenizer {
         tail: &[ChatMessage],
         tools: &[ToolDefinition],
     ) -> Result<TokenizedPrompt, PromptError> {
+        self.history(scope, template, tokenizer, messages, tools)?
+            .extend(template, tokenizer, messages, tail, tools)
+    }
+
+    /// Renders `messages` as history (no generation prompt) once, tokenizes it reusing
+    /// an earlier turn's ids where exact, and remembers it for later turns.
+    pub fn history(
+        &self,
+        scope: &str,
+        template: &ChatTemplate,
+        tokenizer: &dyn Tokenizer,
+        messages: &[ChatMessage],
+        tools: &[ToolDefinition],
+    ) -> Result<TokenizedHistory, PromptError> {
         let history = template.render(messages, tools, false)?;
+        let (cuts, whole) = cut_keys(scope, tokenizer, &history);
+        // Longest first; the lock is released before any comparison or tokenization.
+        let found: Vec<(usize, Arc<Entry>)> = {
+            let mut entries = lock(&self.entries);
+            cuts.iter()
+                .rev()
+                .filter_map(|&(at, key)| entries.get(&key).map(|e| (at, e.clone())))
+                .collect()
+        };
+        let mut reused = 0;
+        let mut history_ids = None;
+        for (at, e) in found {
+            if e.text.len() == at && history.as_bytes()[..at] == *e.text.as_bytes() {
+                let mut ids = e.ids.clone();
+                if at < history.len() {
+                    ids.extend(tokenizer.encode(&history[at..])?);
+                }
+                reused = e.ids.len();
+                history_ids = Some(ids);
+                break;
+            }
+        }
+        let ids = match history_ids {
+            Some(ids) => ids,
+            None => tokenizer.encode(&history)?,
+        };
+        let entry = Arc::new(Entry { text: history, ids });
+        let bytes = entry.bytes();
+        lock(&self.entries).insert(whole, entry.clone(), bytes);
+        Ok(TokenizedHistory { entry, reused })
+    }
+}
+
+impl TokenizedHistory {
+    /// The history's ids.
+    pub fn ids(&self) -> &[TokenId] {
+        &self.entry.ids
+    }
+
+    /// The prompt of `messages` (the messages this history was rendered from) followed
+    /// by `tail`, with the generation prompt: one render, and only what follows the
+    /// history is tokenized.
+    pub fn extend(
+        &self,
+        template: &ChatTemplate,
+        tokenizer: &dyn Tokenizer,
+        messages: &[ChatMessage],
+        tail: &[ChatMessage],
+        tools: &[ToolDefinition],
+    ) -> Result<TokenizedPrompt, PromptError> {
         let full = if tail.is_empty() {
             template.render(messages, tools, true)?
         } else {
             let all: Vec<ChatMessage> = messages.iter().chain(tail).cloned().collect();
             template.render(&all, tools, true)?
         };
-
-        // The previous turn is usually the conversation minus its last one or two
-        // messages; try the few most recent cut points, longest first.
-        let mut reused = 0;
-        let mut history_ids = None;
-        for k in (1..messages.len()).rev().take(MAX_CUTS_TRIED) {
-            let earlier = template.render(&messages[..k], tools, false)?;
-            let Some(e) = self.entries.get(&text_key(scope, &earlier)) else {
-                continue;
-            };
-            if e.text == earlier
-                && history.starts_with(&earlier)
-                && safe_split(tokenizer, &history, earlier.len())
-            {
-                let mut ids = e.ids.clone();
-                ids.extend(tokenizer.encode(&history[earlier.len()..])?);
-                reused = e.ids.len();
-                history_ids = Some(ids);
-                break;
-            }
-        }
-        let history_ids = match history_ids {
-            Some(ids) => ids,
-            None => tokenizer.encode(&history)?,
-        };
+        let (history, history_ids) = (&self.entry.text, &self.entry.ids);
         let (ids, history_len) =
-            if full.starts_with(&history) && safe_split(tokenizer, &full, history.len()) {
+            if full.starts_with(history.as_str()) && safe_split(tokenizer, &full, history.len()) {
                 let mut ids = history_ids.clone();
                 ids.extend(tokenizer.encode(&full[history.len()..])?);
                 (ids, history_ids.len())
@@ -139,39 +207,57 @@ impl IncrementalTokenizer {
                 let ids = tokenizer.encode(&full)?;
                 let shared = ids
                     .iter()
-                    .zip(&history_ids)
+                    .zip(history_ids)
                     .take_while(|(a, b)| a == b)
                     .count();
                 (ids, shared)
             };
-        self.remember(text_key(scope, &history), history, history_ids);
         Ok(TokenizedPrompt {
             ids,
-            reused,
+            reused: self.reused,
             history_len,
         })
     }
-
-    fn remember(&mut self, key: u64, text: String, ids: Vec<TokenId>) {
-        if self.entries.insert(key, Entry { text, ids }).is_none() {
-            self.order.push_back(key);
-            while self.entries.len() > self.capacity {
-                match self.order.pop_front() {
-                    Some(old) => {
-                        self.entries.remove(&old);
-                    }
-                    None => break,
-                }
-            }
-        }
-    }
 }
 
-/// How many earlier cut points a lookup renders and tries.
-const MAX_CUTS_TRIED: usize = 4;
+/// How many candidate ends of an earlier turn a lookup tries (the last ones before the
+/// end of the history: a turn adds a few messages of a few special tokens each).
+const MAX_CUTS_TRIED: usize = 16;
 
-/// Entries are keyed by the rendered text itself, so conversations that share a
-/// system prompt but diverge later never overwrite each other.
+/// Entries are keyed by the rendered text itself, so conversations that share a system
+/// prompt but diverge later never overwrite each other. The memo keys of `text`'s
+/// candidate cut points (ascending: the byte offset, the key
+/// of the text before it) and of the whole text, from one pass of a streaming hash.
+fn cut_keys(scope: &str, tokenizer: &dyn Tokenizer, text: &str) -> (Vec<(usize, u64)>, u64) {
+    let bytes = text.as_bytes();
+    let mut cuts = Vec::new();
+    let mut end = bytes.len();
+    while cuts.len() < MAX_CUTS_TRIED {
+        let Some(at) = bytes[..end].iter().rposition(|&b| b == b'<') else {
+            break;
+        };
+        if at > 0 && safe_split(tokenizer, text, at) {
+            cuts.push(at);
+        }
+        end = at;
+    }
+    cuts.reverse();
+    let mut h = Xxh3::new();
+    h.update(scope.as_bytes());
+    h.update(&[0]);
+    let mut done = 0;
+    let mut keys = Vec::with_capacity(cuts.len());
+    for at in cuts {
+        h.update(&bytes[done..at]);
+        done = at;
+        keys.push((at, h.digest()));
+    }
+    h.update(&bytes[done..]);
+    (keys, h.digest())
+}
+
+/// The key [`cut_keys`] gives `text` (tests check the two agree).
+#[cfg(test)]
 fn text_key(scope: &str, text: &str) -> u64 {
     let mut h = Xxh3::new();
     h.update(scope.as_bytes());
@@ -235,7 +321,7 @@ mod tests {
     fn incremental_ids_equal_a_render_from_scratch() {
         let tok = ByteTokenizer::new();
         let tpl = ChatTemplate::ChatMl;
-        let mut inc = IncrementalTokenizer::new(16);
+        let inc = IncrementalTokenizer::new(1 << 20);
         // Each turn is the previous one plus the assistant's answer and a new question.
         let mut msgs = conversation(0);
         for turns in 0..6 {
@@ -259,7 +345,7 @@ mod tests {
     fn conversations_sharing_a_system_prompt_do_not_evict_each_other() {
         let tok = ByteTokenizer::new();
         let tpl = ChatTemplate::ChatMl;
-        let mut inc = IncrementalTokenizer::new(16);
+        let inc = IncrementalTokenizer::new(1 << 20);
         let a = conversation(1);
         let mut b = conversation(1);
         b[1] = ChatMessage::user("a different first question");
@@ -280,7 +366,7 @@ mod tests {
     fn edited_history_falls_back_to_scratch() {
         let tok = ByteTokenizer::new();
         let tpl = ChatTemplate::ChatMl;
-        let mut inc = IncrementalTokenizer::new(16);
+        let inc = IncrementalTokenizer::new(1 << 20);
         let mut msgs = conversation(2);
         inc.tokenize("tiny", &tpl, &tok, &msgs, &[]).unwrap();
         msgs[1] = ChatMessage::user("an edited question");
@@ -296,7 +382,7 @@ mod tests {
     fn a_replaced_tail_stays_out_of_the_next_turns_prefix() {
         let tok = ByteTokenizer::new();
         let tpl = ChatTemplate::ChatMl;
-        let mut inc = IncrementalTokenizer::new(16);
+        let inc = IncrementalTokenizer::new(1 << 20);
         let mut msgs = conversation(1);
         let status = [ChatMessage::user(
             "<agent_status>\nturns: 1\n</agent_status>",
@@ -328,14 +414,116 @@ mod tests {
     }
 
     #[test]
-    fn capacity_bounds_memory() {
-        let tok = ByteTokenizer::new();
-        let mut inc = IncrementalTokenizer::new(2);
-        for i in 0..5 {
-            let msgs = vec![ChatMessage::system(format!("s{i}")), ChatMessage::user("u")];
-            inc.tokenize("m", &ChatTemplate::ChatMl, &tok, &msgs, &[])
-                .unwrap();
+    fn cut_keys_are_the_keys_of_the_text_before_each_special_token() {
+        let tpl = ChatTemplate::ChatMl;
+        let text = tpl.render(&conversation(3), &[], false).unwrap();
+        let tok = crate::tokenizer::ByteTokenizer::new();
+        let (cuts, whole) = cut_keys("m", &tok, &text);
+        assert_eq!(whole, text_key("m", &text));
+        assert!(!cuts.is_empty() && cuts.len() <= MAX_CUTS_TRIED);
+        for (at, key) in &cuts {
+            assert!(text[*at..].starts_with("<|im_"), "cut at {at}");
+            assert_eq!(*key, text_key("m", &text[..*at]));
         }
-        assert_eq!(inc.len(), 2);
+        // Every message boundary of the last turns is among them.
+        let earlier = tpl.render(&conversation(3)[..5], &[], false).unwrap();
+        assert!(cuts.iter().any(|(at, _)| *at == earlier.len()));
+    }
+
+    #[test]
+    fn one_history_extends_into_every_tail_exactly() {
+        // A fork: one parent, a child message per directive.
+        let tok = ByteTokenizer::new();
+        let tpl = ChatTemplate::ChatMl;
+        let inc = IncrementalTokenizer::new(1 << 20);
+        let parent = conversation(2);
+        let history = inc.history("m", &tpl, &tok, &parent, &[]).unwrap();
+        for d in ["first directive", "second", "<|im_start|>odd"] {
+            let tail = [ChatMessage::user(d)];
+            let got = history.extend(&tpl, &tok, &parent, &tail, &[]).unwrap();
+            let mut all = parent.clone();
+            all.extend_from_slice(&tail);
+            assert_eq!(
+                got.ids,
+                tok.encode(&tpl.render(&all, &[], true).unwrap()).unwrap()
+            );
+            assert_eq!(&got.ids[..got.history_len], history.ids());
+        }
+        assert_eq!(inc.len(), 1, "the parent's history is remembered once");
+    }
+
+    #[test]
+    fn the_memo_is_shared_by_threads_and_stays_exact() {
+        let inc = std::sync::Arc::new(IncrementalTokenizer::new(1 << 20));
+        let threads: Vec<_> = (0..4)
+            .map(|t| {
+                let inc = inc.clone();
+                std::thread::spawn(move || {
+                    let (tok, tpl) = (ByteTokenizer::new(), ChatTemplate::ChatMl);
+                    let mut msgs = conversation(t);
+                    for turn in 0..5 {
+                        msgs.push(ChatMessage::assistant(format!("a{t}.{turn}")));
+                        msgs.push(ChatMessage::user(format!("q{t}.{turn}")));
+                        let got = inc.tokenize("m", &tpl, &tok, &msgs, &[]).unwrap();
+                        let want = tok.encode(&tpl.render(&msgs, &[], true).unwrap()).unwrap();
+                        assert_eq!(got.ids, want);
+                        assert!(turn == 0 || got.reused > 0, "thread {t} turn {turn}");
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+    }
+
+    /// Bytes the memo charges for `msgs`' rendered history.
+    fn history_bytes(msgs: &[ChatMessage]) -> usize {
+        let text = ChatTemplate::ChatMl.render(msgs, &[], false).unwrap();
+        let ids = ByteTokenizer::new().encode(&text).unwrap().len();
+        ENTRY_OVERHEAD_BYTES + text.len() + ids * std::mem::size_of::<TokenId>()
+    }
+
+    #[test]
+    fn memory_is_bounded_in_bytes_and_the_least_recently_used_goes_first() {
+        let tok = ByteTokenizer::new();
+        let tpl = ChatTemplate::ChatMl;
+        let convo = |i: usize| {
+            vec![
+                ChatMessage::system(format!("conversation {i}: {}", "x".repeat(1000))),
+                ChatMessage::user("u"),
+            ]
+        };
+        let one = history_bytes(&convo(0));
+        // Room for three conversations' histories, not four.
+        let inc = IncrementalTokenizer::new(one * 3 + one / 2);
+        for i in 0..3 {
+            inc.tokenize("m", &tpl, &tok, &convo(i), &[]).unwrap();
+        }
+        assert_eq!((inc.len(), inc.bytes()), (3, one * 3));
+        // Conversation 0 is used again: 1 is now the least recently used.
+        let mut next = convo(0);
+        next.push(ChatMessage::assistant("a"));
+        next.push(ChatMessage::user("again"));
+        assert!(inc.tokenize("m", &tpl, &tok, &next, &[]).unwrap().reused > 0);
+        inc.tokenize("m", &tpl, &tok, &convo(3), &[]).unwrap();
+        assert!(inc.bytes() <= one * 3 + one / 2, "{}", inc.bytes());
+        let reused = |inc: &IncrementalTokenizer, i: usize| {
+            let mut m = convo(i);
+            m.push(ChatMessage::assistant("a"));
+            m.push(ChatMessage::user("later"));
+            inc.tokenize("m", &tpl, &tok, &m, &[]).unwrap().reused > 0
+        };
+        assert!(reused(&inc, 0), "the oldest but recently used stayed");
+        assert!(!reused(&inc, 1), "the least recently used went first");
+        // A conversation larger than the whole bound is tokenized, never kept.
+        let small = IncrementalTokenizer::new(one / 2);
+        let got = small.tokenize("m", &tpl, &tok, &convo(9), &[]).unwrap();
+        assert_eq!(
+            got.ids,
+            tok.encode(&tpl.render(&convo(9), &[], true).unwrap())
+                .unwrap()
+        );
+        assert_eq!((small.len(), small.bytes()), (0, 0));
     }
 }

@@ -10,6 +10,7 @@
 //! tokenizer's conversation memo ([`incremental_tokenizer`]).
 
 pub mod block_hash;
+pub mod byte_lru;
 pub mod chat;
 pub mod incremental_tokenizer;
 pub mod kv_events;

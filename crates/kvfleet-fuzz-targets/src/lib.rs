@@ -8,14 +8,13 @@
 use kvfleet_core::chat::ChatTemplate;
 use kvfleet_core::incremental_tokenizer::IncrementalTokenizer;
 use kvfleet_core::openai::ChatCompletionRequest;
-use kvfleet_core::sync::lock;
 use kvfleet_core::tokenizer::{ByteTokenizer, Tokenizer};
 use kvfleet_core::BlockHash;
 use kvfleet_proto::kv_events::from_wire as router_event;
 use kvfleet_proto::v1 as pb;
 use kvfleet_routing::{PrefixIndex, WorkerIdx};
 use prost::Message;
-use std::sync::{Mutex, OnceLock};
+use std::sync::OnceLock;
 
 /// A fuzz target's body.
 pub type Target = fn(&[u8]);
@@ -35,7 +34,7 @@ pub const TARGETS: &[(&str, Target)] = &[
 /// as in the server). Checks that the incremental ids equal a fresh tokenization of the
 /// rendered prompt.
 pub fn chat_request(data: &[u8]) {
-    static MEMO: OnceLock<Mutex<IncrementalTokenizer>> = OnceLock::new();
+    static MEMO: OnceLock<IncrementalTokenizer> = OnceLock::new();
     let Ok(req) = serde_json::from_slice::<ChatCompletionRequest>(data) else {
         return;
     };
@@ -45,8 +44,7 @@ pub fn chat_request(data: &[u8]) {
     let Ok(full) = template.render(&req.messages, &tools, true) else {
         return;
     };
-    let memo = MEMO.get_or_init(|| Mutex::new(IncrementalTokenizer::new(64)));
-    let mut memo = lock(memo);
+    let memo = MEMO.get_or_init(|| IncrementalTokenizer::new(16 << 20));
     let Ok(prompt) = memo.tokenize(&req.model, &template, &tokenizer, &req.messages, &tools) else {
         return;
     };

@@ -30,6 +30,9 @@ pub struct Limits {
     pub max_queued: usize,
     /// Longest wait for a running slot before a 429.
     pub queue_timeout: Duration,
+    /// Longest time a client may take to send a request's whole body (408 beyond).
+    /// The body is read before admission, so a slow upload holds no running slot.
+    pub body_timeout: Duration,
     /// Limits of tenants that do not set their own (and of `default`).
     pub tenant_defaults: TenantLimits,
 }
@@ -43,6 +46,7 @@ impl Default for Limits {
             max_inflight: 1024,
             max_queued: 4096,
             queue_timeout: Duration::from_secs(30),
+            body_timeout: Duration::from_secs(30),
             tenant_defaults: TenantLimits::default(),
         }
     }

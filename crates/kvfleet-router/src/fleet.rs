@@ -28,6 +28,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+/// Default bound of the tokenizer memo: 256 MiB.
+pub const DEFAULT_TOKENIZER_MEMO_BYTES: usize = 256 << 20;
+/// Default bound of the session memory: 256 MiB.
+pub const DEFAULT_SESSION_MEMORY_BYTES: usize = 256 << 20;
+
 /// How the router runs.
 #[derive(Clone, Debug)]
 pub struct FleetConfig {
@@ -53,10 +58,12 @@ pub struct FleetConfig {
     pub breaker: BreakerConfig,
     /// Most workers tried for one request.
     pub max_attempts: usize,
-    /// Conversations remembered for incremental tokenization.
-    pub tokenizer_cache_entries: usize,
-    /// Sessions remembered for status fields and cache-break diagnostics.
-    pub session_capacity: usize,
+    /// Bytes of rendered conversations and their ids remembered for incremental
+    /// tokenization (least recently used forgotten first).
+    pub tokenizer_memo_bytes: usize,
+    /// Bytes of session memory (status fields, cache-break fingerprints; least
+    /// recently seen session forgotten first).
+    pub session_memory_bytes: usize,
     /// Most prompt ids kept per session for the diagnostics.
     pub session_max_tokens: usize,
     /// Most children of one `/v1/forks` request sent to one worker in one `Fork` call;
@@ -84,8 +91,8 @@ impl Default for FleetConfig {
             conn_timeouts: ConnTimeouts::default(),
             breaker: BreakerConfig::default(),
             max_attempts: 3,
-            tokenizer_cache_entries: 4096,
-            session_capacity: 4096,
+            tokenizer_memo_bytes: DEFAULT_TOKENIZER_MEMO_BYTES,
+            session_memory_bytes: DEFAULT_SESSION_MEMORY_BYTES,
             session_max_tokens: 256 * 1024,
             fork_children_per_worker: 32,
             follow_worker_events: true,
@@ -130,9 +137,9 @@ impl Fleet {
         Ok(Arc::new(Fleet {
             workers: Arc::new(WorkerSupervision::new(supervision, routing.clone())),
             routing,
-            sessions: Sessions::new(config.session_capacity, config.session_max_tokens),
+            sessions: Sessions::new(config.session_memory_bytes, config.session_max_tokens),
             decisions: Decisions::new(),
-            tokens: TokenizerMemo::new(config.tokenizer_cache_entries),
+            tokens: TokenizerMemo::new(config.tokenizer_memo_bytes),
             control: ControlLink::new(),
             prompt,
             config,

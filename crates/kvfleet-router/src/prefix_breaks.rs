@@ -27,6 +27,16 @@ pub struct TurnFingerprint {
 }
 
 impl TurnFingerprint {
+    /// Heap bytes the fingerprint holds (what a memory bound counts).
+    pub fn heap_bytes(&self) -> usize {
+        use std::mem::size_of;
+        self.namespace.len()
+            + self.tokens.len() * size_of::<TokenId>()
+            + self.message_hashes.len() * size_of::<u64>()
+            + self.message_roles.len() * size_of::<Role>()
+            + self.tool_hashes.len() * size_of::<u64>()
+    }
+
     /// The fingerprint of a turn rendering `messages` and `tools` into `tokens`.
     pub fn new(
         namespace: String,

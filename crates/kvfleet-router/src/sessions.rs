@@ -2,14 +2,17 @@
 //! had, how well its last turn hit the cache, and a fingerprint of that turn for the
 //! cache-break diagnostics ([`crate::prefix_breaks`]).
 //!
-//! A session is named by the client (`x-kvfleet-session`, or the OpenAI `user` field).
-//! The store is bounded: past `capacity` sessions, the least recently seen is
-//! forgotten, and a fingerprint holds at most `max_tokens` ids, so memory stays
-//! within `capacity × max_tokens × 4` bytes.
+//! A session is named by the client (`x-kvfleet-session`, or the OpenAI `user` field)
+//! within its tenant: the store is keyed by (tenant, session id), so two tenants that
+//! pick the same id never see each other's turns, timings or cache figures.
+//!
+//! The store is bounded in bytes: each session is charged its key, its state and its
+//! fingerprint (at most `max_tokens` ids), and past the bound the least recently seen
+//! session is forgotten, in O(1) ([`kvfleet_core::byte_lru`]).
 
 use crate::prefix_breaks::{diagnose, PrefixBreak, TurnFingerprint};
+use kvfleet_core::byte_lru::ByteLru;
 use kvfleet_core::sync::lock;
-use std::collections::HashMap;
 use std::sync::Mutex;
 
 /// What the router remembers of one session.
@@ -23,8 +26,6 @@ pub struct SessionState {
     pub last_cached: Option<(usize, usize)>,
     /// The last turn's fingerprint.
     pub last_turn: Option<TurnFingerprint>,
-    /// The store's clock when the session was last seen (for eviction).
-    pub last_used: u64,
 }
 
 /// What a new turn learns from its session's history.
@@ -36,23 +37,47 @@ pub struct TurnContext {
     pub prefix_break: Option<PrefixBreak>,
 }
 
+/// A session's name in the store: (tenant, client-chosen session id).
+type SessionKey = (String, String);
+
+fn key(tenant: &str, id: &str) -> SessionKey {
+    (tenant.to_string(), id.to_string())
+}
+
+/// Bytes a session costs beyond its key and fingerprint: its state and the store's
+/// node and slot.
+const SESSION_OVERHEAD_BYTES: usize = std::mem::size_of::<SessionState>() + 128;
+
+/// What session `key` in `state` is charged against the bound.
+fn session_bytes(key: &SessionKey, state: &SessionState) -> usize {
+    SESSION_OVERHEAD_BYTES
+        + key.0.len()
+        + key.1.len()
+        + state
+            .last_turn
+            .as_ref()
+            .map_or(0, TurnFingerprint::heap_bytes)
+}
+
 /// Bounded session memory.
 pub struct SessionStore {
-    sessions: HashMap<String, SessionState>,
-    capacity: usize,
+    sessions: ByteLru<SessionKey, SessionState>,
     max_tokens: usize,
-    tick: u64,
 }
 
 impl SessionStore {
-    /// A store for at most `capacity` sessions, each fingerprint at most `max_tokens`.
-    pub fn new(capacity: usize, max_tokens: usize) -> Self {
+    /// A store holding at most `max_bytes` of sessions, each fingerprint at most
+    /// `max_tokens` ids.
+    pub fn new(max_bytes: usize, max_tokens: usize) -> Self {
         SessionStore {
-            sessions: HashMap::new(),
-            capacity: capacity.max(1),
+            sessions: ByteLru::new(max_bytes),
             max_tokens,
-            tick: 0,
         }
+    }
+
+    /// Bytes the sessions are charged (at most the bound).
+    pub fn bytes(&self) -> usize {
+        self.sessions.bytes()
     }
 
     /// Sessions remembered.
@@ -65,29 +90,31 @@ impl SessionStore {
         self.sessions.is_empty()
     }
 
-    /// A session's state, if remembered.
-    pub fn get(&self, id: &str) -> Option<&SessionState> {
-        self.sessions.get(id)
+    /// Tenant `tenant`'s session `id`, if remembered.
+    pub fn get(&self, tenant: &str, id: &str) -> Option<&SessionState> {
+        self.sessions.peek(&key(tenant, id))
     }
 
-    /// Records a new turn of session `id`: diagnoses it against the previous turn,
-    /// then makes it the previous turn. Returns what the turn needs to know.
-    pub fn begin_turn(&mut self, id: &str, now_ms: u64, mut turn: TurnFingerprint) -> TurnContext {
-        self.tick += 1;
-        if !self.sessions.contains_key(id) && self.sessions.len() >= self.capacity {
-            self.evict_oldest();
-        }
-        let tick = self.tick;
-        let state = self
-            .sessions
-            .entry(id.to_string())
-            .or_insert_with(|| SessionState {
-                first_seen_ms: now_ms,
-                ..SessionState::default()
-            });
+    /// Records a new turn of tenant `tenant`'s session `id`: diagnoses it against the
+    /// previous turn, then makes it the previous turn. Returns what the turn needs to know.
+    pub fn begin_turn(
+        &mut self,
+        tenant: &str,
+        id: &str,
+        now_ms: u64,
+        mut turn: TurnFingerprint,
+    ) -> TurnContext {
+        let k = key(tenant, id);
+        // Out and back in: the new fingerprint changes the session's size.
+        let mut state = self.sessions.remove(&k).unwrap_or_else(|| SessionState {
+            first_seen_ms: now_ms,
+            ..SessionState::default()
+        });
         let before = SessionState {
+            first_seen_ms: state.first_seen_ms,
+            turns: state.turns,
+            last_cached: state.last_cached,
             last_turn: None,
-            ..state.clone()
         };
         let prefix_break = state
             .last_turn
@@ -96,7 +123,8 @@ impl SessionStore {
         turn.tokens.truncate(self.max_tokens);
         state.last_turn = Some(turn);
         state.turns += 1;
-        state.last_used = tick;
+        let bytes = session_bytes(&k, &state);
+        self.sessions.insert(k, state, bytes);
         TurnContext {
             before,
             prefix_break,
@@ -104,20 +132,10 @@ impl SessionStore {
     }
 
     /// Records how many of the turn's prompt tokens were cached.
-    pub fn record_cached(&mut self, id: &str, cached: usize, prompt: usize) {
-        if let Some(s) = self.sessions.get_mut(id) {
+    pub fn record_cached(&mut self, tenant: &str, id: &str, cached: usize, prompt: usize) {
+        // Two integers in place: the session's size does not change.
+        if let Some(s) = self.sessions.get_mut(&key(tenant, id)) {
             s.last_cached = Some((cached, prompt));
-        }
-    }
-
-    fn evict_oldest(&mut self) {
-        if let Some(oldest) = self
-            .sessions
-            .iter()
-            .min_by_key(|(_, s)| s.last_used)
-            .map(|(k, _)| k.clone())
-        {
-            self.sessions.remove(&oldest);
         }
     }
 }
@@ -127,24 +145,30 @@ impl SessionStore {
 pub struct Sessions(Mutex<SessionStore>);
 
 impl Sessions {
-    /// Memory for at most `capacity` sessions, each fingerprint at most `max_tokens`.
-    pub fn new(capacity: usize, max_tokens: usize) -> Self {
-        Sessions(Mutex::new(SessionStore::new(capacity, max_tokens)))
+    /// Memory of at most `max_bytes`, each fingerprint at most `max_tokens` ids.
+    pub fn new(max_bytes: usize, max_tokens: usize) -> Self {
+        Sessions(Mutex::new(SessionStore::new(max_bytes, max_tokens)))
     }
 
-    /// A copy of session `id`'s state, if remembered.
-    pub fn get(&self, id: &str) -> Option<SessionState> {
-        lock(&self.0).get(id).cloned()
+    /// A copy of tenant `tenant`'s session `id`, if remembered.
+    pub fn get(&self, tenant: &str, id: &str) -> Option<SessionState> {
+        lock(&self.0).get(tenant, id).cloned()
     }
 
     /// [`SessionStore::begin_turn`].
-    pub fn begin_turn(&self, id: &str, now_ms: u64, turn: TurnFingerprint) -> TurnContext {
-        lock(&self.0).begin_turn(id, now_ms, turn)
+    pub fn begin_turn(
+        &self,
+        tenant: &str,
+        id: &str,
+        now_ms: u64,
+        turn: TurnFingerprint,
+    ) -> TurnContext {
+        lock(&self.0).begin_turn(tenant, id, now_ms, turn)
     }
 
     /// [`SessionStore::record_cached`].
-    pub fn record_cached(&self, id: &str, cached: usize, prompt: usize) {
-        lock(&self.0).record_cached(id, cached, prompt);
+    pub fn record_cached(&self, tenant: &str, id: &str, cached: usize, prompt: usize) {
+        lock(&self.0).record_cached(tenant, id, cached, prompt);
     }
 
     /// Sessions remembered.
@@ -174,37 +198,89 @@ mod tests {
 
     #[test]
     fn turns_count_and_breaks_are_found_against_the_previous_turn() {
-        let mut s = SessionStore::new(8, 1 << 20);
-        let t0 = s.begin_turn("a", 1000, turn("s", &[1, 2, 3]));
+        let mut s = SessionStore::new(1 << 20, 1 << 20);
+        let t0 = s.begin_turn("t", "a", 1000, turn("s", &[1, 2, 3]));
         assert_eq!((t0.before.turns, t0.prefix_break.is_none()), (0, true));
-        s.record_cached("a", 0, 3);
-        let t1 = s.begin_turn("a", 5000, turn("s", &[1, 2, 3, 4]));
+        s.record_cached("t", "a", 0, 3);
+        let t1 = s.begin_turn("t", "a", 5000, turn("s", &[1, 2, 3, 4]));
         assert_eq!(t1.before.turns, 1);
         assert_eq!(t1.before.first_seen_ms, 1000);
         assert_eq!(t1.before.last_cached, Some((0, 3)));
         assert!(t1.prefix_break.is_none());
-        let t2 = s.begin_turn("a", 6000, turn("changed", &[1, 9, 3, 4, 5]));
+        let t2 = s.begin_turn("t", "a", 6000, turn("changed", &[1, 9, 3, 4, 5]));
         let br = t2.prefix_break.unwrap();
         assert_eq!((br.token, br.message), (1, Some(0)));
     }
 
     #[test]
-    fn capacity_evicts_the_least_recently_seen() {
-        let mut s = SessionStore::new(2, 16);
-        s.begin_turn("a", 0, turn("s", &[1]));
-        s.begin_turn("b", 0, turn("s", &[1]));
-        s.begin_turn("a", 0, turn("s", &[1]));
-        s.begin_turn("c", 0, turn("s", &[1]));
+    fn tenants_with_the_same_session_id_are_separate_sessions() {
+        let mut s = SessionStore::new(1 << 20, 1 << 20);
+        s.begin_turn("alpha", "shared", 1000, turn("s", &[1, 2, 3]));
+        s.record_cached("alpha", "shared", 2, 3);
+        s.begin_turn("alpha", "shared", 2000, turn("s", &[1, 2, 3, 4]));
+        let beta = s.begin_turn("beta", "shared", 9000, turn("other", &[7, 8]));
+        assert_eq!(beta.before.turns, 0);
+        assert_eq!(beta.before.first_seen_ms, 9000);
+        assert_eq!(beta.before.last_cached, None);
+        assert!(beta.prefix_break.is_none());
+        assert_eq!(s.get("alpha", "shared").map(|a| a.turns), Some(2));
+    }
+
+    /// Bytes one session of `tokens` ids costs (id of one byte, tenant `t`).
+    fn one_session(tokens: usize) -> usize {
+        let fp = turn("s", &vec![1; tokens]);
+        SESSION_OVERHEAD_BYTES + 2 + fp.heap_bytes()
+    }
+
+    #[test]
+    fn the_byte_bound_holds_and_the_least_recently_seen_goes_first() {
+        let one = one_session(1000);
+        // Room for two sessions of 1000 ids, not three.
+        let mut s = SessionStore::new(2 * one + one / 2, 1 << 20);
+        s.begin_turn("t", "a", 0, turn("s", &[1; 1000]));
+        s.begin_turn("t", "b", 0, turn("s", &[1; 1000]));
+        assert_eq!(s.bytes(), 2 * one);
+        // a is seen again, so b is now the least recently seen.
+        s.begin_turn("t", "a", 0, turn("s", &[1; 1000]));
+        s.begin_turn("t", "c", 0, turn("s", &[1; 1000]));
         assert_eq!(s.len(), 2);
-        assert!(s.get("a").is_some() && s.get("b").is_none() && s.get("c").is_some());
+        assert!(s.bytes() <= 2 * one + one / 2);
+        assert!(s.get("t", "a").is_some() && s.get("t", "b").is_none());
+        assert!(s.get("t", "c").is_some());
+        // One long session pushes out as many as it needs.
+        s.begin_turn("t", "d", 0, turn("s", &[1; 2000]));
+        assert!(s.bytes() <= 2 * one + one / 2, "{}", s.bytes());
+        assert_eq!(s.len(), 1);
+        assert!(s.get("t", "d").is_some());
+    }
+
+    #[test]
+    fn sessions_are_charged_their_fingerprints() {
+        // 4,096 sessions of 256k ids were ~4 GiB under the old count bound; a 16 MiB
+        // bound keeps what fits in 16 MiB, the most recent.
+        let max = 16 << 20;
+        let mut s = SessionStore::new(max, 256 * 1024);
+        for i in 0..64 {
+            s.begin_turn("t", &format!("s{i:02}"), 0, turn("s", &vec![7; 256 * 1024]));
+            assert!(s.bytes() <= max);
+        }
+        let per = one_session(256 * 1024) + 2;
+        assert_eq!(s.len(), max / per);
+        assert!(s.get("t", "s63").is_some() && s.get("t", "s00").is_none());
     }
 
     #[test]
     fn fingerprints_are_bounded() {
-        let mut s = SessionStore::new(2, 4);
-        s.begin_turn("a", 0, turn("s", &[1, 2, 3, 4, 5, 6]));
+        let mut s = SessionStore::new(1 << 20, 4);
+        s.begin_turn("t", "a", 0, turn("s", &[1, 2, 3, 4, 5, 6]));
         assert_eq!(
-            s.get("a").unwrap().last_turn.as_ref().unwrap().tokens.len(),
+            s.get("t", "a")
+                .unwrap()
+                .last_turn
+                .as_ref()
+                .unwrap()
+                .tokens
+                .len(),
             4
         );
     }

@@ -2,8 +2,8 @@
 
 use super::relay::{collect, relay_sse, ChunkWriter};
 use super::{
-    insert_header, parse_body, prepare, session_id, sse_response, tokenize_chat, unix_now,
-    unix_now_ms, Prepared, RequestMeta, PREFIX_BREAK_HEADER, SESSION_TURN_HEADER,
+    insert_header, off_runtime, parse_body, prepare, prompt_error, session_id, sse_response,
+    unix_now, unix_now_ms, Prepared, RequestMeta, PREFIX_BREAK_HEADER, SESSION_TURN_HEADER,
 };
 use crate::agent_status::{StatusMode, StatusRequestExt};
 use crate::fleet::Fleet;
@@ -30,7 +30,8 @@ pub async fn chat_completions(
     admitted: Option<axum::Extension<super::gate::Admitted>>,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    let req: ChatCompletionRequest = parse_body(&body)?;
+    let body_bytes = body.len();
+    let req: ChatCompletionRequest = off_runtime(body_bytes, move || parse_body(&body)).await?;
     if req.messages.is_empty() {
         return Err(ApiError::invalid_param(
             "messages",
@@ -59,7 +60,9 @@ pub async fn chat_completions(
     let status = match req.status.wanted() {
         false => None,
         true => {
-            let before = session.as_deref().and_then(|s| fleet.sessions.get(s));
+            let before = session
+                .as_deref()
+                .and_then(|s| fleet.sessions.get(meta.tenant_name(), s));
             let fields = req
                 .status
                 .fields(&req.messages, before.as_ref(), unix_now_ms(), now_ms);
@@ -90,21 +93,34 @@ pub async fn chat_completions(
             message,
         }
     });
-    let prompt = tokenize_chat(&fleet, &meta, &history, &tail, &tools)?;
-    let cacheable_len = (!tail.is_empty()).then_some(prompt.history_len);
-    if !tail.is_empty() {
+    let has_tail = !tail.is_empty();
+    let want_tools = !tools.is_empty();
+    let scope = meta.scope();
+    let want_fingerprint = session.is_some();
+    let work = fleet.clone();
+    let (prompt, fingerprint) = off_runtime(body_bytes, move || {
+        let prompt = work
+            .tokens
+            .tokenize_with_tail(&work.prompt, &scope, &history, &tail, &tools)
+            .map_err(prompt_error)?;
+        // Hashes every message: part of the same work.
+        let fingerprint = want_fingerprint.then(|| {
+            let cacheable = prompt.ids[..prompt.history_len].to_vec();
+            TurnFingerprint::new(scope, &history, &tools, cacheable)
+        });
+        Ok((prompt, fingerprint))
+    })
+    .await?;
+    let cacheable_len = has_tail.then_some(prompt.history_len);
+    if has_tail {
         m::agent_status("replace", prompt.ids.len() - prompt.history_len);
     } else if rendered_status.is_some() {
         m::agent_status("append", 0);
     }
-    let turn = session.as_deref().map(|s| {
-        let fingerprint = TurnFingerprint::new(
-            meta.scope(),
-            &history,
-            &tools,
-            prompt.ids[..prompt.history_len].to_vec(),
-        );
-        fleet.sessions.begin_turn(s, now_ms, fingerprint)
+    let turn = session.as_deref().zip(fingerprint).map(|(s, fingerprint)| {
+        fleet
+            .sessions
+            .begin_turn(meta.tenant_name(), s, now_ms, fingerprint)
     });
     let prompt_len = prompt.ids.len();
     let Prepared {
@@ -117,7 +133,9 @@ pub async fn chat_completions(
             .usage
             .as_ref()
             .map_or(0, |u| u.cached_tokens as usize);
-        fleet.sessions.record_cached(s, cached, prompt_len);
+        fleet
+            .sessions
+            .record_cached(meta.tenant_name(), s, cached, prompt_len);
         insert_header(
             &mut worker_header,
             SESSION_TURN_HEADER,
@@ -132,7 +150,6 @@ pub async fn chat_completions(
     let id = format!("chatcmpl-{}", dispatched.request_id);
     let created = unix_now();
     let model = meta.model_id.clone();
-    let want_tools = !tools.is_empty();
     if req.sampling.stream {
         let include_usage = req
             .sampling

@@ -1,7 +1,7 @@
 //! `POST /v1/completions`: a prompt given as text or as token ids.
 
 use super::relay::{collect, relay_sse, ChunkWriter};
-use super::{parse_body, prepare, sse_response, unix_now, Prepared, RequestMeta};
+use super::{off_runtime, parse_body, prepare, sse_response, unix_now, Prepared, RequestMeta};
 use crate::fleet::Fleet;
 use crate::openai::error::ApiError;
 use axum::body::Bytes;
@@ -19,7 +19,7 @@ pub async fn completions(
     admitted: Option<axum::Extension<super::gate::Admitted>>,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    let req: CompletionRequest = parse_body(&body)?;
+    let req: CompletionRequest = off_runtime(body.len(), move || parse_body(&body)).await?;
     if req.echo {
         return Err(ApiError::invalid_param("echo", "echo is not supported"));
     }
@@ -33,8 +33,8 @@ pub async fn completions(
     )?;
     let vocab = fleet.prompt.tokenizer.vocab_size();
     let ids = match req.prompt {
-        PromptInput::Text(t) => encode(&fleet, &t)?,
-        PromptInput::Texts(mut v) if v.len() == 1 => encode(&fleet, &v.remove(0))?,
+        PromptInput::Text(t) => encode(&fleet, t).await?,
+        PromptInput::Texts(mut v) if v.len() == 1 => encode(&fleet, v.remove(0)).await?,
         PromptInput::Tokens(ids) => token_ids(&ids, vocab)?,
         PromptInput::TokenLists(mut v) if v.len() == 1 => token_ids(&v.remove(0), vocab)?,
         _ => {
@@ -83,12 +83,15 @@ pub async fn completions(
     Ok((worker_header, Json(body)).into_response())
 }
 
-fn encode(fleet: &Fleet, text: &str) -> Result<Vec<u32>, ApiError> {
-    fleet
-        .prompt
-        .tokenizer
-        .encode_text_prompt(text)
-        .map_err(|e| ApiError::invalid_param("prompt", e.to_string()))
+/// Tokenizes a text prompt off the async runtime (it grows with the body).
+async fn encode(fleet: &Arc<Fleet>, text: String) -> Result<Vec<u32>, ApiError> {
+    let tokenizer = fleet.prompt.tokenizer.clone();
+    off_runtime(text.len(), move || {
+        tokenizer
+            .encode_text_prompt(&text)
+            .map_err(|e| ApiError::invalid_param("prompt", e.to_string()))
+    })
+    .await
 }
 
 fn token_ids(ids: &[i64], vocab: usize) -> Result<Vec<u32>, ApiError> {

@@ -12,7 +12,8 @@
 
 use super::relay::{next_message, Tally};
 use super::{
-    insert_header, parse_body, request_id, tokenize_chat, unix_now, RequestMeta, FORK_GROUP_HEADER,
+    insert_header, off_runtime, parse_body, prompt_error, request_id, unix_now, RequestMeta,
+    FORK_GROUP_HEADER,
 };
 use crate::dispatch::{
     dispatch_with, finish_reason_name, report_usage, Dispatched, GenerationSpec,
@@ -114,7 +115,8 @@ pub async fn forks(
     admitted: Option<axum::Extension<super::gate::Admitted>>,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    let req: ForkRequestBody = parse_body(&body)?;
+    let body_bytes = body.len();
+    let mut req: ForkRequestBody = off_runtime(body_bytes, move || parse_body(&body)).await?;
     if req.messages.is_empty() {
         return Err(ApiError::invalid_param(
             "messages",
@@ -148,11 +150,26 @@ pub async fn forks(
     };
     let placeholder = req.placeholder.as_deref().unwrap_or(DEFAULT_PLACEHOLDER);
 
-    let mut children = Vec::with_capacity(req.directives.len());
-    for d in &req.directives {
-        let tail = [fork_child_message(&tool_calls, placeholder, d)];
-        children.push(tokenize_chat(&fleet, &meta, &req.messages, &tail, &tools)?.ids);
-    }
+    let tails: Vec<Vec<ChatMessage>> = req
+        .directives
+        .iter()
+        .map(|d| vec![fork_child_message(&tool_calls, placeholder, d)])
+        .collect();
+    // The parent's history is rendered and tokenized once for every child.
+    let (messages, child_tools, scope, work) = (
+        std::mem::take(&mut req.messages),
+        tools.clone(),
+        meta.scope(),
+        fleet.clone(),
+    );
+    let children: Vec<Vec<u32>> = off_runtime(body_bytes, move || {
+        let prompts = work
+            .tokens
+            .tokenize_tails(&work.prompt, &scope, &messages, &tails, &child_tools)
+            .map_err(prompt_error)?;
+        Ok(prompts.into_iter().map(|p| p.ids).collect())
+    })
+    .await?;
     let shared = shared_prefix_len(&children);
     let longest = children.iter().map(Vec::len).max().unwrap_or(0);
     let mut sampling = sampling_params(&req.sampling, longest, meta.context)?;
@@ -258,7 +275,8 @@ pub async fn forks(
     }
     let choices: Vec<ForkChoice> = choices.into_iter().flatten().collect();
     if choices.len() != req.directives.len() {
-        return Err(ApiError::internal(
+        // A worker's failure, like every other way a fork ends early: 502.
+        return Err(ApiError::worker_failed(
             "a worker ended the fork before every child finished",
         ));
     }

@@ -10,6 +10,11 @@
 //! - `/fleet`, `/dashboard/state`: a key flagged `admin` (401 without a key, 403 with a
 //!   non-admin one): both show every tenant's routing.
 //!
+//! An inference request's body is read in full (bounded in bytes, and within
+//! [`Limits::body_timeout`](crate::admission::Limits::body_timeout), else 408) before it
+//! asks for a running slot: a client that stalls its upload holds a connection, never a
+//! slot that other requests wait for.
+//!
 //! Without a keys file every request runs as tenant `default` (admin).
 
 use crate::admission::{Admission, Refusal, RunPermit, TenantState};
@@ -21,6 +26,7 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use futures::StreamExt;
 use std::sync::Arc;
+use std::time::Duration;
 
 /// What the handlers learn from admission: the tenant and the per-request limits.
 #[derive(Clone, Debug)]
@@ -173,7 +179,14 @@ pub async fn gate(State(adm): State<Arc<Admission>>, mut req: Request, next: Nex
     if declared.is_some_and(|n| n > limit as u64) {
         return ApiError::too_large(limit).into_response();
     }
-    let permit = if is_inference(req.method(), &path) {
+    let inference = is_inference(req.method(), &path);
+    if inference {
+        req = match read_body(req, limit, adm.limits.body_timeout).await {
+            Ok(r) => r,
+            Err(e) => return e.into_response(),
+        };
+    }
+    let permit = if inference {
         match adm.admit(&tenant).await {
             Ok(p) => Some(p),
             Err(r) => return refusal_error(r).into_response(),
@@ -196,6 +209,30 @@ pub async fn gate(State(adm): State<Arc<Admission>>, mut req: Request, next: Nex
         Some(p) if is_event_stream(response.headers()) => hold_until_body_ends(response, p),
         // A JSON answer is complete: the request has finished running.
         _ => response,
+    }
+}
+
+/// Reads `req`'s whole body (at most `limit` bytes, within `deadline`) and puts it
+/// back as a buffered body.
+async fn read_body(req: Request, limit: usize, deadline: Duration) -> Result<Request, ApiError> {
+    let (parts, body) = req.into_parts();
+    let read = async {
+        let mut stream = body.into_data_stream();
+        let mut buf = Vec::new();
+        while let Some(chunk) = stream.next().await {
+            let chunk = chunk
+                .map_err(|e| ApiError::invalid(format!("could not read the request body: {e}")))?;
+            if buf.len() + chunk.len() > limit {
+                return Err(ApiError::too_large(limit));
+            }
+            buf.extend_from_slice(&chunk);
+        }
+        Ok(buf)
+    };
+    match tokio::time::timeout(deadline, read).await {
+        Err(_) => Err(ApiError::body_timeout(deadline)),
+        Ok(Err(e)) => Err(e),
+        Ok(Ok(buf)) => Ok(Request::from_parts(parts, Body::from(buf))),
     }
 }
 

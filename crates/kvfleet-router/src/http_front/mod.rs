@@ -30,8 +30,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 use gate::Admitted;
-use kvfleet_core::chat::{ChatMessage, ToolDefinition};
-use kvfleet_core::incremental_tokenizer::TokenizedPrompt;
+use kvfleet_core::incremental_tokenizer::PromptError;
 use kvfleet_core::openai::SamplingFields;
 use kvfleet_routing::policy::PolicyKind;
 use std::convert::Infallible;
@@ -188,21 +187,62 @@ impl RequestMeta {
     fn scope(&self) -> String {
         format!("{}\u{0}{}", self.model_id, self.cache_salt)
     }
+
+    /// The tenant sessions are kept under: a session id names a session only within
+    /// its tenant.
+    fn tenant_name(&self) -> &str {
+        &self.admitted.tenant.tenant.name
+    }
 }
 
-/// Renders and tokenizes `history` followed by a per-request `tail` (which stays out of
-/// the conversation memo), as a 400 naming `messages` on failure.
-fn tokenize_chat(
-    fleet: &Fleet,
-    meta: &RequestMeta,
-    history: &[ChatMessage],
-    tail: &[ChatMessage],
-    tools: &[ToolDefinition],
-) -> Result<TokenizedPrompt, ApiError> {
-    fleet
-        .tokens
-        .tokenize_with_tail(&fleet.prompt, &meta.scope(), history, tail, tools)
-        .map_err(|e| ApiError::invalid_param("messages", e.to_string()))
+/// Bodies from this size on are large: their preparation takes one of a bounded
+/// number of permits.
+const LARGE_BODY_BYTES: usize = 1 << 20;
+
+/// Permits for preparing large bodies: half the cores, so a burst of huge prompts
+/// leaves the other half to small requests, streams and an in-process engine.
+fn large_work_permits() -> Arc<tokio::sync::Semaphore> {
+    static PERMITS: std::sync::OnceLock<Arc<tokio::sync::Semaphore>> = std::sync::OnceLock::new();
+    PERMITS
+        .get_or_init(|| {
+            let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+            Arc::new(tokio::sync::Semaphore::new((cores / 2).max(1)))
+        })
+        .clone()
+}
+
+/// Runs a request's CPU work that grows with its body (`body_bytes`: JSON parsing,
+/// chat rendering, tokenization, message hashing) on tokio's blocking pool: on the
+/// async runtime it would stall every stream and probe that shares the runtime's few
+/// threads. Work for a large body first waits (asynchronously) for a permit.
+async fn off_runtime<T, F>(body_bytes: usize, work: F) -> Result<T, ApiError>
+where
+    F: FnOnce() -> Result<T, ApiError> + Send + 'static,
+    T: Send + 'static,
+{
+    let permit = match body_bytes >= LARGE_BODY_BYTES {
+        false => None,
+        true => Some(
+            large_work_permits()
+                .acquire_owned()
+                .await
+                .map_err(|_| ApiError::internal("the preparation pool is closed"))?,
+        ),
+    };
+    let work = move || {
+        let _permit = permit;
+        work()
+    };
+    tokio::task::spawn_blocking(work).await.unwrap_or_else(|e| {
+        Err(ApiError::internal(format!(
+            "preparing the request failed: {e}"
+        )))
+    })
+}
+
+/// A conversation that cannot be rendered or tokenized: a 400 naming `messages`.
+fn prompt_error(e: PromptError) -> ApiError {
+    ApiError::invalid_param("messages", e.to_string())
 }
 
 struct Prepared {

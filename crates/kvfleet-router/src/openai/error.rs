@@ -125,6 +125,18 @@ impl ApiError {
         }
     }
 
+    /// 408: the client did not send its whole body within the router's deadline.
+    pub fn body_timeout(limit: std::time::Duration) -> Self {
+        ApiError {
+            status: StatusCode::REQUEST_TIMEOUT,
+            message: format!("the request body did not arrive within {limit:?}"),
+            kind: "invalid_request_error",
+            param: None,
+            code: Some("request_timeout"),
+            retry_after: None,
+        }
+    }
+
     /// 429: a rate or concurrency limit; `kind` is OpenAI's `requests` or `tokens`.
     pub fn rate_limited(
         kind: &'static str,
