@@ -238,3 +238,31 @@ fn metrics_are_exposed_in_prometheus_format() {
         assert!(text.contains(name), "missing {name} in /metrics");
     }
 }
+
+#[test]
+fn a_request_longer_than_the_pool_ends_with_length_and_the_worker_keeps_serving() {
+    // 40 blocks of 16 tokens: 640 tokens of KV. The request asks for 3000 more and
+    // never stops on EOS; it used to preempt and re-admit itself forever.
+    let c = Cluster::up(&["--workers", "1", "--num-blocks", "40"]);
+    let mut big = chat(json!([{"role": "user", "content": filler(9, 100)}]), 3000);
+    big["ignore_eos"] = json!(true);
+    let t = std::time::Instant::now();
+    let (s, _, b) = c.post("/v1/chat/completions", &big, &[]);
+    assert_eq!(s, 200, "{b}");
+    assert_eq!(b["choices"][0]["finish_reason"], "length", "{b}");
+    let total = b["usage"]["total_tokens"].as_u64().unwrap_or(0);
+    assert!(
+        total > 100 && total <= 640,
+        "the pool holds 640 tokens; usage {b}"
+    );
+    eprintln!("FIGURE pool overflow ended after {:?}", t.elapsed());
+    let t = std::time::Instant::now();
+    let small = chat(json!([{"role": "user", "content": "hello"}]), 2);
+    let (s, _, b) = c.post("/v1/chat/completions", &small, &[]);
+    assert_eq!(s, 200, "{b}");
+    assert!(
+        t.elapsed() < std::time::Duration::from_secs(2),
+        "the next request took {:?}",
+        t.elapsed()
+    );
+}

@@ -28,7 +28,7 @@ use crate::outbox::{Delivery, Outbox};
 use kvfleet_core::{hash_blocks, TokenId};
 use kvfleet_engine::{
     load_model, new_backend, Engine, EngineError, FinishReason, ForkChild, ForkRequest,
-    ProgressGuard, Request, RequestId, StepOutput,
+    ProgressGuard, Request, RequestId, StepOutput, MAX_IDLE_STEPS,
 };
 use kvfleet_proto::v1 as pb;
 use std::collections::HashMap;
@@ -314,6 +314,9 @@ impl EngineLoop {
             self.flush_outboxes();
             if self.engine.has_unfinished() {
                 self.step();
+                if self.progress.idle_steps() > MAX_IDLE_STEPS {
+                    self.give_up_stalled();
+                }
             } else {
                 self.progress.reset();
             }
@@ -769,6 +772,29 @@ impl EngineLoop {
             (None, Delivery::Closed) => self.drop_request(o.id),
             (None, _) => {}
         }
+    }
+
+    /// The engine scheduled nothing for `MAX_IDLE_STEPS` turns in a row (about two
+    /// seconds of polling) with requests unfinished: they can never run, so end them
+    /// rather than hold the worker forever.
+    fn give_up_stalled(&mut self) {
+        tracing::error!(
+            worker = %self.worker_id,
+            load = ?self.engine.load(),
+            "engine made no progress; failing its requests"
+        );
+        self.fail_active(
+            Status::resource_exhausted(
+                "no progress: the worker could not schedule its requests (KV pool too \
+                 small for them?)",
+            ),
+            true,
+        );
+        // Fork prefixes and anything else no stream waits for.
+        for id in self.engine.unfinished_ids() {
+            self.engine.abort(id);
+        }
+        self.progress.reset();
     }
 
     /// Ends every unfinished request with `status`, aborting it in the engine too when
