@@ -238,3 +238,64 @@ fn metrics_are_exposed_in_prometheus_format() {
         assert!(text.contains(name), "missing {name} in /metrics");
     }
 }
+
+#[test]
+fn a_fresh_cluster_exposes_its_rare_series_at_zero() {
+    // Dashboards and alerts on fork groups and prefix breaks must read 0 on a fresh
+    // deployment, not "No data" until the first fork or break.
+    let c = Cluster::up(&["--workers", "1"]);
+    let text = c.get_text("/metrics");
+    let value = |series: &str| -> Option<f64> {
+        text.lines()
+            .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
+    };
+    let mut series = vec![
+        "kvfleet_fork_group_requests_total{colocated=\"true\"}".to_string(),
+        "kvfleet_fork_group_requests_total{colocated=\"false\"}".to_string(),
+        "kvfleet_fork_group_colocation_ratio".to_string(),
+    ];
+    for reason in [
+        "namespace_changed",
+        "tools_reordered",
+        "tools_changed",
+        "system_prompt_changed",
+        "message_edited",
+        "history_truncated",
+        "template_rendering",
+    ] {
+        series.push(format!(
+            "kvfleet_prefix_breaks_total{{reason=\"{reason}\"}}"
+        ));
+    }
+    for s in &series {
+        assert_eq!(value(s), Some(0.0), "{s} is not exposed at 0:\n{text}");
+    }
+}
+
+#[test]
+fn a_request_longer_than_the_pool_ends_with_length_and_the_worker_keeps_serving() {
+    // 40 blocks of 16 tokens: 640 tokens of KV. The request asks for 3000 more and
+    // never stops on EOS; it used to preempt and re-admit itself forever.
+    let c = Cluster::up(&["--workers", "1", "--num-blocks", "40"]);
+    let mut big = chat(json!([{"role": "user", "content": filler(9, 100)}]), 3000);
+    big["ignore_eos"] = json!(true);
+    let t = std::time::Instant::now();
+    let (s, _, b) = c.post("/v1/chat/completions", &big, &[]);
+    assert_eq!(s, 200, "{b}");
+    assert_eq!(b["choices"][0]["finish_reason"], "length", "{b}");
+    let total = b["usage"]["total_tokens"].as_u64().unwrap_or(0);
+    assert!(
+        total > 100 && total <= 640,
+        "the pool holds 640 tokens; usage {b}"
+    );
+    eprintln!("FIGURE pool overflow ended after {:?}", t.elapsed());
+    let t = std::time::Instant::now();
+    let small = chat(json!([{"role": "user", "content": "hello"}]), 2);
+    let (s, _, b) = c.post("/v1/chat/completions", &small, &[]);
+    assert_eq!(s, 200, "{b}");
+    assert!(
+        t.elapsed() < std::time::Duration::from_secs(2),
+        "the next request took {:?}",
+        t.elapsed()
+    );
+}

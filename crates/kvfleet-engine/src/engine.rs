@@ -332,6 +332,11 @@ impl Engine {
         self.scheduler.remove(id).is_some() || had_fork
     }
 
+    /// Every unfinished request's id (fork prefixes included).
+    pub fn unfinished_ids(&self) -> Vec<RequestId> {
+        self.scheduler.seqs.keys().copied().collect()
+    }
+
     /// Whether any request is unfinished.
     pub fn has_unfinished(&self) -> bool {
         !self.scheduler.seqs.is_empty()
@@ -374,9 +379,13 @@ impl Engine {
     pub fn step(&mut self) -> Result<Vec<StepOutput>> {
         let chunks = self.scheduler.schedule();
         self.stats.preemptions += self.scheduler.preempted_last_step.len() as u64;
+        let mut outputs = Vec::new();
+        for id in std::mem::take(&mut self.scheduler.exhausted) {
+            self.end_exhausted(id, &mut outputs);
+        }
         if chunks.is_empty() {
             self.publish_events();
-            return Ok(Vec::new());
+            return Ok(outputs);
         }
         self.stats.steps += 1;
         let logits = {
@@ -400,7 +409,6 @@ impl Engine {
             }
             self.backend.forward(&items)?
         };
-        let mut outputs = Vec::new();
         let mut prefilled = Vec::new();
         for (chunk, row) in chunks.iter().zip(logits) {
             if let Some(s) = self.scheduler.seqs.get(&chunk.seq) {
@@ -541,6 +549,9 @@ impl Engine {
     ) {
         self.scheduler.commit(chunk);
         let max_pos = self.backend.config().max_position_embeddings;
+        // The pool is this worker's context limit too: a sequence as long as the whole
+        // pool could not compute its next token even running alone.
+        let pool_tokens = self.scheduler.pool.num_blocks() * self.config.block_size;
         let Some(seq) = self.scheduler.seqs.get_mut(&chunk.seq) else {
             return;
         };
@@ -599,7 +610,9 @@ impl Engine {
                 }
             }
             if out.finish.is_none()
-                && (seq.num_generated() >= seq.params.max_tokens || seq.tokens.len() >= max_pos)
+                && (seq.num_generated() >= seq.params.max_tokens
+                    || seq.tokens.len() >= max_pos
+                    || seq.tokens.len() >= pool_tokens)
             {
                 out.finish = Some(FinishReason::Length);
                 if let Some(t) = &self.tokenizer {
@@ -618,6 +631,52 @@ impl Engine {
             seq.status = SeqStatus::Finished(f);
         }
         outputs.push(out);
+    }
+
+    /// Ends a sequence the scheduler found unable to grow in the whole pool, with
+    /// `Length` and whatever text it still held back; a fork parent's children end
+    /// with it (they were never spawned).
+    fn end_exhausted(&mut self, id: RequestId, outputs: &mut Vec<StepOutput>) {
+        let Some(seq) = self.scheduler.seqs.get_mut(&id) else {
+            return;
+        };
+        if seq.prefill_only {
+            let prefix_len = seq.prompt_len;
+            if let Some((_, children)) = self.forks.remove(&id) {
+                outputs.extend(children.into_iter().map(|c| StepOutput {
+                    id: c.id,
+                    token: None,
+                    text: String::new(),
+                    finish: Some(FinishReason::Length),
+                    prompt_tokens: prefix_len + c.suffix.len(),
+                    cached_tokens: 0,
+                    logits: None,
+                }));
+            }
+        } else {
+            let mut text = String::new();
+            let mut finish = FinishReason::Length;
+            if let Some(t) = &self.tokenizer {
+                let tail = seq.decoder.finish(t.as_ref()).unwrap_or_default();
+                let check = seq.stop.push(&tail);
+                text = check.emit;
+                if check.stopped {
+                    finish = FinishReason::Stop;
+                } else {
+                    text.push_str(&seq.stop.flush());
+                }
+            }
+            outputs.push(StepOutput {
+                id,
+                token: None,
+                text,
+                finish: Some(finish),
+                prompt_tokens: seq.prompt_len,
+                cached_tokens: seq.cached_tokens.unwrap_or(0),
+                logits: None,
+            });
+        }
+        self.scheduler.remove(id);
     }
 
     /// Turns a finished fork parent into its children: each shares the parent's full

@@ -6,7 +6,8 @@
 //! blocks, nobody behind it jumps the queue). When blocks run out for a running
 //! sequence, the newest running sequence is preempted: its blocks are released
 //! (tail-first, so its prefix stays cached) and it is recomputed later, keeping every
-//! token it generated, so no request is lost.
+//! token it generated, so no request is lost. A sequence that cannot grow while it runs
+//! alone has outgrown the pool: it is reported in `exhausted` for the engine to end.
 //!
 //! Prefix reuse happens at admission (the longest run of cached blocks) and at every
 //! block allocation (a block some other sequence published in the meantime). A block
@@ -56,6 +57,10 @@ pub struct Scheduler {
     pub waiting: VecDeque<RequestId>,
     /// Sequences preempted during the last `schedule` (for metrics and tests).
     pub preempted_last_step: Vec<RequestId>,
+    /// Sequences the last `schedule` found unable to grow although they held the
+    /// whole pool: the engine ends them (`Length`) instead of preempting them and
+    /// re-admitting them forever. They are out of `running` but still in `seqs`.
+    pub exhausted: Vec<RequestId>,
 }
 
 enum Grow {
@@ -75,6 +80,7 @@ impl Scheduler {
             running: Vec::new(),
             waiting: VecDeque::new(),
             preempted_last_step: Vec::new(),
+            exhausted: Vec::new(),
         }
     }
 
@@ -107,6 +113,7 @@ impl Scheduler {
     /// Decides this step's work.
     pub fn schedule(&mut self) -> Vec<ScheduledChunk> {
         self.preempted_last_step.clear();
+        self.exhausted.clear();
         let mut budget = self.config.max_batched_tokens;
         let mut chunks = Vec::new();
 
@@ -130,6 +137,13 @@ impl Scheduler {
                         let Some(victim) = self.running.last().copied() else {
                             break;
                         };
+                        if victim == id && self.running.len() == 1 {
+                            // Alone, it holds every block it could ever get: preempting
+                            // it would only re-admit it into the same wall.
+                            self.running.retain(|r| *r != id);
+                            self.exhausted.push(id);
+                            break;
+                        }
                         self.preempt(victim);
                         if victim == id {
                             break;

@@ -399,3 +399,46 @@ fn stop_tokens_and_max_tokens_end_generation() {
     assert_eq!(stopped.tokens, free.tokens[..first].to_vec());
     assert_eq!(stopped.finish, FinishReason::Stop);
 }
+
+/// Steps `e` until nothing is unfinished or `max_steps` pass; returns every output.
+fn step_until_done(e: &mut Engine, max_steps: usize) -> Vec<kvfleet_engine::StepOutput> {
+    let mut outs = Vec::new();
+    for _ in 0..max_steps {
+        if !e.has_unfinished() {
+            break;
+        }
+        outs.extend(e.step().unwrap());
+    }
+    outs
+}
+
+#[test]
+fn a_request_that_outgrows_the_whole_pool_finishes_with_length() {
+    // 40 blocks of 16 hold 640 tokens; the request asks for far more. Once it holds the
+    // whole pool it can never grow: it must end (Length), not preempt and re-admit
+    // itself forever.
+    let m = model();
+    let mut e = engine_with(&m, 40, 256, 4);
+    let p = prompt(77, 20);
+    e.add_request(Request::new(1, p.clone(), greedy(3000)))
+        .unwrap();
+    let outs = step_until_done(&mut e, 5000);
+    assert!(
+        !e.has_unfinished(),
+        "the request never finished ({} preemptions so far)",
+        e.stats().preemptions
+    );
+    let finish: Vec<_> = outs.iter().filter_map(|o| o.finish).collect();
+    assert_eq!(finish, vec![FinishReason::Length]);
+    let generated = outs.iter().filter(|o| o.token.is_some()).count();
+    assert!(
+        generated > 0 && p.len() + generated <= 40 * BS,
+        "generated {generated} tokens"
+    );
+    e.check_invariants().unwrap();
+    // The engine serves the next request normally.
+    e.add_request(Request::new(2, p, greedy(4))).unwrap();
+    let done = e.run_to_completion().unwrap();
+    assert_eq!(done.len(), 1);
+    assert_eq!(done[0].tokens.len(), 4);
+}

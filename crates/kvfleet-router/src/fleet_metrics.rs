@@ -27,6 +27,7 @@ pub fn prometheus_handle() -> Option<PrometheusHandle> {
             let handle = recorder.handle();
             metrics::set_global_recorder(recorder).ok()?;
             describe();
+            register_at_zero();
             Some(handle)
         })
         .clone()
@@ -135,6 +136,18 @@ fn describe() {
         "kvfleet_agent_status_tokens_total",
         "Prompt tokens of rendered agent statuses (never cached in replace mode), by status_mode."
     );
+}
+
+/// Series that appear only on a rare first use (a fork group, a prefix break), set to
+/// zero at start so a fresh deployment's dashboards and alerts read 0, not "No data".
+fn register_at_zero() {
+    for colocated in ["true", "false"] {
+        counter!("kvfleet_fork_group_requests_total", "colocated" => colocated).absolute(0);
+    }
+    gauge!("kvfleet_fork_group_colocation_ratio").set(0.0);
+    for reason in crate::prefix_breaks::BreakReason::ALL {
+        counter!("kvfleet_prefix_breaks_total", "reason" => reason.as_str()).absolute(0);
+    }
 }
 
 /// A finished request, by policy and outcome (`ok`, `client_error`, `worker_error`...).

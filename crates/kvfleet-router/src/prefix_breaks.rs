@@ -82,6 +82,17 @@ pub enum BreakReason {
 }
 
 impl BreakReason {
+    /// Every reason, for registering the metric's series before the first break.
+    pub const ALL: [BreakReason; 7] = [
+        BreakReason::NamespaceChanged,
+        BreakReason::ToolsReordered,
+        BreakReason::ToolsChanged,
+        BreakReason::SystemPromptChanged,
+        BreakReason::MessageEdited,
+        BreakReason::HistoryTruncated,
+        BreakReason::TemplateRendering,
+    ];
+
     /// The metric label and header value.
     pub fn as_str(self) -> &'static str {
         match self {

@@ -1,7 +1,7 @@
 //! The messages between the gRPC handlers and the engine thread: the commands, their
 //! replies, and the handlers' end of the bounded command queue.
 
-use kvfleet_core::{BlockHash, TokenId};
+use kvfleet_core::TokenId;
 use kvfleet_engine::{EngineLoad, EngineStats, SamplingParams};
 use kvfleet_proto::v1 as pb;
 use std::sync::mpsc::{self, SyncSender};
@@ -68,19 +68,12 @@ pub(crate) struct ForkChildCommand {
 }
 
 /// The engine's load and totals, taken together.
+#[derive(Clone, Default)]
 pub(crate) struct LoadSnapshot {
     /// Current load.
     pub load: EngineLoad,
     /// Totals since start.
     pub stats: EngineStats,
-}
-
-/// Every cached block and the last event sequence number the list reflects.
-pub(crate) struct CacheSnapshot {
-    /// Last KV event published before the snapshot.
-    pub seq: u64,
-    /// (hash, parent) of every ready cached block.
-    pub blocks: Vec<(BlockHash, Option<BlockHash>)>,
 }
 
 /// What the gRPC side asks of the engine thread.
@@ -89,19 +82,9 @@ pub(crate) enum Command {
     Generate(Box<GenerateCommand>),
     /// Start a fork: a shared prefix computed once, then its children.
     Fork(Box<ForkCommand>),
-    /// Abort a request by its gRPC id; replies whether it was unfinished.
-    Abort {
-        request_id: String,
-        reply: oneshot::Sender<bool>,
-    },
-    /// Report load and totals.
-    Load {
-        reply: oneshot::Sender<LoadSnapshot>,
-    },
-    /// Report the cache contents.
-    Dump {
-        reply: oneshot::Sender<CacheSnapshot>,
-    },
+    /// Abort a request (or a fork) by its gRPC id. Nobody waits for it: the handler
+    /// answers from the engine's published state at once.
+    Abort { request_id: String },
 }
 
 /// The gRPC side's end of the command queue.
@@ -131,16 +114,5 @@ impl EngineHandle {
                 Err(Status::unavailable("the worker's engine has stopped"))
             }
         }
-    }
-
-    /// Sends a command carrying a reply channel and awaits the reply.
-    pub(crate) async fn query<T>(
-        &self,
-        make: impl FnOnce(oneshot::Sender<T>) -> Command,
-    ) -> Result<T, Status> {
-        let (tx, rx) = oneshot::channel();
-        self.send(make(tx))?;
-        rx.await
-            .map_err(|_| Status::unavailable("the worker's engine stopped before answering"))
     }
 }

@@ -3,6 +3,15 @@
 
 use crate::error::WorkerError;
 use kvfleet_engine::{Device, EngineConfig, KvPool, LoadedModel};
+use std::time::Duration;
+
+/// Faults the engine thread injects on purpose, for fault tests only (the hidden
+/// `--fault-*` flags of `kvfleet worker` and `kvfleet up`). The default injects none.
+#[derive(Clone, Debug, Default)]
+pub struct EngineFaults {
+    /// Sleep this long before every engine step (a slow prefill on a real model).
+    pub step_delay: Option<Duration>,
+}
 
 /// The model a worker serves.
 #[derive(Clone)]
@@ -79,6 +88,8 @@ pub struct WorkerConfig {
     /// Messages buffered per `Generate` stream; a slower client gets its tokens
     /// coalesced into fewer messages, never dropped.
     pub stream_buffer: usize,
+    /// Faults to inject (tests only; none by default).
+    pub faults: EngineFaults,
 }
 
 impl WorkerConfig {
@@ -100,6 +111,7 @@ impl WorkerConfig {
             event_subscriber_buffer: 4096,
             command_queue_capacity: 1024,
             stream_buffer: 64,
+            faults: EngineFaults::default(),
         }
     }
 

@@ -17,18 +17,19 @@
 //! the prefix computation is aborted too.
 
 use crate::commands::{
-    CacheSnapshot, Command, EngineHandle, ForkCommand, GenerateCommand, LoadSnapshot, StreamSender,
+    Command, EngineHandle, ForkCommand, GenerateCommand, LoadSnapshot, StreamSender,
 };
-use crate::config::{WorkerConfig, WorkerModel};
+use crate::config::{EngineFaults, WorkerConfig, WorkerModel};
 use crate::convert::{self, u32_of};
 use crate::engine_metrics::EngineMetrics;
+use crate::engine_state::EngineState;
 use crate::error::WorkerError;
 use crate::event_log::EventLog;
 use crate::outbox::{Delivery, Outbox};
 use kvfleet_core::{hash_blocks, TokenId};
 use kvfleet_engine::{
     load_model, new_backend, Engine, EngineError, FinishReason, ForkChild, ForkRequest,
-    ProgressGuard, Request, RequestId, StepOutput,
+    ProgressGuard, Request, RequestId, StepOutput, MAX_IDLE_STEPS,
 };
 use kvfleet_proto::v1 as pb;
 use std::collections::HashMap;
@@ -55,6 +56,8 @@ pub(crate) struct EngineThread {
     pub ready: oneshot::Receiver<Result<pb::InfoResponse, WorkerError>>,
     /// Its sender is dropped when the thread ends.
     pub stopped: watch::Receiver<()>,
+    /// What the engine publishes for the handlers (load, unfinished names).
+    pub state: Arc<EngineState>,
 }
 
 /// Starts the engine thread: it loads the model, builds the engine (publishing KV
@@ -69,6 +72,8 @@ pub(crate) fn spawn(
     let (stopped_tx, stopped_rx) = watch::channel(());
     let capacity = config.command_queue_capacity;
     let config = config.clone();
+    let state = Arc::new(EngineState::default());
+    let published = Arc::clone(&state);
     std::thread::Builder::new()
         .name(format!("kvfleet-engine-{}", config.worker_id))
         .spawn(move || {
@@ -84,12 +89,20 @@ pub(crate) fn spawn(
             if ready_tx.send(Ok(info)).is_err() {
                 return;
             }
-            EngineLoop::new(engine, rx, &config.worker_id).run();
+            EngineLoop::new(
+                engine,
+                rx,
+                &config.worker_id,
+                config.faults.clone(),
+                published,
+            )
+            .run();
         })?;
     Ok(EngineThread {
         handle: EngineHandle::new(tx, capacity),
         ready: ready_rx,
         stopped: stopped_rx,
+        state,
     })
 }
 
@@ -217,6 +230,9 @@ struct EngineLoop {
     /// (the guard `Engine::run_to_completion` uses too).
     progress: ProgressGuard,
     metrics: EngineMetrics,
+    faults: EngineFaults,
+    /// Published for the gRPC handlers.
+    state: Arc<EngineState>,
 }
 
 fn engine_status(e: EngineError) -> Status {
@@ -235,7 +251,13 @@ fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
 }
 
 impl EngineLoop {
-    fn new(engine: Engine, commands: Receiver<Command>, worker_id: &str) -> Self {
+    fn new(
+        engine: Engine,
+        commands: Receiver<Command>,
+        worker_id: &str,
+        faults: EngineFaults,
+        state: Arc<EngineState>,
+    ) -> Self {
         EngineLoop {
             engine,
             commands,
@@ -249,6 +271,8 @@ impl EngineLoop {
             next_id: 1,
             progress: ProgressGuard::new(),
             metrics: EngineMetrics::new(worker_id),
+            faults,
+            state,
         }
     }
 
@@ -313,36 +337,35 @@ impl EngineLoop {
             self.reap_disconnected();
             self.flush_outboxes();
             if self.engine.has_unfinished() {
+                // The requests just taken show in `Load` while the step runs.
+                self.publish_load();
                 self.step();
+                if self.progress.idle_steps() > MAX_IDLE_STEPS {
+                    self.give_up_stalled();
+                }
             } else {
                 self.progress.reset();
             }
-            self.metrics
-                .update(&self.engine.load(), self.engine.stats());
+            self.publish_load();
         }
+    }
+
+    /// Publishes the engine's load and totals, for `Load` and the metrics.
+    fn publish_load(&mut self) {
+        let load = self.engine.load();
+        self.metrics.update(&load, self.engine.stats());
+        self.state.publish_load(LoadSnapshot {
+            load,
+            stats: self.engine.stats().clone(),
+        });
     }
 
     fn handle(&mut self, cmd: Command) {
         match cmd {
             Command::Generate(g) => self.start(*g),
             Command::Fork(f) => self.start_fork(*f),
-            Command::Abort { request_id, reply } => {
-                let found = self.abort_by_name(&request_id);
-                let _ = reply.send(found);
-            }
-            Command::Load { reply } => {
-                let _ = reply.send(LoadSnapshot {
-                    load: self.engine.load(),
-                    stats: self.engine.stats().clone(),
-                });
-            }
-            Command::Dump { reply } => {
-                // Between steps the pool has no unpublished events, so the dump and
-                // the sequence number describe the same state.
-                let _ = reply.send(CacheSnapshot {
-                    seq: self.engine.last_event_seq(),
-                    blocks: self.engine.cache_dump(),
-                });
+            Command::Abort { request_id } => {
+                self.abort_by_name(&request_id);
             }
         }
     }
@@ -426,8 +449,11 @@ impl EngineLoop {
             let _ = accepted.send(Err(engine_status(e)));
             return;
         }
+        // Live before the caller hears of it, so an `Abort` right after finds it.
+        self.state.started(&name);
         if accepted.send(Ok(())).is_err() {
             // The call was cancelled while it waited in the queue.
+            self.state.ended(&name);
             self.engine.abort(id);
             return;
         }
@@ -525,8 +551,14 @@ impl EngineLoop {
             let _ = accepted.send(Err(engine_status(e)));
             return;
         }
+        for n in std::iter::once(&name).chain(&child_names) {
+            self.state.started(n);
+        }
         if accepted.send(Ok(())).is_err() {
             // The call was cancelled while it waited in the queue.
+            for n in std::iter::once(&name).chain(&child_names) {
+                self.state.ended(n);
+            }
             self.engine.abort(prefix_id);
             return;
         }
@@ -612,6 +644,7 @@ impl EngineLoop {
         }
         let prefix = f.prefix;
         self.forks.remove(name);
+        self.state.ended(name);
         if let Some(p) = prefix {
             self.prefixes.remove(&p);
             if !self.poisoned {
@@ -625,6 +658,7 @@ impl EngineLoop {
     fn retire(&mut self, id: RequestId, delivery: Delivery) {
         if let Some(a) = self.active.remove(&id) {
             self.by_name.remove(&a.name);
+            self.state.ended(&a.name);
             if let Some(fork) = &a.fork {
                 self.leave_fork(fork, id);
             }
@@ -712,8 +746,14 @@ impl EngineLoop {
     }
 
     fn step(&mut self) {
+        if let Some(d) = self.faults.step_delay {
+            std::thread::sleep(d);
+        }
         match self.progress.step(&mut self.engine) {
             Ok(outputs) => {
+                // Before any stream hears of a finish, so a `Load` right after it
+                // already counts the request done.
+                self.publish_load();
                 let now = Instant::now();
                 for o in outputs {
                     self.route(o, now);
@@ -769,6 +809,29 @@ impl EngineLoop {
             (None, Delivery::Closed) => self.drop_request(o.id),
             (None, _) => {}
         }
+    }
+
+    /// The engine scheduled nothing for `MAX_IDLE_STEPS` turns in a row (about two
+    /// seconds of polling) with requests unfinished: they can never run, so end them
+    /// rather than hold the worker forever.
+    fn give_up_stalled(&mut self) {
+        tracing::error!(
+            worker = %self.worker_id,
+            load = ?self.engine.load(),
+            "engine made no progress; failing its requests"
+        );
+        self.fail_active(
+            Status::resource_exhausted(
+                "no progress: the worker could not schedule its requests (KV pool too \
+                 small for them?)",
+            ),
+            true,
+        );
+        // Fork prefixes and anything else no stream waits for.
+        for id in self.engine.unfinished_ids() {
+            self.engine.abort(id);
+        }
+        self.progress.reset();
     }
 
     /// Ends every unfinished request with `status`, aborting it in the engine too when

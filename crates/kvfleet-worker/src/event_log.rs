@@ -11,9 +11,10 @@
 
 use crate::convert;
 use futures::Stream;
-use kvfleet_engine::{KvEvent, KvEventSink};
+use kvfleet_core::BlockHash;
+use kvfleet_engine::{KvEvent, KvEventKind, KvEventSink};
 use kvfleet_proto::v1::KvEventBatch;
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 use tokio::sync::{broadcast, watch};
 use tonic::Status;
@@ -68,6 +69,32 @@ struct Ring {
     events: VecDeque<Arc<KvEvent>>,
     capacity: usize,
     last_seq: u64,
+    /// Every cached block (hash → parent) as the events up to `last_seq` describe it:
+    /// `CacheDump` answers from here instead of waiting for the engine thread.
+    cached: HashMap<BlockHash, Option<BlockHash>>,
+}
+
+impl Ring {
+    fn apply(&mut self, kind: &KvEventKind) {
+        match kind {
+            KvEventKind::Stored {
+                parent_hash,
+                block_hashes,
+            } => {
+                let mut parent = *parent_hash;
+                for &h in block_hashes {
+                    self.cached.insert(h, parent);
+                    parent = Some(h);
+                }
+            }
+            KvEventKind::Removed { block_hashes } => {
+                for h in block_hashes {
+                    self.cached.remove(h);
+                }
+            }
+            KvEventKind::Cleared => self.cached.clear(),
+        }
+    }
 }
 
 /// The engine's [`KvEventSink`]: keeps the last `capacity` events and forwards every
@@ -90,6 +117,7 @@ impl EventLog {
                 events: VecDeque::with_capacity(capacity.min(4096)),
                 capacity,
                 last_seq: 0,
+                cached: HashMap::new(),
             }),
             live,
         }
@@ -109,6 +137,16 @@ impl EventLog {
     pub fn oldest_seq(&self) -> u64 {
         let ring = self.lock();
         ring.events.front().map_or(ring.last_seq + 1, |e| e.seq)
+    }
+
+    /// Every cached block (hash, parent) and the last event sequence number the list
+    /// reflects, taken together.
+    pub fn cache_dump(&self) -> (u64, Vec<(BlockHash, Option<BlockHash>)>) {
+        let ring = self.lock();
+        (
+            ring.last_seq,
+            ring.cached.iter().map(|(h, p)| (*h, *p)).collect(),
+        )
     }
 
     fn lock(&self) -> MutexGuard<'_, Ring> {
@@ -179,6 +217,7 @@ impl KvEventSink for EventLog {
         let event = Arc::new(event.clone());
         let mut ring = self.lock();
         ring.last_seq = event.seq;
+        ring.apply(&event.kind);
         ring.events.push_back(Arc::clone(&event));
         while ring.events.len() > ring.capacity {
             ring.events.pop_front();

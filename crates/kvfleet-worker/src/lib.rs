@@ -3,7 +3,8 @@
 //!
 //! - `engine_loop` (private): the OS thread that owns the synchronous engine and
 //!   serves a bounded queue of `commands`; `outbox` holds what a slow client has not
-//!   taken yet; `engine_metrics` records the worker's metrics (all private).
+//!   taken yet; `engine_metrics` records the worker's metrics; `engine_state` is what the engine
+//!   publishes for `Load` and `Abort` (all private).
 //! - [`event_log`]: the engine's KV event sink, a bounded replay ring and live fan-out.
 //! - [`service`]: the tonic service, [`WorkerService`].
 //! - [`server`]: [`serve`] on a listener, or [`spawn_worker`] on a loopback port.
@@ -25,13 +26,14 @@ pub mod control_plane;
 mod convert;
 mod engine_loop;
 mod engine_metrics;
+mod engine_state;
 pub mod error;
 pub mod event_log;
 mod outbox;
 pub mod server;
 pub mod service;
 
-pub use config::{WorkerConfig, WorkerModel};
+pub use config::{EngineFaults, WorkerConfig, WorkerModel};
 pub use engine_metrics::describe_metrics;
 pub use error::WorkerError;
 pub use event_log::{EventLog, SubscribeError, Subscription};

@@ -1,12 +1,14 @@
 //! The tonic service: the `kvfleet.v1.Worker` RPCs, answered by the engine thread
-//! (`Generate`, `Fork`, `Abort`, `Load`, `CacheDump`), the event log (`KvEvents`) or the
-//! worker's static facts (`Info`). Handlers never block: they queue a command with
-//! `try_send` and await the engine thread's reply.
+//! (`Generate`, `Fork`), the state it publishes (`Load`, `Abort`, which queues the
+//! abort and returns), the event log (`KvEvents`, `CacheDump`) or the worker's static
+//! facts (`Info`). Handlers never block and never wait behind an engine step, except
+//! `Generate` and `Fork` for their acceptance: they queue a command with `try_send`.
 
 use crate::commands::{Command, EngineHandle, ForkChildCommand, ForkCommand, GenerateCommand};
 use crate::config::WorkerConfig;
 use crate::convert;
 use crate::engine_loop;
+use crate::engine_state::EngineState;
 use crate::error::WorkerError;
 use crate::event_log::EventLog;
 use futures::Stream;
@@ -46,6 +48,7 @@ pub struct WorkerService {
     stream_buffer: usize,
     closing: Arc<watch::Sender<bool>>,
     stopped: watch::Receiver<()>,
+    state: Arc<EngineState>,
 }
 
 /// Ends the live `KvEvents` streams of a worker (with UNAVAILABLE), which would
@@ -92,6 +95,7 @@ impl WorkerService {
             stream_buffer: config.stream_buffer,
             closing: Arc::new(closing),
             stopped: thread.stopped,
+            state: thread.state,
         })
     }
 
@@ -121,6 +125,14 @@ impl WorkerService {
     /// The service wrapped for `tonic::transport::Server::add_service`.
     pub fn into_server(self) -> WorkerServer<Self> {
         WorkerServer::new(self)
+    }
+
+    /// Published state is only served while the engine thread runs.
+    fn check_engine_running(&self) -> Result<(), Status> {
+        if self.stopped.has_changed().is_err() {
+            return Err(Status::unavailable("the worker's engine has stopped"));
+        }
+        Ok(())
     }
 
     /// A draining worker (graceful shutdown started) takes no new request: UNAVAILABLE
@@ -297,12 +309,12 @@ impl Worker for WorkerService {
         &self,
         _request: Request<pb::CacheDumpRequest>,
     ) -> Result<Response<pb::CacheDumpResponse>, Status> {
-        let dump = self.engine.query(|reply| Command::Dump { reply }).await?;
+        self.check_engine_running()?;
+        let (seq, blocks) = self.events.cache_dump();
         Ok(Response::new(pb::CacheDumpResponse {
             worker_id: self.info.worker_id.clone(),
-            seq: dump.seq,
-            blocks: dump
-                .blocks
+            seq,
+            blocks: blocks
                 .into_iter()
                 .map(|(hash, parent)| pb::CachedBlock {
                     hash: hash.0,
@@ -316,7 +328,8 @@ impl Worker for WorkerService {
         &self,
         _request: Request<pb::LoadRequest>,
     ) -> Result<Response<pb::LoadResponse>, Status> {
-        let snap = self.engine.query(|reply| Command::Load { reply }).await?;
+        self.check_engine_running()?;
+        let snap = self.state.load();
         Ok(Response::new(convert::load_response(
             &self.info.worker_id,
             &snap.load,
@@ -337,10 +350,11 @@ impl Worker for WorkerService {
         request: Request<pb::AbortRequest>,
     ) -> Result<Response<pb::AbortResponse>, Status> {
         let request_id = request.into_inner().request_id;
-        let found = self
-            .engine
-            .query(|reply| Command::Abort { request_id, reply })
-            .await?;
+        // Queued, not awaited: the engine carries it out after its current step.
+        let found = self.state.is_live(&request_id);
+        if found {
+            self.engine.send(Command::Abort { request_id })?;
+        }
         Ok(Response::new(pb::AbortResponse { found }))
     }
 }

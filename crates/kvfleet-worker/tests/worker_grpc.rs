@@ -479,3 +479,49 @@ async fn shutdown_is_graceful_with_live_event_subscribers() {
         }
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn load_cache_dump_and_abort_answer_while_a_long_step_runs() {
+    // Every engine step takes 4 s (a long prefill on a real model): the unary calls
+    // must not wait behind it, or a busy worker looks dead to its routers.
+    let (handle, mut client) = worker("w-slow-step", |c| {
+        c.faults.step_delay = Some(Duration::from_secs(4));
+    })
+    .await;
+    let stream = client
+        .generate(request("slow", prompt(3, 40), 4))
+        .await
+        .expect("accepted")
+        .into_inner();
+    // The engine thread is now inside its first step.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let prompt_answer = Duration::from_secs(1);
+    let l = tokio::time::timeout(prompt_answer, client.load(pb::LoadRequest {}))
+        .await
+        .expect("Load answered during the step")
+        .expect("load")
+        .into_inner();
+    assert_eq!(l.running + l.waiting, 1, "{l:?}");
+    assert_eq!(l.total_blocks, 256);
+    tokio::time::timeout(prompt_answer, client.cache_dump(pb::CacheDumpRequest {}))
+        .await
+        .expect("CacheDump answered during the step")
+        .expect("cache dump");
+    let found = tokio::time::timeout(
+        prompt_answer,
+        client.abort(pb::AbortRequest {
+            request_id: "slow".into(),
+        }),
+    )
+    .await
+    .expect("Abort answered during the step")
+    .expect("abort")
+    .into_inner()
+    .found;
+    assert!(found);
+    // The abort is carried out once the step ends.
+    let msgs = collect(stream).await;
+    let last = msgs.last().expect("a final message");
+    assert_eq!(last.finish_reason, pb::FinishReason::Aborted as i32);
+    handle.shutdown().await.unwrap();
+}
