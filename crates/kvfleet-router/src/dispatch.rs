@@ -1,5 +1,12 @@
 //! Sending one request to a worker: route it, call the worker, and retry on another
-//! worker while it has not started (no message received yet).
+//! worker while none has accepted it.
+//!
+//! A worker acknowledges a request as soon as its engine queues it (an `accepted`
+//! message, before the prefill). The first-token deadline bounds only that
+//! acknowledgement (or, from a worker too old to send one, the first token); from then
+//! on the request is the worker's, and a separate, longer deadline bounds its time in
+//! the queue. Past it the request is aborted and the client told, never re-prefilled
+//! elsewhere: a deep queue is load, not a failure.
 
 use crate::control_hooks::{PlacementRef, RequestFacts, RequestUsage};
 use crate::decision_log::NewDecision;
@@ -97,21 +104,41 @@ pub async fn dispatch(fleet: &Arc<Fleet>, spec: &GenerationSpec) -> Result<Dispa
             cacheable_len: spec.cacheable_len,
             sampling: Some(spec.sampling.clone()),
             fork_group: spec.fork_group.clone(),
+            report_acceptance: true,
         };
         async move { conn.generate(req).await }
     })
     .await
 }
 
+/// A message of a worker's response stream, which may be its acknowledgement.
+pub trait WorkerMessage {
+    /// The acknowledgement this message is, if it is one.
+    fn acceptance(&self) -> Option<pb::Accepted>;
+}
+
+impl WorkerMessage for pb::GenerateResponse {
+    fn acceptance(&self) -> Option<pb::Accepted> {
+        self.accepted
+    }
+}
+
+impl WorkerMessage for pb::ForkResponse {
+    fn acceptance(&self) -> Option<pb::Accepted> {
+        self.response.as_ref().and_then(|r| r.accepted)
+    }
+}
+
 /// Routes `spec` (its hashes, length, policy and fork group) and starts it with
-/// `start` on the chosen worker, retrying elsewhere while no worker has started it.
+/// `start` on the chosen worker, retrying elsewhere while no worker has accepted it.
+/// `start` should ask for an acknowledgement (`report_acceptance`).
 pub async fn dispatch_with<T, F, Fut>(
     fleet: &Arc<Fleet>,
     spec: &GenerationSpec,
     start: F,
 ) -> Result<Dispatched<T>, ApiError>
 where
-    T: prost::Message + Default + 'static,
+    T: prost::Message + Default + WorkerMessage + 'static,
     F: Fn(WorkerConn) -> Fut,
     Fut: Future<Output = Result<tonic::Streaming<T>, tonic::Status>>,
 {
@@ -213,9 +240,50 @@ where
             let first = stream.message().await?;
             Ok::<_, tonic::Status>((stream, first))
         };
+        let abort_in_background = |conn: WorkerConn| {
+            // A hung worker would hold the abort for a whole unary deadline: send it in
+            // the background.
+            let id = spec.request_id.clone();
+            tokio::spawn(async move {
+                let _ = conn.abort(&id).await;
+            });
+        };
         match tokio::time::timeout(fleet.config.first_message_timeout, call).await {
-            Ok(Ok((stream, Some(first)))) => {
+            Ok(Ok((mut stream, Some(mut first)))) => {
                 fleet.workers.breaker_success(&worker);
+                if let Some(ack) = first.acceptance() {
+                    // Accepted: whatever happens now, the request is this worker's.
+                    m::queue_position(&worker, ack.queue_position);
+                    first =
+                        match tokio::time::timeout(fleet.config.queued_timeout, stream.message())
+                            .await
+                        {
+                            Ok(Ok(Some(m))) => m,
+                            Ok(Ok(None)) => {
+                                cancel_reservation();
+                                return Err(ApiError::worker_failed(format!(
+                                    "worker {worker} closed the stream after accepting the request"
+                                )));
+                            }
+                            Ok(Err(status)) => {
+                                cancel_reservation();
+                                return Err(ApiError::worker_failed(format!(
+                                    "worker {worker} failed the request: {}",
+                                    status.message()
+                                )));
+                            }
+                            Err(_) => {
+                                abort_in_background(conn);
+                                m::deadline_exceeded(&worker, "queued");
+                                cancel_reservation();
+                                return Err(ApiError::unavailable(format!(
+                                "the request waited in worker {worker}'s queue for longer than \
+                                 {:?}; the fleet is overloaded, retry later",
+                                fleet.config.queued_timeout
+                            )));
+                            }
+                        };
+                }
                 m::routed(&worker, decision.policy);
                 guard.decision_seq = fleet.decisions.record(
                     NewDecision {
@@ -280,12 +348,8 @@ where
                 }
             },
             Err(_) => {
-                // A hung worker would hold the abort for a whole unary deadline: send
-                // it in the background.
-                let id = spec.request_id.clone();
-                tokio::spawn(async move {
-                    let _ = conn.abort(&id).await;
-                });
+                // Not even acknowledged: hung, or too old to acknowledge.
+                abort_in_background(conn);
                 m::deadline_exceeded(&worker, "first_token");
                 // Missed the deadline: the breaker decides when it is out, not one miss.
                 cancel_reservation();

@@ -220,6 +220,7 @@ impl Worker for WorkerService {
                 fork_group: req.fork_group,
                 received_at,
                 stream: tx,
+                report_acceptance: req.report_acceptance,
                 accepted: accepted_tx,
             })))?;
         match accepted_rx.await {
@@ -263,6 +264,7 @@ impl Worker for WorkerService {
             children,
             fork_group: req.fork_group,
             received_at,
+            report_acceptance: req.report_acceptance,
             accepted: accepted_tx,
         })))?;
         match accepted_rx.await {

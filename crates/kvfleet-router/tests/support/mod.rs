@@ -1,0 +1,3 @@
+//! What the router's integration tests share.
+
+pub mod fake_worker;
