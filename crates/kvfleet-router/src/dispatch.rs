@@ -223,16 +223,11 @@ where
                 fleet.routing.cancel_reservation(r);
             }
         };
-        // The connection failed: out of the index until its supervisor reconnects.
-        let give_up_on_worker = |why: String| {
-            cancel_reservation();
-            fleet.workers.worker_failed(&worker);
-            fleet.workers.breaker_failure(&worker);
-            why
-        };
         fleet.workers.breaker_request_started(&worker);
         let Some(conn) = fleet.conn(&worker) else {
-            last_error = give_up_on_worker(format!("worker {worker} is not connected"));
+            // Lost since it was routed: its supervisor has charged its breaker.
+            cancel_reservation();
+            last_error = format!("worker {worker} is not connected");
             continue;
         };
         let call = async {
@@ -331,22 +326,26 @@ where
                 fleet.workers.breaker_failure(&worker);
                 last_error = format!("worker {worker} closed the stream before answering");
             }
-            Ok(Err(status)) => match status.code() {
-                Code::InvalidArgument | Code::OutOfRange | Code::FailedPrecondition => {
-                    cancel_reservation();
-                    return Err(ApiError::invalid(status.message().to_string()));
+            Ok(Err(status)) => {
+                cancel_reservation();
+                match classify(&status) {
+                    Fault::Busy => {
+                        // Busy, not broken: try another worker without dropping this
+                        // one (and without counting against its breaker).
+                        last_error = format!("worker {worker} is overloaded: {}", status.message());
+                    }
+                    Fault::Transport => {
+                        // Never accepted: safe to send elsewhere. One charge; the
+                        // supervisor decides whether the connection (and the index)
+                        // is lost.
+                        fleet.workers.breaker_failure(&worker);
+                        last_error = format!("worker {worker} failed: {}", status.message());
+                    }
+                    fault @ (Fault::Invalid | Fault::Request) => {
+                        return Err(fault.client_error(&worker, &status));
+                    }
                 }
-                Code::ResourceExhausted => {
-                    // Busy, not broken: try another worker without dropping this one
-                    // (and without counting against its breaker).
-                    cancel_reservation();
-                    last_error = format!("worker {worker} is overloaded: {}", status.message());
-                }
-                _ => {
-                    last_error =
-                        give_up_on_worker(format!("worker {worker} failed: {}", status.message()));
-                }
-            },
+            }
             Err(_) => {
                 // Not even acknowledged: hung, or too old to acknowledge.
                 abort_in_background(conn);
@@ -362,6 +361,50 @@ where
         }
     }
     Err(ApiError::unavailable(last_error))
+}
+
+/// Whose fault a failed worker call is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fault {
+    /// The request is invalid: a 400 for the client.
+    Invalid,
+    /// The worker is busy: try another, charge nothing.
+    Busy,
+    /// The connection or the worker process failed: charge its breaker; a request it
+    /// never accepted may go elsewhere.
+    Transport,
+    /// This one request failed on a working worker (an engine step, a duplicate id…):
+    /// the client gets a 502; it is not resent, the breaker and the index are untouched.
+    Request,
+}
+
+/// Classifies a status from a worker call.
+pub fn classify(status: &tonic::Status) -> Fault {
+    // tonic attaches the I/O, HTTP/2 or hyper error it made a status from as its
+    // source; a status the worker sent (in trailers) has none.
+    if std::error::Error::source(status).is_some() {
+        return Fault::Transport;
+    }
+    match status.code() {
+        Code::InvalidArgument | Code::OutOfRange | Code::FailedPrecondition => Fault::Invalid,
+        Code::ResourceExhausted => Fault::Busy,
+        Code::Unavailable | Code::DeadlineExceeded => Fault::Transport,
+        _ => Fault::Request,
+    }
+}
+
+impl Fault {
+    /// What the client is told when the request ends with `status` on `worker`.
+    fn client_error(self, worker: &str, status: &tonic::Status) -> ApiError {
+        match self {
+            Fault::Invalid => ApiError::invalid(status.message().to_string()),
+            _ => ApiError::worker_failed(format!(
+                "worker {worker} failed the request ({:?}): {}",
+                status.code(),
+                status.message()
+            )),
+        }
+    }
 }
 
 /// OpenAI's name for a finish reason.

@@ -291,6 +291,13 @@ impl WorkerSupervision {
         self.routing.set_fenced(id, !b.routable(now));
     }
 
+    /// Worker `id`'s consecutive failures, as its breaker counts them.
+    pub fn breaker_failures(&self, id: &str) -> u32 {
+        lock(&self.breakers)
+            .get(id)
+            .map_or(0, CircuitBreaker::consecutive_failures)
+    }
+
     /// Worker `id`'s breaker state.
     pub fn circuit_state(&self, id: &str) -> CircuitState {
         lock(&self.breakers)

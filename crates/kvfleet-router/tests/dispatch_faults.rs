@@ -146,3 +146,94 @@ async fn a_request_never_acknowledged_is_retried_elsewhere() {
     assert_eq!((w0.generates(), w1.generates()), (1, 1));
     assert_eq!(fleet.workers.circuit_state("w0"), CircuitState::Open);
 }
+
+/// Request-level failures, before or after the worker accepted the request.
+const REQUEST_LEVEL: [tonic::Code; 8] = [
+    tonic::Code::Internal,
+    tonic::Code::Unknown,
+    tonic::Code::AlreadyExists,
+    tonic::Code::Aborted,
+    tonic::Code::NotFound,
+    tonic::Code::PermissionDenied,
+    tonic::Code::Unimplemented,
+    tonic::Code::DataLoss,
+];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_level_errors_reach_the_client_and_leave_the_worker_alone() {
+    // One failure would open the breaker: none may be charged.
+    let fleet = fleet(1, |_| {});
+    let (w0, w1) = two_workers(&fleet, Script::Answer, Script::Answer).await;
+    let scripts = REQUEST_LEVEL
+        .iter()
+        .flat_map(|&c| [Script::Reject(c), Script::FailAfterAccept(c)]);
+    for (i, script) in scripts.enumerate() {
+        w0.set_script(script.clone());
+        let err = match dispatch(&fleet, &spec(&format!("r{i}"))).await {
+            Ok(d) => panic!("{script:?}: answered by {}", d.worker),
+            Err(e) => e,
+        };
+        assert_eq!(err.status.as_u16(), 502, "{script:?}: {err:?}");
+        assert_eq!(w1.generates(), 0, "{script:?}: resent to w1");
+        assert_eq!(
+            fleet.workers.circuit_state("w0"),
+            CircuitState::Closed,
+            "{script:?}"
+        );
+        assert_eq!(
+            fleet.routing.worker_blocks("w0").map(|b| b.len()),
+            Some(4),
+            "{script:?}: w0's index was dropped"
+        );
+    }
+    // The supervisor had time to notice a dropped worker: it would have resynced.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(w0.dumps(), 1, "no reconnect, no second CacheDump");
+    assert_eq!(fleet.workers.breaker_failures("w0"), 0);
+    // And w0 still serves.
+    w0.set_script(Script::Answer);
+    assert_eq!(dispatch(&fleet, &spec("after")).await.unwrap().worker, "w0");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transport_errors_are_the_workers_retried_and_charged_once() {
+    let fleet = fleet(3, |_| {});
+    let (w0, w1) = two_workers(&fleet, Script::Answer, Script::Answer).await;
+    for (i, code) in [tonic::Code::Unavailable, tonic::Code::DeadlineExceeded]
+        .into_iter()
+        .enumerate()
+    {
+        w0.set_script(Script::Reject(code));
+        let d = dispatch(&fleet, &spec(&format!("t{i}")))
+            .await
+            .expect("retried on w1");
+        assert_eq!(d.worker, "w1", "{code:?}");
+        assert_eq!(w1.generates(), i + 1);
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        fleet.workers.breaker_failures("w0"),
+        2,
+        "one charge per failed request, none from a forced reconnect"
+    );
+    assert_eq!(w0.dumps(), 1, "the index was kept: no resync");
+    assert_eq!(fleet.routing.worker_blocks("w0").map(|b| b.len()), Some(4));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cut_connection_is_a_transport_error_and_retried_elsewhere() {
+    use support::fake_worker::Proxy;
+    let fleet = fleet(1, |_| {});
+    let w0 = FakeWorker::start("w0", &cached_chain(), Script::Silent).await;
+    let proxy = Proxy::start(&w0.endpoint).await;
+    let w1 = FakeWorker::start("w1", &[], Script::Answer).await;
+    fleet.add_worker(&proxy.endpoint).await.unwrap();
+    fleet.add_worker(&w1.endpoint).await.unwrap();
+    let f = fleet.clone();
+    let call = tokio::spawn(async move { dispatch(&f, &spec("cut")).await });
+    eventually("w0 got the request", || w0.generates() == 1).await;
+    proxy.cut();
+    let d = call.await.unwrap().expect("retried");
+    assert_eq!(d.worker, "w1");
+    assert_eq!(fleet.workers.circuit_state("w0"), CircuitState::Open);
+}
