@@ -1,0 +1,116 @@
+//! The router's control-plane link under faults, on the in-memory control plane (the
+//! same traits etcd implements) with scripted workers over real gRPC: watches that
+//! fail and resume, workers that leave, requests cancelled mid-routing.
+
+mod support;
+
+use kvfleet_control::memory::MemKv;
+use kvfleet_control::{KvMembership, KvPlacement, Membership, Placement, PlacementKey};
+use kvfleet_control::{Registration, WorkerRecord};
+use kvfleet_router::control_hooks::PlacementRef;
+use kvfleet_router::control_plane::RouterControl;
+use kvfleet_router::{Fleet, FleetConfig, RouterConfig};
+use std::sync::Arc;
+use std::time::Duration;
+use support::fake_worker::{FakeWorker, Script, BS, MODEL};
+use support::flaky_control::FlakyPlacement;
+
+const TTL: Duration = Duration::from_secs(30);
+
+fn fleet() -> Arc<Fleet> {
+    Fleet::new(FleetConfig {
+        router: RouterConfig {
+            block_size: BS as usize,
+            ..RouterConfig::default()
+        },
+        ..FleetConfig::default()
+    })
+    .expect("fleet")
+}
+
+async fn register(m: &dyn Membership, w: &FakeWorker, incarnation: u64) -> Registration {
+    let record = WorkerRecord {
+        id: w.id.clone(),
+        grpc_addr: w.endpoint.clone(),
+        model: MODEL.into(),
+        block_size: BS,
+        incarnation,
+    };
+    m.register(&record, TTL).await.expect("register")
+}
+
+/// Whether `cond` holds within 10 s (checked every 20 ms).
+async fn eventually(mut cond: impl FnMut() -> bool) -> bool {
+    for _ in 0..500 {
+        if cond() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    cond()
+}
+
+fn healthy(fleet: &Fleet) -> Vec<String> {
+    fleet
+        .workers
+        .statuses()
+        .into_iter()
+        .filter(|s| s.healthy)
+        .map(|s| s.id)
+        .collect()
+}
+
+fn group(name: &str) -> PlacementRef {
+    PlacementRef::ForkGroup(name.into())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_placement_watch_is_listed_and_watched_again() {
+    let fleet = fleet();
+    let kv = MemKv::new();
+    let membership = Arc::new(KvMembership::new(kv.clone()));
+    let placement = FlakyPlacement::new(KvPlacement::new(kv.clone()));
+    let w0 = FakeWorker::start("w0", &[], Script::Answer).await;
+    let _r0 = register(membership.as_ref(), &w0, 1).await;
+    let other_router = &placement.inner;
+    other_router
+        .place(&PlacementKey::fork_group("old"), "w0", TTL)
+        .await
+        .unwrap();
+
+    let _rc = RouterControl::start_with(fleet.clone(), placement.clone(), membership, TTL)
+        .await
+        .expect("start");
+    assert!(eventually(|| healthy(&fleet) == ["w0"]).await);
+    let hooks = fleet.control.hooks().expect("hooks installed");
+    assert_eq!(hooks.placed_worker(&group("old")).as_deref(), Some("w0"));
+
+    // While this router's watch is silent, another router's changes land in the store;
+    // then the watch fails.
+    other_router.release_worker("w0").await.unwrap();
+    other_router
+        .place(&PlacementKey::fork_group("new"), "w0", TTL)
+        .await
+        .unwrap();
+    placement.first.fail().await;
+
+    assert!(
+        eventually(|| hooks.placed_worker(&group("new")).as_deref() == Some("w0")).await,
+        "a placement made while the watch was down is never seen"
+    );
+    assert_eq!(
+        hooks.placed_worker(&group("old")),
+        None,
+        "a placement freed while the watch was down is still followed"
+    );
+    assert!(placement.first.watches() >= 2, "watched again");
+    // The new watch follows later changes.
+    other_router
+        .place(&PlacementKey::fork_group("later"), "w0", TTL)
+        .await
+        .unwrap();
+    assert!(
+        eventually(|| hooks.placed_worker(&group("later")).as_deref() == Some("w0")).await,
+        "a placement made after the watch resumed is never seen"
+    );
+}
