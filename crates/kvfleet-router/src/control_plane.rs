@@ -46,6 +46,14 @@ pub struct RouterControl {
     tasks: Mutex<Vec<JoinHandle<()>>>,
 }
 
+/// The membership follower's state, kept across watch resumes: each worker's record
+/// as last seen, and the task adding it to the fleet.
+#[derive(Default)]
+struct Members {
+    known: HashMap<String, WorkerRecord>,
+    adders: HashMap<String, JoinHandle<()>>,
+}
+
 fn to_key(r: &PlacementRef) -> PlacementKey {
     match r {
         PlacementRef::ForkGroup(g) => PlacementKey::fork_group(g),
@@ -184,15 +192,18 @@ impl RouterControl {
     }
 
     /// Follows membership; when the watch fails (etcd unreachable) keeps serving on
-    /// the workers it knows and lists + watches again once etcd answers.
+    /// the workers it knows and lists + watches again once etcd answers. What it knows
+    /// outlives each watch: a resume changes only the workers whose records changed.
     async fn follow_members_forever(
         self: Arc<Self>,
         membership: Arc<dyn Membership>,
-        mut initial: Vec<WorkerRecord>,
-        mut watch: kvfleet_control::WatchStream<MemberEvent>,
+        mut listed: Vec<WorkerRecord>,
+        mut watch: WatchStream<MemberEvent>,
     ) {
+        let mut members = Members::default();
         loop {
-            self.clone().follow_members(initial, watch).await;
+            self.reconcile_members(&mut members, listed).await;
+            self.follow_members(&mut members, watch).await;
             self.fleet.set_control_plane_up("etcd", false);
             loop {
                 tokio::time::sleep(ETCD_PROBE_INTERVAL).await;
@@ -204,7 +215,7 @@ impl RouterControl {
                 let w =
                     tokio::time::timeout(ETCD_PROBE_TIMEOUT, membership.watch(snap.revision + 1));
                 if let Ok(Ok(w)) = w.await {
-                    initial = snap.workers;
+                    listed = snap.workers;
                     watch = w;
                     break;
                 }
@@ -214,44 +225,71 @@ impl RouterControl {
         }
     }
 
-    async fn follow_members(
-        self: Arc<Self>,
-        initial: Vec<WorkerRecord>,
-        mut watch: kvfleet_control::WatchStream<MemberEvent>,
-    ) {
-        let mut adders: HashMap<String, JoinHandle<()>> = HashMap::new();
-        for w in initial {
-            let id = w.id.clone();
-            adders.insert(id, self.clone().spawn_add(w));
+    /// Brings `members` in line with a listing: adds new and changed records, removes
+    /// the workers the listing lacks (they left while no watch was looking).
+    async fn reconcile_members(self: &Arc<Self>, members: &mut Members, listed: Vec<WorkerRecord>) {
+        let gone: Vec<String> = members
+            .known
+            .keys()
+            .filter(|id| !listed.iter().any(|w| &w.id == *id))
+            .cloned()
+            .collect();
+        for id in gone {
+            self.worker_left(members, &id).await;
         }
+        for w in listed {
+            self.worker_joined(members, w);
+        }
+    }
+
+    /// Applies a membership watch until it fails or closes.
+    async fn follow_members(
+        self: &Arc<Self>,
+        members: &mut Members,
+        mut watch: WatchStream<MemberEvent>,
+    ) {
         while let Some(item) = watch.next().await {
             match item {
-                Ok(MemberEvent::Joined { worker, .. }) => {
-                    if let Some(old) = adders.remove(&worker.id) {
-                        old.abort();
-                    }
-                    let id = worker.id.clone();
-                    adders.insert(id, self.clone().spawn_add(worker));
-                }
+                Ok(MemberEvent::Joined { worker, .. }) => self.worker_joined(members, worker),
                 Ok(MemberEvent::Left { id, .. }) => {
                     tracing::info!(worker = %id, "worker left the fleet (lease expired or revoked)");
-                    if let Some(old) = adders.remove(&id) {
-                        old.abort();
-                    }
-                    lock(&self.incarnations).remove(&id);
-                    self.fleet.remove_worker(&id);
-                    lock(&self.placed).retain(|_, w| *w != id);
-                    match self.placement.release_worker(&id).await {
-                        Ok(n) if n > 0 => tracing::info!(worker = %id, "freed {n} placements"),
-                        Ok(_) => {}
-                        Err(e) => tracing::warn!(worker = %id, "freeing placements: {e}"),
-                    }
+                    self.worker_left(members, &id).await;
                 }
                 Err(e) => {
                     tracing::error!("membership watch failed: {e}");
                     return;
                 }
             }
+        }
+    }
+
+    /// A worker's record was seen (listed or put): (re)adds it unless it is the record
+    /// already followed, since re-adding drops its index and forces a full dump.
+    fn worker_joined(self: &Arc<Self>, members: &mut Members, worker: WorkerRecord) {
+        if members.known.get(&worker.id) == Some(&worker) {
+            return;
+        }
+        if let Some(old) = members.adders.remove(&worker.id) {
+            old.abort();
+        }
+        let id = worker.id.clone();
+        members.known.insert(id.clone(), worker.clone());
+        members.adders.insert(id, self.clone().spawn_add(worker));
+    }
+
+    /// Worker `id` left: drops it from the fleet and frees its placements.
+    async fn worker_left(&self, members: &mut Members, id: &str) {
+        members.known.remove(id);
+        if let Some(old) = members.adders.remove(id) {
+            old.abort();
+        }
+        lock(&self.incarnations).remove(id);
+        self.fleet.remove_worker(id);
+        lock(&self.placed).retain(|_, w| w != id);
+        match self.placement.release_worker(id).await {
+            Ok(n) if n > 0 => tracing::info!(worker = %id, "freed {n} placements"),
+            Ok(_) => {}
+            Err(e) => tracing::warn!(worker = %id, "freeing placements: {e}"),
         }
     }
 

@@ -13,7 +13,7 @@ use kvfleet_router::{Fleet, FleetConfig, RouterConfig};
 use std::sync::Arc;
 use std::time::Duration;
 use support::fake_worker::{FakeWorker, Script, BS, MODEL};
-use support::flaky_control::FlakyPlacement;
+use support::flaky_control::{FlakyMembership, FlakyPlacement};
 
 const TTL: Duration = Duration::from_secs(30);
 
@@ -113,4 +113,55 @@ async fn a_failed_placement_watch_is_listed_and_watched_again() {
         eventually(|| hooks.placed_worker(&group("later")).as_deref() == Some("w0")).await,
         "a placement made after the watch resumed is never seen"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resumed_membership_watch_changes_only_what_changed() {
+    let fleet = fleet();
+    let kv = MemKv::new();
+    let membership = FlakyMembership::new(KvMembership::new(kv.clone()));
+    let placement: Arc<dyn Placement> = Arc::new(KvPlacement::new(kv.clone()));
+    let stays = FakeWorker::start("w0", &[], Script::Answer).await;
+    let leaves = FakeWorker::start("w1", &[], Script::Answer).await;
+    let restarts = FakeWorker::start("w2", &[], Script::Answer).await;
+    let joins = FakeWorker::start("w3", &[], Script::Answer).await;
+    let _r0 = register(&membership.inner, &stays, 1).await;
+    let r1 = register(&membership.inner, &leaves, 1).await;
+    let _r2 = register(&membership.inner, &restarts, 1).await;
+
+    let _rc = RouterControl::start_with(fleet.clone(), placement, membership.clone(), TTL)
+        .await
+        .expect("start");
+    assert!(eventually(|| healthy(&fleet) == ["w0", "w1", "w2"]).await);
+    for w in [&stays, &leaves, &restarts] {
+        assert_eq!(w.dumps(), 1, "{} indexed once", w.id);
+    }
+
+    // While the router's watch is silent: one worker leaves, one restarts (a new
+    // incarnation), one joins; then the watch fails and the router lists again.
+    r1.deregister().await.unwrap();
+    let _r2b = register(&membership.inner, &restarts, 2).await;
+    let _r3 = register(&membership.inner, &joins, 1).await;
+    membership.first.fail().await;
+
+    assert!(
+        eventually(|| healthy(&fleet) == ["w0", "w2", "w3"] && restarts.dumps() == 2).await,
+        "after the resume the fleet is {:?} (w2 dumped {} times)",
+        healthy(&fleet),
+        restarts.dumps()
+    );
+    assert!(
+        eventually(|| membership.first.watches() >= 2).await,
+        "watched again"
+    );
+    // Anything the resume re-added would dump again shortly after.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        stays.dumps(),
+        1,
+        "an unchanged worker was removed and re-added"
+    );
+    assert_eq!(joins.dumps(), 1);
+    assert_eq!(restarts.dumps(), 2, "the new incarnation is indexed once");
+    assert_eq!(healthy(&fleet), ["w0", "w2", "w3"]);
 }
