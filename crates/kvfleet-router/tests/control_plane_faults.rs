@@ -7,6 +7,7 @@ mod support;
 use kvfleet_control::memory::MemKv;
 use kvfleet_control::{KvMembership, KvPlacement, Membership, Placement, PlacementKey};
 use kvfleet_control::{Registration, WorkerRecord};
+use kvfleet_router::circuit_breaker::{BreakerConfig, CircuitState};
 use kvfleet_router::control_hooks::PlacementRef;
 use kvfleet_router::control_plane::RouterControl;
 use kvfleet_router::{Fleet, FleetConfig, RouterConfig};
@@ -164,4 +165,40 @@ async fn a_resumed_membership_watch_changes_only_what_changed() {
     assert_eq!(joins.dumps(), 1);
     assert_eq!(restarts.dumps(), 2, "the new incarnation is indexed once");
     assert_eq!(healthy(&fleet), ["w0", "w2", "w3"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn breakers_go_with_their_workers() {
+    let fleet = Fleet::new(FleetConfig {
+        router: RouterConfig {
+            block_size: BS as usize,
+            ..RouterConfig::default()
+        },
+        breaker: BreakerConfig {
+            failure_threshold: 1,
+            cooldown: Duration::from_secs(60),
+        },
+        ..FleetConfig::default()
+    })
+    .expect("fleet");
+    let w0 = FakeWorker::start("w0", &[], Script::Answer).await;
+    fleet.add_worker(&w0.endpoint).await.expect("add w0");
+    fleet.workers.breaker_failure("w0");
+    assert_eq!(fleet.workers.circuit_state("w0"), CircuitState::Open);
+
+    // The worker departs (its lease expired): its breaker goes with it.
+    fleet.remove_worker("w0");
+    assert_eq!(
+        fleet.workers.breaker_failures("w0"),
+        0,
+        "a departed worker's breaker is kept"
+    );
+    // Back under the same id, it starts with a closed breaker, not the old cool-down.
+    fleet.add_worker(&w0.endpoint).await.expect("re-add w0");
+    assert_eq!(fleet.workers.circuit_state("w0"), CircuitState::Closed);
+
+    // A failure reported for a worker the fleet does not know creates nothing.
+    fleet.workers.breaker_failure("ghost");
+    assert_eq!(fleet.workers.breaker_failures("ghost"), 0);
+    assert_eq!(fleet.workers.circuit_state("ghost"), CircuitState::Closed);
 }
