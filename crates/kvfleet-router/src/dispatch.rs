@@ -20,6 +20,7 @@ use kvfleet_core::openai::Usage;
 use kvfleet_core::BlockHash;
 use kvfleet_proto::v1 as pb;
 use kvfleet_routing::policy::PolicyKind;
+use kvfleet_routing::RouteDecision;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -81,6 +82,20 @@ pub struct InflightGuard {
     pub policy: &'static str,
     /// The request's entry in the fleet's decision log.
     pub decision_seq: u64,
+}
+
+impl InflightGuard {
+    /// Takes over the in-flight count `routing.route()` recorded for `decision`.
+    fn new(routing: &Arc<RoutingState>, decision: &RouteDecision) -> Self {
+        InflightGuard {
+            routing: routing.clone(),
+            worker: decision.worker.to_string(),
+            prefill_tokens: decision.prefill_tokens,
+            predicted_cached_tokens: decision.predicted_cached_tokens,
+            policy: decision.policy,
+            decision_seq: 0,
+        }
+    }
 }
 
 impl Drop for InflightGuard {
@@ -183,6 +198,9 @@ where
                 break;
             }
         };
+        // route() counted the request in flight: the guard owns that count from here,
+        // so a request cancelled at any await below (the claim) gives it back.
+        let mut guard = InflightGuard::new(&fleet.routing, &decision);
         // First to route this key: claim it (one compare-and-set per new key), and
         // follow whoever won.
         if let (true, Some(h), Some(key)) = (claim_pending, &hooks, &placement) {
@@ -190,7 +208,11 @@ where
             let chosen = decision.worker.to_string();
             if let Some(owner) = h.claim(key.clone(), chosen.clone()).await {
                 if owner != chosen && fleet.conn(&owner).is_some() {
-                    fleet.routing.abandon(&decision);
+                    if let Some(r) = decision.reservation {
+                        fleet.routing.cancel_reservation(r);
+                    }
+                    // Ends the first choice's in-flight count before routing again.
+                    drop(guard);
                     pin = Some(owner);
                     decision = match route(pin.as_deref(), &tried) {
                         Ok(d) => d,
@@ -199,6 +221,7 @@ where
                             break;
                         }
                     };
+                    guard = InflightGuard::new(&fleet.routing, &decision);
                 }
             }
         }
@@ -209,14 +232,6 @@ where
         );
         let worker = decision.worker.to_string();
         tried.push(worker.clone());
-        let mut guard = InflightGuard {
-            routing: fleet.routing.clone(),
-            worker: worker.clone(),
-            prefill_tokens: decision.prefill_tokens,
-            predicted_cached_tokens: decision.predicted_cached_tokens,
-            policy: decision.policy,
-            decision_seq: 0,
-        };
         // The request never reached the worker: its reservation must not steer siblings.
         let cancel_reservation = || {
             if let Some(r) = decision.reservation {

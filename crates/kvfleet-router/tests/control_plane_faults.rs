@@ -4,13 +4,17 @@
 
 mod support;
 
+use futures::future::BoxFuture;
 use kvfleet_control::memory::MemKv;
 use kvfleet_control::{KvMembership, KvPlacement, Membership, Placement, PlacementKey};
 use kvfleet_control::{Registration, WorkerRecord};
+use kvfleet_core::{hash_blocks, namespace_seed};
+use kvfleet_proto::v1 as pb;
 use kvfleet_router::circuit_breaker::{BreakerConfig, CircuitState};
-use kvfleet_router::control_hooks::PlacementRef;
+use kvfleet_router::control_hooks::{ControlHooks, PlacementRef, RequestUsage};
 use kvfleet_router::control_plane::RouterControl;
-use kvfleet_router::{Fleet, FleetConfig, RouterConfig};
+use kvfleet_router::dispatch::{dispatch, GenerationSpec};
+use kvfleet_router::{Fleet, FleetConfig, PolicyKind, RouterConfig};
 use std::sync::Arc;
 use std::time::Duration;
 use support::fake_worker::{FakeWorker, Script, BS, MODEL};
@@ -201,4 +205,61 @@ async fn breakers_go_with_their_workers() {
     fleet.workers.breaker_failure("ghost");
     assert_eq!(fleet.workers.breaker_failures("ghost"), 0);
     assert_eq!(fleet.workers.circuit_state("ghost"), CircuitState::Closed);
+}
+
+/// Placement hooks whose claim never resolves (a control plane that hangs).
+struct NeverClaims;
+
+impl ControlHooks for NeverClaims {
+    fn placed_worker(&self, _key: &PlacementRef) -> Option<String> {
+        None
+    }
+    fn claim(&self, _key: PlacementRef, _worker: String) -> BoxFuture<'static, Option<String>> {
+        Box::pin(futures::future::pending())
+    }
+    fn request_done(&self, _usage: RequestUsage) {}
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_cancelled_during_its_placement_claim_is_not_left_in_flight() {
+    let fleet = fleet();
+    let w0 = FakeWorker::start("w0", &[], Script::Answer).await;
+    fleet.add_worker(&w0.endpoint).await.expect("add w0");
+    fleet.set_control_hooks(Arc::new(NeverClaims));
+    let inflight = || {
+        fleet
+            .routing
+            .snapshot()
+            .workers
+            .iter()
+            .map(|w| w.load.inflight_requests)
+            .sum::<usize>()
+    };
+
+    // A prompt no worker holds: its prefix root is claimed first, and the claim hangs
+    // until the client goes away.
+    let tokens: Vec<u32> = (0..64).map(|i| (i * 5 + 1) % 300 + 1).collect();
+    let spec = GenerationSpec {
+        request_id: "r1".into(),
+        hashes: hash_blocks(namespace_seed(MODEL, ""), &tokens, BS as usize),
+        token_ids: tokens,
+        sampling: pb::SamplingParams {
+            max_tokens: 1,
+            ..Default::default()
+        },
+        cache_salt: String::new(),
+        cacheable_len: None,
+        fork_group: None,
+        session: None,
+        policy: PolicyKind::CacheAware,
+        endpoint: "chat",
+    };
+    let cancelled = tokio::time::timeout(Duration::from_millis(300), dispatch(&fleet, &spec)).await;
+    assert!(cancelled.is_err(), "the claim resolved");
+    assert_eq!(
+        inflight(),
+        0,
+        "the cancelled request is still counted in flight"
+    );
+    assert_eq!(w0.generates(), 0);
 }
