@@ -108,10 +108,15 @@ pub struct RoutingArgs {
     /// or random (a request may pick another with header `x-kvfleet-policy`).
     #[arg(long, default_value = "cache-aware")]
     pub policy: PolicyKind,
-    /// First-token deadline (ms): a worker that sends nothing for a request this long
-    /// counts a failure on its breaker and the request is retried elsewhere.
+    /// Acceptance deadline (ms): a worker that neither acknowledges a request nor sends
+    /// its first token this long counts a failure on its breaker and the request is
+    /// retried elsewhere.
     #[arg(long, default_value_t = 120_000)]
     pub first_token_timeout_ms: u64,
+    /// Queue deadline (ms): how long a request a worker acknowledged may wait there for
+    /// its first token; past it the client gets a 503 (no retry, no breaker failure).
+    #[arg(long, default_value_t = 300_000)]
+    pub queued_timeout_ms: u64,
     /// Stall deadline (ms): the longest gap between two messages of a started stream;
     /// past it the client gets an error event and the worker a breaker failure.
     #[arg(long, default_value_t = 60_000)]
@@ -157,6 +162,7 @@ impl RoutingArgs {
             },
             default_policy: self.policy,
             first_message_timeout: Duration::from_millis(self.first_token_timeout_ms.max(1)),
+            queued_timeout: Duration::from_millis(self.queued_timeout_ms.max(1)),
             stall_timeout: Duration::from_millis(self.stall_timeout_ms.max(1)),
             conn_timeouts: ConnTimeouts {
                 connect: Duration::from_millis(self.connect_timeout_ms.max(1)),

@@ -12,12 +12,11 @@ use crate::fleet::Fleet;
 use crate::supervision::apply_wire_batch;
 use anyhow::{Context, Result};
 use futures::future::BoxFuture;
-use kvfleet_control::etcd::EtcdKv;
 use kvfleet_control::kafka::KafkaEventStream;
 use kvfleet_control::{
     decode_kv_events, ControlConfig, EventStream, KvMembership, KvPlacement, MemberEvent,
     Membership, Placement, PlacementEvent, PlacementKey, PlacementKind, Record, StartAt, Topic,
-    UsageRecord, WorkerRecord,
+    UsageRecord, WatchStream, WorkerRecord,
 };
 use kvfleet_core::sync::lock;
 use kvfleet_routing::IndexError;
@@ -45,6 +44,14 @@ pub struct RouterControl {
     incarnations: Mutex<HashMap<String, u64>>,
     usage_tx: Option<mpsc::Sender<UsageRecord>>,
     tasks: Mutex<Vec<JoinHandle<()>>>,
+}
+
+/// The membership follower's state, kept across watch resumes: each worker's record
+/// as last seen, and the task adding it to the fleet.
+#[derive(Default)]
+struct Members {
+    known: HashMap<String, WorkerRecord>,
+    adders: HashMap<String, JoinHandle<()>>,
 }
 
 fn to_key(r: &PlacementRef) -> PlacementKey {
@@ -121,32 +128,60 @@ impl RouterControl {
             fleet.set_control_plane_up("kafka", true);
             tasks.push(tokio::spawn(probe_kafka(fleet.clone(), stream.clone())));
         }
-        let (rev, placements) = me.placement.list().await.context("listing placements")?;
-        {
-            let mut placed = lock(&me.placed);
-            for (k, w) in placements {
-                if let Some(r) = from_key(&k) {
-                    placed.insert(r, w);
-                }
-            }
-        }
-        tasks.push(tokio::spawn(me.clone().follow_placements(rev + 1)));
-        let membership = Arc::new(KvMembership::new(kv));
+        let membership: Arc<dyn Membership> = Arc::new(KvMembership::new(kv));
+        tasks.extend(me.follow(membership).await?);
+        *lock(&me.tasks) = tasks;
+        fleet.set_control_hooks(me.clone());
+        Ok(me)
+    }
+
+    /// Joins a control plane given as its two traits (the in-memory one in tests; etcd
+    /// through [`Self::start`]): follows `membership` and `placement` and installs the
+    /// placement hooks in `fleet`. No usage records, no KV event stream.
+    pub async fn start_with(
+        fleet: Arc<Fleet>,
+        placement: Arc<dyn Placement>,
+        membership: Arc<dyn Membership>,
+        placement_ttl: Duration,
+    ) -> Result<Arc<Self>> {
+        let me = Self::new(fleet.clone(), placement, placement_ttl, None);
+        let tasks = me.follow(membership).await?;
+        *lock(&me.tasks) = tasks;
+        fleet.set_control_hooks(me.clone());
+        Ok(me)
+    }
+
+    /// Lists placements and members, and starts the tasks that follow both.
+    async fn follow(
+        self: &Arc<Self>,
+        membership: Arc<dyn Membership>,
+    ) -> Result<Vec<JoinHandle<()>>> {
+        let mut tasks = Vec::new();
+        let (rev, placements) = self.placement.list().await.context("listing placements")?;
+        self.replace_placements(placements);
+        tasks.push(tokio::spawn(self.clone().follow_placements(rev + 1)));
         let snapshot = membership.list().await.context("listing workers")?;
         let watch = membership
             .watch(snapshot.revision + 1)
             .await
             .context("watching workers")?;
-        fleet.set_control_plane_up("etcd", true);
-        tasks.push(tokio::spawn(me.clone().follow_members_forever(
+        self.fleet.set_control_plane_up("etcd", true);
+        tasks.push(tokio::spawn(self.clone().follow_members_forever(
             membership.clone(),
             snapshot.workers,
             watch,
         )));
-        tasks.push(tokio::spawn(probe_etcd(fleet.clone(), membership)));
-        *lock(&me.tasks) = tasks;
-        fleet.set_control_hooks(me.clone());
-        Ok(me)
+        tasks.push(tokio::spawn(probe_etcd(self.fleet.clone(), membership)));
+        Ok(tasks)
+    }
+
+    /// Replaces this router's view of the placements with a listing.
+    fn replace_placements(&self, placements: Vec<(PlacementKey, String)>) {
+        let placed = placements
+            .into_iter()
+            .filter_map(|(k, w)| from_key(&k).map(|r| (r, w)))
+            .collect();
+        *lock(&self.placed) = placed;
     }
 
     /// Stops the background tasks.
@@ -157,15 +192,18 @@ impl RouterControl {
     }
 
     /// Follows membership; when the watch fails (etcd unreachable) keeps serving on
-    /// the workers it knows and lists + watches again once etcd answers.
+    /// the workers it knows and lists + watches again once etcd answers. What it knows
+    /// outlives each watch: a resume changes only the workers whose records changed.
     async fn follow_members_forever(
         self: Arc<Self>,
-        membership: Arc<KvMembership<EtcdKv>>,
-        mut initial: Vec<WorkerRecord>,
-        mut watch: kvfleet_control::WatchStream<MemberEvent>,
+        membership: Arc<dyn Membership>,
+        mut listed: Vec<WorkerRecord>,
+        mut watch: WatchStream<MemberEvent>,
     ) {
+        let mut members = Members::default();
         loop {
-            self.clone().follow_members(initial, watch).await;
+            self.reconcile_members(&mut members, listed).await;
+            self.follow_members(&mut members, watch).await;
             self.fleet.set_control_plane_up("etcd", false);
             loop {
                 tokio::time::sleep(ETCD_PROBE_INTERVAL).await;
@@ -177,7 +215,7 @@ impl RouterControl {
                 let w =
                     tokio::time::timeout(ETCD_PROBE_TIMEOUT, membership.watch(snap.revision + 1));
                 if let Ok(Ok(w)) = w.await {
-                    initial = snap.workers;
+                    listed = snap.workers;
                     watch = w;
                     break;
                 }
@@ -187,44 +225,71 @@ impl RouterControl {
         }
     }
 
-    async fn follow_members(
-        self: Arc<Self>,
-        initial: Vec<WorkerRecord>,
-        mut watch: kvfleet_control::WatchStream<MemberEvent>,
-    ) {
-        let mut adders: HashMap<String, JoinHandle<()>> = HashMap::new();
-        for w in initial {
-            let id = w.id.clone();
-            adders.insert(id, self.clone().spawn_add(w));
+    /// Brings `members` in line with a listing: adds new and changed records, removes
+    /// the workers the listing lacks (they left while no watch was looking).
+    async fn reconcile_members(self: &Arc<Self>, members: &mut Members, listed: Vec<WorkerRecord>) {
+        let gone: Vec<String> = members
+            .known
+            .keys()
+            .filter(|id| !listed.iter().any(|w| &w.id == *id))
+            .cloned()
+            .collect();
+        for id in gone {
+            self.worker_left(members, &id).await;
         }
+        for w in listed {
+            self.worker_joined(members, w);
+        }
+    }
+
+    /// Applies a membership watch until it fails or closes.
+    async fn follow_members(
+        self: &Arc<Self>,
+        members: &mut Members,
+        mut watch: WatchStream<MemberEvent>,
+    ) {
         while let Some(item) = watch.next().await {
             match item {
-                Ok(MemberEvent::Joined { worker, .. }) => {
-                    if let Some(old) = adders.remove(&worker.id) {
-                        old.abort();
-                    }
-                    let id = worker.id.clone();
-                    adders.insert(id, self.clone().spawn_add(worker));
-                }
+                Ok(MemberEvent::Joined { worker, .. }) => self.worker_joined(members, worker),
                 Ok(MemberEvent::Left { id, .. }) => {
                     tracing::info!(worker = %id, "worker left the fleet (lease expired or revoked)");
-                    if let Some(old) = adders.remove(&id) {
-                        old.abort();
-                    }
-                    lock(&self.incarnations).remove(&id);
-                    self.fleet.remove_worker(&id);
-                    lock(&self.placed).retain(|_, w| *w != id);
-                    match self.placement.release_worker(&id).await {
-                        Ok(n) if n > 0 => tracing::info!(worker = %id, "freed {n} placements"),
-                        Ok(_) => {}
-                        Err(e) => tracing::warn!(worker = %id, "freeing placements: {e}"),
-                    }
+                    self.worker_left(members, &id).await;
                 }
                 Err(e) => {
                     tracing::error!("membership watch failed: {e}");
                     return;
                 }
             }
+        }
+    }
+
+    /// A worker's record was seen (listed or put): (re)adds it unless it is the record
+    /// already followed, since re-adding drops its index and forces a full dump.
+    fn worker_joined(self: &Arc<Self>, members: &mut Members, worker: WorkerRecord) {
+        if members.known.get(&worker.id) == Some(&worker) {
+            return;
+        }
+        if let Some(old) = members.adders.remove(&worker.id) {
+            old.abort();
+        }
+        let id = worker.id.clone();
+        members.known.insert(id.clone(), worker.clone());
+        members.adders.insert(id, self.clone().spawn_add(worker));
+    }
+
+    /// Worker `id` left: drops it from the fleet and frees its placements.
+    async fn worker_left(&self, members: &mut Members, id: &str) {
+        members.known.remove(id);
+        if let Some(old) = members.adders.remove(id) {
+            old.abort();
+        }
+        lock(&self.incarnations).remove(id);
+        self.fleet.remove_worker(id);
+        lock(&self.placed).retain(|_, w| w != id);
+        match self.placement.release_worker(id).await {
+            Ok(n) if n > 0 => tracing::info!(worker = %id, "freed {n} placements"),
+            Ok(_) => {}
+            Err(e) => tracing::warn!(worker = %id, "freeing placements: {e}"),
         }
     }
 
@@ -258,14 +323,42 @@ impl RouterControl {
         })
     }
 
-    async fn follow_placements(self: Arc<Self>, from: i64) {
-        let mut watch = match self.placement.watch(from).await {
-            Ok(w) => w,
-            Err(e) => {
-                tracing::error!("placement watch failed: {e}");
-                return;
+    /// Follows placements from revision `from` for as long as the router runs: after
+    /// any watch error (or a closed watch) lists them again with backoff, replaces the
+    /// map with the listing and watches from that revision on, so nothing placed or
+    /// freed while the watch was down is missed.
+    async fn follow_placements(self: Arc<Self>, mut from: i64) {
+        let mut backoff = WATCH_BACKOFF_MIN;
+        loop {
+            match self.placement.watch(from).await {
+                Ok(watch) => {
+                    if self.apply_placements(watch).await {
+                        backoff = WATCH_BACKOFF_MIN;
+                    }
+                }
+                Err(e) => tracing::warn!("placement watch failed: {e}"),
             }
-        };
+            loop {
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(WATCH_BACKOFF_MAX);
+                match tokio::time::timeout(ETCD_PROBE_TIMEOUT, self.placement.list()).await {
+                    Ok(Ok((rev, placements))) => {
+                        self.replace_placements(placements);
+                        from = rev + 1;
+                        break;
+                    }
+                    Ok(Err(e)) => tracing::warn!("listing placements: {e}"),
+                    Err(_) => tracing::warn!("listing placements timed out"),
+                }
+            }
+            tracing::info!("placement watch resumed");
+        }
+    }
+
+    /// Applies a placement watch until it fails or closes; whether it applied any
+    /// change (a watch that worked, so the backoff starts over).
+    async fn apply_placements(&self, mut watch: WatchStream<PlacementEvent>) -> bool {
+        let mut applied = false;
         while let Some(item) = watch.next().await {
             match item {
                 Ok(PlacementEvent::Placed { key, worker, .. }) => {
@@ -279,11 +372,14 @@ impl RouterControl {
                     }
                 }
                 Err(e) => {
-                    tracing::error!("placement watch failed: {e}");
-                    return;
+                    tracing::warn!("placement watch failed: {e}");
+                    return applied;
                 }
             }
+            applied = true;
         }
+        tracing::warn!("placement watch closed");
+        applied
     }
 
     /// Applies every worker's KV events from the stream, committing as it goes.
@@ -418,6 +514,11 @@ async fn probe_kafka(fleet: Arc<Fleet>, stream: Arc<KafkaEventStream>) {
     }
 }
 
+/// First wait before a failed placement watch is listed and watched again.
+const WATCH_BACKOFF_MIN: Duration = Duration::from_millis(100);
+/// Longest wait between two attempts to list and watch placements again.
+const WATCH_BACKOFF_MAX: Duration = Duration::from_secs(5);
+
 /// How often etcd's reachability is checked.
 const ETCD_PROBE_INTERVAL: Duration = Duration::from_secs(1);
 /// Deadline of one etcd probe (a membership list).
@@ -425,7 +526,7 @@ const ETCD_PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Lists membership every [`ETCD_PROBE_INTERVAL`]: a cut connection may leave a watch
 /// silent rather than failed, so reachability is probed, not inferred from the watch.
-async fn probe_etcd(fleet: Arc<Fleet>, membership: Arc<KvMembership<EtcdKv>>) {
+async fn probe_etcd(fleet: Arc<Fleet>, membership: Arc<dyn Membership>) {
     loop {
         tokio::time::sleep(ETCD_PROBE_INTERVAL).await;
         let up = matches!(

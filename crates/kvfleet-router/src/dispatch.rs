@@ -1,5 +1,12 @@
 //! Sending one request to a worker: route it, call the worker, and retry on another
-//! worker while it has not started (no message received yet).
+//! worker while none has accepted it.
+//!
+//! A worker acknowledges a request as soon as its engine queues it (an `accepted`
+//! message, before the prefill). The first-token deadline bounds only that
+//! acknowledgement (or, from a worker too old to send one, the first token); from then
+//! on the request is the worker's, and a separate, longer deadline bounds its time in
+//! the queue. Past it the request is aborted and the client told, never re-prefilled
+//! elsewhere: a deep queue is load, not a failure.
 
 use crate::control_hooks::{PlacementRef, RequestFacts, RequestUsage};
 use crate::decision_log::NewDecision;
@@ -13,6 +20,7 @@ use kvfleet_core::openai::Usage;
 use kvfleet_core::BlockHash;
 use kvfleet_proto::v1 as pb;
 use kvfleet_routing::policy::PolicyKind;
+use kvfleet_routing::RouteDecision;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -76,6 +84,20 @@ pub struct InflightGuard {
     pub decision_seq: u64,
 }
 
+impl InflightGuard {
+    /// Takes over the in-flight count `routing.route()` recorded for `decision`.
+    fn new(routing: &Arc<RoutingState>, decision: &RouteDecision) -> Self {
+        InflightGuard {
+            routing: routing.clone(),
+            worker: decision.worker.to_string(),
+            prefill_tokens: decision.prefill_tokens,
+            predicted_cached_tokens: decision.predicted_cached_tokens,
+            policy: decision.policy,
+            decision_seq: 0,
+        }
+    }
+}
+
 impl Drop for InflightGuard {
     fn drop(&mut self) {
         self.routing
@@ -97,21 +119,41 @@ pub async fn dispatch(fleet: &Arc<Fleet>, spec: &GenerationSpec) -> Result<Dispa
             cacheable_len: spec.cacheable_len,
             sampling: Some(spec.sampling.clone()),
             fork_group: spec.fork_group.clone(),
+            report_acceptance: true,
         };
         async move { conn.generate(req).await }
     })
     .await
 }
 
+/// A message of a worker's response stream, which may be its acknowledgement.
+pub trait WorkerMessage {
+    /// The acknowledgement this message is, if it is one.
+    fn acceptance(&self) -> Option<pb::Accepted>;
+}
+
+impl WorkerMessage for pb::GenerateResponse {
+    fn acceptance(&self) -> Option<pb::Accepted> {
+        self.accepted
+    }
+}
+
+impl WorkerMessage for pb::ForkResponse {
+    fn acceptance(&self) -> Option<pb::Accepted> {
+        self.response.as_ref().and_then(|r| r.accepted)
+    }
+}
+
 /// Routes `spec` (its hashes, length, policy and fork group) and starts it with
-/// `start` on the chosen worker, retrying elsewhere while no worker has started it.
+/// `start` on the chosen worker, retrying elsewhere while no worker has accepted it.
+/// `start` should ask for an acknowledgement (`report_acceptance`).
 pub async fn dispatch_with<T, F, Fut>(
     fleet: &Arc<Fleet>,
     spec: &GenerationSpec,
     start: F,
 ) -> Result<Dispatched<T>, ApiError>
 where
-    T: prost::Message + Default + 'static,
+    T: prost::Message + Default + WorkerMessage + 'static,
     F: Fn(WorkerConn) -> Fut,
     Fut: Future<Output = Result<tonic::Streaming<T>, tonic::Status>>,
 {
@@ -156,6 +198,9 @@ where
                 break;
             }
         };
+        // route() counted the request in flight: the guard owns that count from here,
+        // so a request cancelled at any await below (the claim) gives it back.
+        let mut guard = InflightGuard::new(&fleet.routing, &decision);
         // First to route this key: claim it (one compare-and-set per new key), and
         // follow whoever won.
         if let (true, Some(h), Some(key)) = (claim_pending, &hooks, &placement) {
@@ -163,7 +208,11 @@ where
             let chosen = decision.worker.to_string();
             if let Some(owner) = h.claim(key.clone(), chosen.clone()).await {
                 if owner != chosen && fleet.conn(&owner).is_some() {
-                    fleet.routing.abandon(&decision);
+                    if let Some(r) = decision.reservation {
+                        fleet.routing.cancel_reservation(r);
+                    }
+                    // Ends the first choice's in-flight count before routing again.
+                    drop(guard);
                     pin = Some(owner);
                     decision = match route(pin.as_deref(), &tried) {
                         Ok(d) => d,
@@ -172,6 +221,7 @@ where
                             break;
                         }
                     };
+                    guard = InflightGuard::new(&fleet.routing, &decision);
                 }
             }
         }
@@ -182,30 +232,17 @@ where
         );
         let worker = decision.worker.to_string();
         tried.push(worker.clone());
-        let mut guard = InflightGuard {
-            routing: fleet.routing.clone(),
-            worker: worker.clone(),
-            prefill_tokens: decision.prefill_tokens,
-            predicted_cached_tokens: decision.predicted_cached_tokens,
-            policy: decision.policy,
-            decision_seq: 0,
-        };
         // The request never reached the worker: its reservation must not steer siblings.
         let cancel_reservation = || {
             if let Some(r) = decision.reservation {
                 fleet.routing.cancel_reservation(r);
             }
         };
-        // The connection failed: out of the index until its supervisor reconnects.
-        let give_up_on_worker = |why: String| {
-            cancel_reservation();
-            fleet.workers.worker_failed(&worker);
-            fleet.workers.breaker_failure(&worker);
-            why
-        };
         fleet.workers.breaker_request_started(&worker);
         let Some(conn) = fleet.conn(&worker) else {
-            last_error = give_up_on_worker(format!("worker {worker} is not connected"));
+            // Lost since it was routed: its supervisor has charged its breaker.
+            cancel_reservation();
+            last_error = format!("worker {worker} is not connected");
             continue;
         };
         let call = async {
@@ -213,9 +250,50 @@ where
             let first = stream.message().await?;
             Ok::<_, tonic::Status>((stream, first))
         };
+        let abort_in_background = |conn: WorkerConn| {
+            // A hung worker would hold the abort for a whole unary deadline: send it in
+            // the background.
+            let id = spec.request_id.clone();
+            tokio::spawn(async move {
+                let _ = conn.abort(&id).await;
+            });
+        };
         match tokio::time::timeout(fleet.config.first_message_timeout, call).await {
-            Ok(Ok((stream, Some(first)))) => {
+            Ok(Ok((mut stream, Some(mut first)))) => {
                 fleet.workers.breaker_success(&worker);
+                if let Some(ack) = first.acceptance() {
+                    // Accepted: whatever happens now, the request is this worker's.
+                    m::queue_position(&worker, ack.queue_position);
+                    first =
+                        match tokio::time::timeout(fleet.config.queued_timeout, stream.message())
+                            .await
+                        {
+                            Ok(Ok(Some(m))) => m,
+                            Ok(Ok(None)) => {
+                                cancel_reservation();
+                                return Err(ApiError::worker_failed(format!(
+                                    "worker {worker} closed the stream after accepting the request"
+                                )));
+                            }
+                            Ok(Err(status)) => {
+                                cancel_reservation();
+                                return Err(ApiError::worker_failed(format!(
+                                    "worker {worker} failed the request: {}",
+                                    status.message()
+                                )));
+                            }
+                            Err(_) => {
+                                abort_in_background(conn);
+                                m::deadline_exceeded(&worker, "queued");
+                                cancel_reservation();
+                                return Err(ApiError::unavailable(format!(
+                                "the request waited in worker {worker}'s queue for longer than \
+                                 {:?}; the fleet is overloaded, retry later",
+                                fleet.config.queued_timeout
+                            )));
+                            }
+                        };
+                }
                 m::routed(&worker, decision.policy);
                 guard.decision_seq = fleet.decisions.record(
                     NewDecision {
@@ -263,29 +341,29 @@ where
                 fleet.workers.breaker_failure(&worker);
                 last_error = format!("worker {worker} closed the stream before answering");
             }
-            Ok(Err(status)) => match status.code() {
-                Code::InvalidArgument | Code::OutOfRange | Code::FailedPrecondition => {
-                    cancel_reservation();
-                    return Err(ApiError::invalid(status.message().to_string()));
+            Ok(Err(status)) => {
+                cancel_reservation();
+                match classify(&status) {
+                    Fault::Busy => {
+                        // Busy, not broken: try another worker without dropping this
+                        // one (and without counting against its breaker).
+                        last_error = format!("worker {worker} is overloaded: {}", status.message());
+                    }
+                    Fault::Transport => {
+                        // Never accepted: safe to send elsewhere. One charge; the
+                        // supervisor decides whether the connection (and the index)
+                        // is lost.
+                        fleet.workers.breaker_failure(&worker);
+                        last_error = format!("worker {worker} failed: {}", status.message());
+                    }
+                    fault @ (Fault::Invalid | Fault::Request) => {
+                        return Err(fault.client_error(&worker, &status));
+                    }
                 }
-                Code::ResourceExhausted => {
-                    // Busy, not broken: try another worker without dropping this one
-                    // (and without counting against its breaker).
-                    cancel_reservation();
-                    last_error = format!("worker {worker} is overloaded: {}", status.message());
-                }
-                _ => {
-                    last_error =
-                        give_up_on_worker(format!("worker {worker} failed: {}", status.message()));
-                }
-            },
+            }
             Err(_) => {
-                // A hung worker would hold the abort for a whole unary deadline: send
-                // it in the background.
-                let id = spec.request_id.clone();
-                tokio::spawn(async move {
-                    let _ = conn.abort(&id).await;
-                });
+                // Not even acknowledged: hung, or too old to acknowledge.
+                abort_in_background(conn);
                 m::deadline_exceeded(&worker, "first_token");
                 // Missed the deadline: the breaker decides when it is out, not one miss.
                 cancel_reservation();
@@ -298,6 +376,50 @@ where
         }
     }
     Err(ApiError::unavailable(last_error))
+}
+
+/// Whose fault a failed worker call is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fault {
+    /// The request is invalid: a 400 for the client.
+    Invalid,
+    /// The worker is busy: try another, charge nothing.
+    Busy,
+    /// The connection or the worker process failed: charge its breaker; a request it
+    /// never accepted may go elsewhere.
+    Transport,
+    /// This one request failed on a working worker (an engine step, a duplicate id…):
+    /// the client gets a 502; it is not resent, the breaker and the index are untouched.
+    Request,
+}
+
+/// Classifies a status from a worker call.
+pub fn classify(status: &tonic::Status) -> Fault {
+    // tonic attaches the I/O, HTTP/2 or hyper error it made a status from as its
+    // source; a status the worker sent (in trailers) has none.
+    if std::error::Error::source(status).is_some() {
+        return Fault::Transport;
+    }
+    match status.code() {
+        Code::InvalidArgument | Code::OutOfRange | Code::FailedPrecondition => Fault::Invalid,
+        Code::ResourceExhausted => Fault::Busy,
+        Code::Unavailable | Code::DeadlineExceeded => Fault::Transport,
+        _ => Fault::Request,
+    }
+}
+
+impl Fault {
+    /// What the client is told when the request ends with `status` on `worker`.
+    fn client_error(self, worker: &str, status: &tonic::Status) -> ApiError {
+        match self {
+            Fault::Invalid => ApiError::invalid(status.message().to_string()),
+            _ => ApiError::worker_failed(format!(
+                "worker {worker} failed the request ({:?}): {}",
+                status.code(),
+                status.message()
+            )),
+        }
+    }
 }
 
 /// OpenAI's name for a finish reason.

@@ -45,10 +45,14 @@ pub struct FleetConfig {
     pub default_policy: PolicyKind,
     /// How often each worker's load is polled.
     pub load_poll_interval: Duration,
-    /// First-token deadline: how long to wait for a request's first message from a
-    /// worker before trying another one (the request has not started there, or the
-    /// worker hangs).
+    /// Acceptance deadline: how long to wait for a worker to acknowledge a request (or,
+    /// from a worker that sends no acknowledgement, for its first token) before trying
+    /// another one (the request was never accepted there, or the worker hangs).
     pub first_message_timeout: Duration,
+    /// Queue deadline: how long an acknowledged request may wait for its first token.
+    /// Past it the request is aborted and the client gets a 503; it is not retried
+    /// elsewhere (that would prefill it twice) and the worker's breaker is not charged.
+    pub queued_timeout: Duration,
     /// Stall deadline: the longest gap between two messages of a started stream; past
     /// it the client gets an error and the worker a failure on its breaker.
     pub stall_timeout: Duration,
@@ -87,6 +91,7 @@ impl Default for FleetConfig {
             default_policy: PolicyKind::CacheAware,
             load_poll_interval: Duration::from_millis(100),
             first_message_timeout: Duration::from_secs(120),
+            queued_timeout: Duration::from_secs(300),
             stall_timeout: Duration::from_secs(60),
             conn_timeouts: ConnTimeouts::default(),
             breaker: BreakerConfig::default(),

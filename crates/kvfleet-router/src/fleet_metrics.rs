@@ -118,7 +118,11 @@ fn describe() {
     );
     describe_counter!(
         "kvfleet_deadline_exceeded_total",
-        "Worker calls that missed a deadline, by stage (first_token, stall)."
+        "Worker calls that missed a deadline, by stage (first_token, queued, stall)."
+    );
+    describe_gauge!(
+        "kvfleet_router_worker_queue_position",
+        "Sequences queued ahead of the last request a worker acknowledged."
     );
     describe_counter!(
         "kvfleet_index_resyncs_total",
@@ -265,7 +269,13 @@ pub fn control_plane_up(component: &'static str, up: bool) {
     gauge!("kvfleet_control_plane_up", "component" => component).set(if up { 1.0 } else { 0.0 });
 }
 
-/// A worker call missed its deadline at `stage` (`first_token`, `stall`).
+/// Worker `worker` acknowledged a request with `position` sequences queued ahead of it.
+pub fn queue_position(worker: &str, position: u32) {
+    gauge!("kvfleet_router_worker_queue_position", "worker" => worker.to_string())
+        .set(f64::from(position));
+}
+
+/// A worker call missed its deadline at `stage` (`first_token`, `queued`, `stall`).
 pub fn deadline_exceeded(worker: &str, stage: &'static str) {
     counter!("kvfleet_deadline_exceeded_total", "worker" => worker.to_string(), "stage" => stage)
         .increment(1);

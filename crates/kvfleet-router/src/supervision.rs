@@ -152,7 +152,8 @@ impl WorkerSupervision {
         Ok(id)
     }
 
-    /// Stops following a worker and drops it from routing.
+    /// Stops following a worker and drops it from routing, with its breaker (a
+    /// worker back under the same id starts closed; departed workers leave nothing).
     pub fn remove_worker(&self, id: &str) {
         if let Ok(mut w) = self.workers.write() {
             if let Some(slot) = w.remove(id) {
@@ -160,6 +161,9 @@ impl WorkerSupervision {
                     t.abort();
                 }
             }
+            // Under the table's lock: `breaker_failure` checks the table under it too,
+            // so no breaker is made for a worker removed meanwhile.
+            lock(&self.breakers).remove(id);
         }
         self.routing.remove_worker(id);
     }
@@ -278,9 +282,17 @@ impl WorkerSupervision {
         }
     }
 
-    /// Worker `id` failed a request or missed a deadline.
+    /// Worker `id` failed a request or missed a deadline. Nothing for a worker not in
+    /// the table (removed while its request or supervisor was finishing).
     pub fn breaker_failure(&self, id: &str) {
         let now = Instant::now();
+        let Ok(workers) = self.workers.read() else {
+            return;
+        };
+        if !workers.contains_key(id) {
+            return;
+        }
+        // Lock order: the worker table, then the breakers (as `statuses`).
         let mut br = lock(&self.breakers);
         let b = br
             .entry(id.to_string())
@@ -289,6 +301,13 @@ impl WorkerSupervision {
             breaker_transition(id, t);
         }
         self.routing.set_fenced(id, !b.routable(now));
+    }
+
+    /// Worker `id`'s consecutive failures, as its breaker counts them.
+    pub fn breaker_failures(&self, id: &str) -> u32 {
+        lock(&self.breakers)
+            .get(id)
+            .map_or(0, CircuitBreaker::consecutive_failures)
     }
 
     /// Worker `id`'s breaker state.

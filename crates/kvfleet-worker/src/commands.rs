@@ -32,6 +32,8 @@ pub(crate) struct GenerateCommand {
     pub received_at: Instant,
     /// The call's response stream.
     pub stream: StreamSender,
+    /// Send an `accepted` message first, once queued (the caller asked for it).
+    pub report_acceptance: bool,
     /// Told whether the engine accepted the request.
     pub accepted: oneshot::Sender<Result<(), Status>>,
 }
@@ -53,6 +55,8 @@ pub(crate) struct ForkCommand {
     pub fork_group: Option<String>,
     /// When the gRPC handler received the call.
     pub received_at: Instant,
+    /// Send an `accepted` message first (on child 0), once queued.
+    pub report_acceptance: bool,
     /// Told whether the engine accepted the fork.
     pub accepted: oneshot::Sender<Result<(), Status>>,
 }

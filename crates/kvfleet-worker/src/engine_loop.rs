@@ -414,6 +414,7 @@ impl EngineLoop {
             fork_group,
             received_at,
             stream,
+            report_acceptance,
             accepted,
         } = cmd;
         if stream.is_closed() {
@@ -438,6 +439,7 @@ impl EngineLoop {
         let id = self.next_id;
         self.next_id += 1;
         let prompt_tokens = prompt.len();
+        let queue_position = self.engine.load().waiting;
         let req = Request {
             id,
             prompt,
@@ -486,6 +488,26 @@ impl EngineLoop {
                 completion_tokens: 0,
             },
         );
+        if report_acceptance {
+            self.send_acceptance(id, queue_position);
+        }
+    }
+
+    /// Tells request `id`'s caller it is queued, before its prefill: a router then
+    /// knows it must not send the request elsewhere, however long the queue is.
+    fn send_acceptance(&mut self, id: RequestId, queue_position: usize) {
+        let Some(a) = self.active.get_mut(&id) else {
+            return;
+        };
+        a.outbox.push(pb::GenerateResponse {
+            accepted: Some(pb::Accepted {
+                queue_position: u32_of(queue_position),
+            }),
+            ..Default::default()
+        });
+        if a.outbox.flush(&a.stream) == Delivery::Closed {
+            self.drop_request(id);
+        }
     }
 
     /// Whether `name` is a running request's or an unfinished fork's.
@@ -502,6 +524,7 @@ impl EngineLoop {
             children,
             fork_group,
             received_at,
+            report_acceptance,
             accepted,
         } = cmd;
         if children.iter().any(|c| c.stream.is_closed()) {
@@ -530,6 +553,7 @@ impl EngineLoop {
         }
         let prefix_id = self.next_id;
         self.next_id += 1 + children.len() as RequestId;
+        let queue_position = self.engine.load().waiting;
         let prefix_len = prefix.len();
         let mut engine_children = Vec::with_capacity(children.len());
         let mut streams = Vec::with_capacity(children.len());
@@ -609,6 +633,9 @@ impl EngineLoop {
                 retired_early: Vec::new(),
             },
         );
+        if report_acceptance {
+            self.send_acceptance(prefix_id + 1, queue_position);
+        }
     }
 
     /// A fork's prefix is computed and its children spawned: those retired meanwhile

@@ -232,6 +232,7 @@ impl Worker for WorkerService {
                 fork_group: req.fork_group,
                 received_at,
                 stream: tx,
+                report_acceptance: req.report_acceptance,
                 accepted: accepted_tx,
             })))?;
         match accepted_rx.await {
@@ -275,6 +276,7 @@ impl Worker for WorkerService {
             children,
             fork_group: req.fork_group,
             received_at,
+            report_acceptance: req.report_acceptance,
             accepted: accepted_tx,
         })))?;
         match accepted_rx.await {

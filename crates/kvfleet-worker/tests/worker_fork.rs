@@ -37,6 +37,7 @@ fn fork_request(id: &str, prefix: Vec<u32>, children: Vec<pb::ForkChild>) -> pb:
         cache_salt: String::new(),
         children,
         fork_group: Some("g".into()),
+        report_acceptance: false,
     }
 }
 

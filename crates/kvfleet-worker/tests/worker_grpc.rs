@@ -525,3 +525,62 @@ async fn load_cache_dump_and_abort_answer_while_a_long_step_runs() {
     assert_eq!(last.finish_reason, pb::FinishReason::Aborted as i32);
     handle.shutdown().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_accepted_request_is_acknowledged_at_once_with_its_queue_position() {
+    // One sequence at a time: while `a` runs, later requests wait in the queue.
+    let (handle, mut client) = worker("w-ack", |c| c.max_num_seqs = 1).await;
+    let mut running = client
+        .generate(request("a", prompt(1, 40), 3000))
+        .await
+        .unwrap()
+        .into_inner();
+    let head = running.message().await.unwrap().expect("a's first message");
+    assert!(
+        head.accepted.is_none(),
+        "not asked for: no acceptance message"
+    );
+    assert!(head.usage.is_some(), "{head:?}");
+
+    let mut acks = Vec::new();
+    let mut queued = Vec::new();
+    for id in ["b", "c"] {
+        let mut req = request(id, prompt(2, 40), 4);
+        req.report_acceptance = true;
+        let mut s = client.generate(req).await.unwrap().into_inner();
+        let first = tokio::time::timeout(Duration::from_secs(10), s.message())
+            .await
+            .expect("acknowledged without waiting for the running request")
+            .unwrap()
+            .expect("an acceptance message");
+        acks.push(first);
+        queued.push(s);
+    }
+    for (ack, position) in acks.iter().zip([0, 1]) {
+        let a = ack.accepted.expect("the first message is the acceptance");
+        assert_eq!(a.queue_position, position, "{ack:?}");
+        assert!(ack.token_ids.is_empty() && ack.usage.is_none(), "{ack:?}");
+    }
+    // The acceptance came while `a` still held the only slot.
+    let l = load(&mut client).await;
+    assert_eq!((l.running, l.waiting), (1, 2), "{l:?}");
+
+    let ok = client
+        .abort(pb::AbortRequest {
+            request_id: "a".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(ok.found);
+    for s in queued {
+        let msgs = collect(s).await;
+        assert!(msgs[0].usage.is_some(), "then the prompt's usage: {msgs:?}");
+        assert!(
+            msgs.iter().all(|m| m.accepted.is_none()),
+            "acknowledged once"
+        );
+        assert_eq!(last_usage(&msgs).completion_tokens, 4);
+    }
+    handle.shutdown().await.unwrap();
+}

@@ -231,6 +231,7 @@ pub async fn forks(
                         })
                         .collect(),
                     fork_group: spec.fork_group.clone(),
+                    report_acceptance: true,
                 };
                 async move { conn.fork(req).await }
             })

@@ -1,0 +1,265 @@
+//! The router's control-plane link under faults, on the in-memory control plane (the
+//! same traits etcd implements) with scripted workers over real gRPC: watches that
+//! fail and resume, workers that leave, requests cancelled mid-routing.
+
+mod support;
+
+use futures::future::BoxFuture;
+use kvfleet_control::memory::MemKv;
+use kvfleet_control::{KvMembership, KvPlacement, Membership, Placement, PlacementKey};
+use kvfleet_control::{Registration, WorkerRecord};
+use kvfleet_core::{hash_blocks, namespace_seed};
+use kvfleet_proto::v1 as pb;
+use kvfleet_router::circuit_breaker::{BreakerConfig, CircuitState};
+use kvfleet_router::control_hooks::{ControlHooks, PlacementRef, RequestUsage};
+use kvfleet_router::control_plane::RouterControl;
+use kvfleet_router::dispatch::{dispatch, GenerationSpec};
+use kvfleet_router::{Fleet, FleetConfig, PolicyKind, RouterConfig};
+use std::sync::Arc;
+use std::time::Duration;
+use support::fake_worker::{FakeWorker, Script, BS, MODEL};
+use support::flaky_control::{FlakyMembership, FlakyPlacement};
+
+const TTL: Duration = Duration::from_secs(30);
+
+fn fleet() -> Arc<Fleet> {
+    Fleet::new(FleetConfig {
+        router: RouterConfig {
+            block_size: BS as usize,
+            ..RouterConfig::default()
+        },
+        ..FleetConfig::default()
+    })
+    .expect("fleet")
+}
+
+async fn register(m: &dyn Membership, w: &FakeWorker, incarnation: u64) -> Registration {
+    let record = WorkerRecord {
+        id: w.id.clone(),
+        grpc_addr: w.endpoint.clone(),
+        model: MODEL.into(),
+        block_size: BS,
+        incarnation,
+    };
+    m.register(&record, TTL).await.expect("register")
+}
+
+/// Whether `cond` holds within 10 s (checked every 20 ms).
+async fn eventually(mut cond: impl FnMut() -> bool) -> bool {
+    for _ in 0..500 {
+        if cond() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    cond()
+}
+
+fn healthy(fleet: &Fleet) -> Vec<String> {
+    fleet
+        .workers
+        .statuses()
+        .into_iter()
+        .filter(|s| s.healthy)
+        .map(|s| s.id)
+        .collect()
+}
+
+fn group(name: &str) -> PlacementRef {
+    PlacementRef::ForkGroup(name.into())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_placement_watch_is_listed_and_watched_again() {
+    let fleet = fleet();
+    let kv = MemKv::new();
+    let membership = Arc::new(KvMembership::new(kv.clone()));
+    let placement = FlakyPlacement::new(KvPlacement::new(kv.clone()));
+    let w0 = FakeWorker::start("w0", &[], Script::Answer).await;
+    let _r0 = register(membership.as_ref(), &w0, 1).await;
+    let other_router = &placement.inner;
+    other_router
+        .place(&PlacementKey::fork_group("old"), "w0", TTL)
+        .await
+        .unwrap();
+
+    let _rc = RouterControl::start_with(fleet.clone(), placement.clone(), membership, TTL)
+        .await
+        .expect("start");
+    assert!(eventually(|| healthy(&fleet) == ["w0"]).await);
+    let hooks = fleet.control.hooks().expect("hooks installed");
+    assert_eq!(hooks.placed_worker(&group("old")).as_deref(), Some("w0"));
+
+    // While this router's watch is silent, another router's changes land in the store;
+    // then the watch fails.
+    other_router.release_worker("w0").await.unwrap();
+    other_router
+        .place(&PlacementKey::fork_group("new"), "w0", TTL)
+        .await
+        .unwrap();
+    placement.first.fail().await;
+
+    assert!(
+        eventually(|| hooks.placed_worker(&group("new")).as_deref() == Some("w0")).await,
+        "a placement made while the watch was down is never seen"
+    );
+    assert_eq!(
+        hooks.placed_worker(&group("old")),
+        None,
+        "a placement freed while the watch was down is still followed"
+    );
+    assert!(placement.first.watches() >= 2, "watched again");
+    // The new watch follows later changes.
+    other_router
+        .place(&PlacementKey::fork_group("later"), "w0", TTL)
+        .await
+        .unwrap();
+    assert!(
+        eventually(|| hooks.placed_worker(&group("later")).as_deref() == Some("w0")).await,
+        "a placement made after the watch resumed is never seen"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resumed_membership_watch_changes_only_what_changed() {
+    let fleet = fleet();
+    let kv = MemKv::new();
+    let membership = FlakyMembership::new(KvMembership::new(kv.clone()));
+    let placement: Arc<dyn Placement> = Arc::new(KvPlacement::new(kv.clone()));
+    let stays = FakeWorker::start("w0", &[], Script::Answer).await;
+    let leaves = FakeWorker::start("w1", &[], Script::Answer).await;
+    let restarts = FakeWorker::start("w2", &[], Script::Answer).await;
+    let joins = FakeWorker::start("w3", &[], Script::Answer).await;
+    let _r0 = register(&membership.inner, &stays, 1).await;
+    let r1 = register(&membership.inner, &leaves, 1).await;
+    let _r2 = register(&membership.inner, &restarts, 1).await;
+
+    let _rc = RouterControl::start_with(fleet.clone(), placement, membership.clone(), TTL)
+        .await
+        .expect("start");
+    assert!(eventually(|| healthy(&fleet) == ["w0", "w1", "w2"]).await);
+    for w in [&stays, &leaves, &restarts] {
+        assert_eq!(w.dumps(), 1, "{} indexed once", w.id);
+    }
+
+    // While the router's watch is silent: one worker leaves, one restarts (a new
+    // incarnation), one joins; then the watch fails and the router lists again.
+    r1.deregister().await.unwrap();
+    let _r2b = register(&membership.inner, &restarts, 2).await;
+    let _r3 = register(&membership.inner, &joins, 1).await;
+    membership.first.fail().await;
+
+    assert!(
+        eventually(|| healthy(&fleet) == ["w0", "w2", "w3"] && restarts.dumps() == 2).await,
+        "after the resume the fleet is {:?} (w2 dumped {} times)",
+        healthy(&fleet),
+        restarts.dumps()
+    );
+    assert!(
+        eventually(|| membership.first.watches() >= 2).await,
+        "watched again"
+    );
+    // Anything the resume re-added would dump again shortly after.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        stays.dumps(),
+        1,
+        "an unchanged worker was removed and re-added"
+    );
+    assert_eq!(joins.dumps(), 1);
+    assert_eq!(restarts.dumps(), 2, "the new incarnation is indexed once");
+    assert_eq!(healthy(&fleet), ["w0", "w2", "w3"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn breakers_go_with_their_workers() {
+    let fleet = Fleet::new(FleetConfig {
+        router: RouterConfig {
+            block_size: BS as usize,
+            ..RouterConfig::default()
+        },
+        breaker: BreakerConfig {
+            failure_threshold: 1,
+            cooldown: Duration::from_secs(60),
+        },
+        ..FleetConfig::default()
+    })
+    .expect("fleet");
+    let w0 = FakeWorker::start("w0", &[], Script::Answer).await;
+    fleet.add_worker(&w0.endpoint).await.expect("add w0");
+    fleet.workers.breaker_failure("w0");
+    assert_eq!(fleet.workers.circuit_state("w0"), CircuitState::Open);
+
+    // The worker departs (its lease expired): its breaker goes with it.
+    fleet.remove_worker("w0");
+    assert_eq!(
+        fleet.workers.breaker_failures("w0"),
+        0,
+        "a departed worker's breaker is kept"
+    );
+    // Back under the same id, it starts with a closed breaker, not the old cool-down.
+    fleet.add_worker(&w0.endpoint).await.expect("re-add w0");
+    assert_eq!(fleet.workers.circuit_state("w0"), CircuitState::Closed);
+
+    // A failure reported for a worker the fleet does not know creates nothing.
+    fleet.workers.breaker_failure("ghost");
+    assert_eq!(fleet.workers.breaker_failures("ghost"), 0);
+    assert_eq!(fleet.workers.circuit_state("ghost"), CircuitState::Closed);
+}
+
+/// Placement hooks whose claim never resolves (a control plane that hangs).
+struct NeverClaims;
+
+impl ControlHooks for NeverClaims {
+    fn placed_worker(&self, _key: &PlacementRef) -> Option<String> {
+        None
+    }
+    fn claim(&self, _key: PlacementRef, _worker: String) -> BoxFuture<'static, Option<String>> {
+        Box::pin(futures::future::pending())
+    }
+    fn request_done(&self, _usage: RequestUsage) {}
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_cancelled_during_its_placement_claim_is_not_left_in_flight() {
+    let fleet = fleet();
+    let w0 = FakeWorker::start("w0", &[], Script::Answer).await;
+    fleet.add_worker(&w0.endpoint).await.expect("add w0");
+    fleet.set_control_hooks(Arc::new(NeverClaims));
+    let inflight = || {
+        fleet
+            .routing
+            .snapshot()
+            .workers
+            .iter()
+            .map(|w| w.load.inflight_requests)
+            .sum::<usize>()
+    };
+
+    // A prompt no worker holds: its prefix root is claimed first, and the claim hangs
+    // until the client goes away.
+    let tokens: Vec<u32> = (0..64).map(|i| (i * 5 + 1) % 300 + 1).collect();
+    let spec = GenerationSpec {
+        request_id: "r1".into(),
+        hashes: hash_blocks(namespace_seed(MODEL, ""), &tokens, BS as usize),
+        token_ids: tokens,
+        sampling: pb::SamplingParams {
+            max_tokens: 1,
+            ..Default::default()
+        },
+        cache_salt: String::new(),
+        cacheable_len: None,
+        fork_group: None,
+        session: None,
+        policy: PolicyKind::CacheAware,
+        endpoint: "chat",
+    };
+    let cancelled = tokio::time::timeout(Duration::from_millis(300), dispatch(&fleet, &spec)).await;
+    assert!(cancelled.is_err(), "the claim resolved");
+    assert_eq!(
+        inflight(),
+        0,
+        "the cancelled request is still counted in flight"
+    );
+    assert_eq!(w0.generates(), 0);
+}
