@@ -6,7 +6,9 @@
 //! acknowledgement (or, from a worker too old to send one, the first token); from then
 //! on the request is the worker's, and a separate, longer deadline bounds its time in
 //! the queue. Past it the request is aborted and the client told, never re-prefilled
-//! elsewhere: a deep queue is load, not a failure.
+//! elsewhere: a deep queue is load, not a failure. Only a transport failure of the
+//! worker before its first token (a dead process or connection) sends an accepted
+//! request elsewhere: the client has been sent nothing, and the worker's queue is gone.
 
 use crate::control_hooks::{PlacementRef, RequestFacts, RequestUsage};
 use crate::decision_log::NewDecision;
@@ -262,18 +264,31 @@ where
             Ok(Ok((mut stream, Some(mut first)))) => {
                 fleet.workers.breaker_success(&worker);
                 if let Some(ack) = first.acceptance() {
-                    // Accepted: whatever happens now, the request is this worker's.
+                    // Accepted: the request is this worker's unless the worker itself fails.
                     m::queue_position(&worker, ack.queue_position);
                     first =
                         match tokio::time::timeout(fleet.config.queued_timeout, stream.message())
                             .await
                         {
                             Ok(Ok(Some(m))) => m,
+                            // The worker's connection or process failed before it sent
+                            // anything but the acknowledgement, so the client has nothing
+                            // yet: send the request elsewhere (a dead worker's queue is
+                            // lost work, not load).
                             Ok(Ok(None)) => {
                                 cancel_reservation();
-                                return Err(ApiError::worker_failed(format!(
+                                fleet.workers.breaker_failure(&worker);
+                                last_error = format!(
                                     "worker {worker} closed the stream after accepting the request"
-                                )));
+                                );
+                                continue;
+                            }
+                            Ok(Err(status)) if classify(&status) == Fault::Transport => {
+                                cancel_reservation();
+                                fleet.workers.breaker_failure(&worker);
+                                last_error =
+                                    format!("worker {worker} failed: {}", status.message());
+                                continue;
                             }
                             Ok(Err(status)) => {
                                 cancel_reservation();

@@ -69,9 +69,13 @@ struct Ring {
     events: VecDeque<Arc<KvEvent>>,
     capacity: usize,
     last_seq: u64,
-    /// Every cached block (hash → parent) as the events up to `last_seq` describe it:
+    /// Every cached block (hash → parent) as the events up to `cached_seq` describe it:
     /// `CacheDump` answers from here instead of waiting for the engine thread.
     cached: HashMap<BlockHash, Option<BlockHash>>,
+    /// The last event applied to `cached`. The engine numbers its events 1, 2, 3...;
+    /// an event out of that sequence is forwarded but not applied, so the dump (what a
+    /// router resyncs from after a gap) stays the engine's own state.
+    cached_seq: u64,
 }
 
 impl Ring {
@@ -118,6 +122,7 @@ impl EventLog {
                 capacity,
                 last_seq: 0,
                 cached: HashMap::new(),
+                cached_seq: 0,
             }),
             live,
         }
@@ -144,7 +149,7 @@ impl EventLog {
     pub fn cache_dump(&self) -> (u64, Vec<(BlockHash, Option<BlockHash>)>) {
         let ring = self.lock();
         (
-            ring.last_seq,
+            ring.cached_seq,
             ring.cached.iter().map(|(h, p)| (*h, *p)).collect(),
         )
     }
@@ -217,7 +222,10 @@ impl KvEventSink for EventLog {
         let event = Arc::new(event.clone());
         let mut ring = self.lock();
         ring.last_seq = event.seq;
-        ring.apply(&event.kind);
+        if event.seq == ring.cached_seq + 1 {
+            ring.apply(&event.kind);
+            ring.cached_seq = event.seq;
+        }
         ring.events.push_back(Arc::clone(&event));
         while ring.events.len() > ring.capacity {
             ring.events.pop_front();
