@@ -10,6 +10,7 @@
 //! worker before its first token (a dead process or connection) sends an accepted
 //! request elsewhere: the client has been sent nothing, and the worker's queue is gone.
 
+use crate::circuit_breaker::CircuitState;
 use crate::control_hooks::{PlacementRef, RequestFacts, RequestUsage};
 use crate::decision_log::NewDecision;
 use crate::fleet::Fleet;
@@ -27,6 +28,9 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tonic::Code;
+
+/// How often a request queued on a worker checks that the worker is still alive.
+const LIVENESS_CHECK: Duration = Duration::from_millis(200);
 
 /// What the router sends a worker for one request.
 #[derive(Clone, Debug)]
@@ -266,48 +270,78 @@ where
                 if let Some(ack) = first.acceptance() {
                     // Accepted: the request is this worker's unless the worker itself fails.
                     m::queue_position(&worker, ack.queue_position);
-                    first =
-                        match tokio::time::timeout(fleet.config.queued_timeout, stream.message())
-                            .await
+                    // Queued: wait up to the queue deadline, checking now and then that
+                    // the worker is still alive (a hung worker's breaker opens, or its
+                    // supervisor drops it), so its queue is not waited on to the end.
+                    let queued_until = Instant::now() + fleet.config.queued_timeout;
+                    let waited = loop {
+                        let left = queued_until.saturating_duration_since(Instant::now());
+                        if left.is_zero() {
+                            break Err(());
+                        }
+                        // `Streaming::message` is cancel safe: a timed-out wait loses nothing.
+                        match tokio::time::timeout(left.min(LIVENESS_CHECK), stream.message()).await
                         {
-                            Ok(Ok(Some(m))) => m,
-                            // The worker's connection or process failed before it sent
-                            // anything but the acknowledgement, so the client has nothing
-                            // yet: send the request elsewhere (a dead worker's queue is
-                            // lost work, not load).
-                            Ok(Ok(None)) => {
-                                cancel_reservation();
-                                fleet.workers.breaker_failure(&worker);
-                                last_error = format!(
-                                    "worker {worker} closed the stream after accepting the request"
-                                );
-                                continue;
-                            }
-                            Ok(Err(status)) if classify(&status) == Fault::Transport => {
-                                cancel_reservation();
-                                fleet.workers.breaker_failure(&worker);
-                                last_error =
-                                    format!("worker {worker} failed: {}", status.message());
-                                continue;
-                            }
-                            Ok(Err(status)) => {
-                                cancel_reservation();
-                                return Err(ApiError::worker_failed(format!(
-                                    "worker {worker} failed the request: {}",
-                                    status.message()
-                                )));
-                            }
+                            Ok(r) => break Ok(Some(r)),
                             Err(_) => {
-                                abort_in_background(conn);
-                                m::deadline_exceeded(&worker, "queued");
-                                cancel_reservation();
-                                return Err(ApiError::unavailable(format!(
+                                let down = fleet.conn(&worker).is_none()
+                                    || fleet.workers.circuit_state(&worker) == CircuitState::Open;
+                                if down {
+                                    break Ok(None);
+                                }
+                            }
+                        }
+                    };
+                    let waited = match waited {
+                        Ok(Some(r)) => Ok(r),
+                        Ok(None) => {
+                            // The worker died with the request queued: nothing was sent to
+                            // the client, so it goes elsewhere.
+                            abort_in_background(conn);
+                            cancel_reservation();
+                            last_error = format!("worker {worker} failed with the request queued");
+                            continue;
+                        }
+                        Err(()) => Err(()),
+                    };
+                    first = match waited {
+                        Ok(Ok(Some(m))) => m,
+                        // The worker's connection or process failed before it sent
+                        // anything but the acknowledgement, so the client has nothing
+                        // yet: send the request elsewhere (a dead worker's queue is
+                        // lost work, not load).
+                        Ok(Ok(None)) => {
+                            cancel_reservation();
+                            fleet.workers.breaker_failure(&worker);
+                            last_error = format!(
+                                "worker {worker} closed the stream after accepting the request"
+                            );
+                            continue;
+                        }
+                        Ok(Err(status)) if classify(&status) == Fault::Transport => {
+                            cancel_reservation();
+                            fleet.workers.breaker_failure(&worker);
+                            last_error = format!("worker {worker} failed: {}", status.message());
+                            continue;
+                        }
+                        Ok(Err(status)) => {
+                            cancel_reservation();
+                            return Err(ApiError::worker_failed(format!(
+                                "worker {worker} failed the request: {}",
+                                status.message()
+                            )));
+                        }
+                        Err(_) => {
+                            abort_in_background(conn);
+                            m::deadline_exceeded(&worker, "queued");
+                            cancel_reservation();
+                            return Err(ApiError::unavailable(format!(
                                 "the request waited in worker {worker}'s queue for longer than \
                                  {:?}; the fleet is overloaded, retry later",
                                 fleet.config.queued_timeout
                             )));
-                            }
-                        };
+                        }
+                    };
                 }
                 m::routed(&worker, decision.policy);
                 guard.decision_seq = fleet.decisions.record(

@@ -496,6 +496,9 @@ impl EngineLoop {
     /// Tells request `id`'s caller it is queued, before its prefill: a router then
     /// knows it must not send the request elsewhere, however long the queue is.
     fn send_acceptance(&mut self, id: RequestId, queue_position: usize) {
+        // Published first: a caller that has its acknowledgement sees the request
+        // in `Load`.
+        self.publish_load();
         let Some(a) = self.active.get_mut(&id) else {
             return;
         };
