@@ -270,68 +270,25 @@ where
                 if let Some(ack) = first.acceptance() {
                     // Accepted: the request is this worker's unless the worker itself fails.
                     m::queue_position(&worker, ack.queue_position);
-                    // Queued: wait up to the queue deadline, checking now and then that
-                    // the worker is still alive (a hung worker's breaker opens, or its
-                    // supervisor drops it), so its queue is not waited on to the end.
-                    let queued_until = Instant::now() + fleet.config.queued_timeout;
-                    let waited = loop {
-                        let left = queued_until.saturating_duration_since(Instant::now());
-                        if left.is_zero() {
-                            break Err(());
-                        }
-                        // `Streaming::message` is cancel safe: a timed-out wait loses nothing.
-                        match tokio::time::timeout(left.min(LIVENESS_CHECK), stream.message()).await
-                        {
-                            Ok(r) => break Ok(Some(r)),
-                            Err(_) => {
-                                let down = fleet.conn(&worker).is_none()
-                                    || fleet.workers.circuit_state(&worker) == CircuitState::Open;
-                                if down {
-                                    break Ok(None);
-                                }
+                    first = match first_after_acceptance(fleet, &worker, &mut stream).await {
+                        Queued::First(msg) => msg,
+                        Queued::WorkerFailed { why, charge } => {
+                            // Nothing was sent to the client and a dead worker's queue is
+                            // lost work, not load: the request goes elsewhere.
+                            cancel_reservation();
+                            if charge {
+                                fleet.workers.breaker_failure(&worker);
+                            } else {
+                                abort_in_background(conn);
                             }
-                        }
-                    };
-                    let waited = match waited {
-                        Ok(Some(r)) => Ok(r),
-                        Ok(None) => {
-                            // The worker died with the request queued: nothing was sent to
-                            // the client, so it goes elsewhere.
-                            abort_in_background(conn);
-                            cancel_reservation();
-                            last_error = format!("worker {worker} failed with the request queued");
+                            last_error = why;
                             continue;
                         }
-                        Err(()) => Err(()),
-                    };
-                    first = match waited {
-                        Ok(Ok(Some(m))) => m,
-                        // The worker's connection or process failed before it sent
-                        // anything but the acknowledgement, so the client has nothing
-                        // yet: send the request elsewhere (a dead worker's queue is
-                        // lost work, not load).
-                        Ok(Ok(None)) => {
+                        Queued::Failed(e) => {
                             cancel_reservation();
-                            fleet.workers.breaker_failure(&worker);
-                            last_error = format!(
-                                "worker {worker} closed the stream after accepting the request"
-                            );
-                            continue;
+                            return Err(e);
                         }
-                        Ok(Err(status)) if classify(&status) == Fault::Transport => {
-                            cancel_reservation();
-                            fleet.workers.breaker_failure(&worker);
-                            last_error = format!("worker {worker} failed: {}", status.message());
-                            continue;
-                        }
-                        Ok(Err(status)) => {
-                            cancel_reservation();
-                            return Err(ApiError::worker_failed(format!(
-                                "worker {worker} failed the request: {}",
-                                status.message()
-                            )));
-                        }
-                        Err(_) => {
+                        Queued::TimedOut => {
                             abort_in_background(conn);
                             m::deadline_exceeded(&worker, "queued");
                             cancel_reservation();
@@ -425,6 +382,70 @@ where
         }
     }
     Err(ApiError::unavailable(last_error))
+}
+
+/// How the wait for an accepted request's first message (after the acknowledgement)
+/// ended.
+enum Queued<T> {
+    /// The message.
+    First(T),
+    /// The worker failed first. `charge` when this wait is the first sign of it (a
+    /// closed stream, a transport error); a liveness check finds a worker that was
+    /// already dropped or had its breaker opened, so there is nothing to charge.
+    WorkerFailed { why: String, charge: bool },
+    /// The request itself failed on a working worker.
+    Failed(ApiError),
+    /// Still queued at the queue deadline.
+    TimedOut,
+}
+
+/// Waits for `stream`'s next message up to the queue deadline, checking every
+/// [`LIVENESS_CHECK`] that `worker` is still connected and its breaker not open, so a
+/// hung worker's queue is not waited on to the end.
+async fn first_after_acceptance<T: prost::Message + Default>(
+    fleet: &Fleet,
+    worker: &str,
+    stream: &mut tonic::Streaming<T>,
+) -> Queued<T> {
+    let until = Instant::now() + fleet.config.queued_timeout;
+    loop {
+        let left = until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Queued::TimedOut;
+        }
+        // `Streaming::message` is cancel safe: a timed-out wait loses nothing.
+        match tokio::time::timeout(left.min(LIVENESS_CHECK), stream.message()).await {
+            Ok(Ok(Some(m))) => return Queued::First(m),
+            Ok(Ok(None)) => {
+                return Queued::WorkerFailed {
+                    why: format!("worker {worker} closed the stream after accepting the request"),
+                    charge: true,
+                }
+            }
+            Ok(Err(status)) if classify(&status) == Fault::Transport => {
+                return Queued::WorkerFailed {
+                    why: format!("worker {worker} failed: {}", status.message()),
+                    charge: true,
+                }
+            }
+            Ok(Err(status)) => {
+                return Queued::Failed(ApiError::worker_failed(format!(
+                    "worker {worker} failed the request: {}",
+                    status.message()
+                )))
+            }
+            Err(_) => {
+                if fleet.conn(worker).is_none()
+                    || fleet.workers.circuit_state(worker) == CircuitState::Open
+                {
+                    return Queued::WorkerFailed {
+                        why: format!("worker {worker} failed with the request queued"),
+                        charge: false,
+                    };
+                }
+            }
+        }
+    }
 }
 
 /// Whose fault a failed worker call is.
