@@ -616,13 +616,10 @@ impl Engine {
             {
                 out.finish = Some(FinishReason::Length);
                 if let Some(t) = &self.tokenizer {
-                    let tail = seq.decoder.finish(t.as_ref()).unwrap_or_default();
-                    let check = seq.stop.push(&tail);
-                    out.text.push_str(&check.emit);
-                    if check.stopped {
+                    let (rest, stopped) = seq.finish_text(t.as_ref());
+                    out.text.push_str(&rest);
+                    if stopped {
                         out.finish = Some(FinishReason::Stop);
-                    } else {
-                        out.text.push_str(&seq.stop.flush());
                     }
                 }
             }
@@ -654,18 +651,14 @@ impl Engine {
                 }));
             }
         } else {
-            let mut text = String::new();
-            let mut finish = FinishReason::Length;
-            if let Some(t) = &self.tokenizer {
-                let tail = seq.decoder.finish(t.as_ref()).unwrap_or_default();
-                let check = seq.stop.push(&tail);
-                text = check.emit;
-                if check.stopped {
-                    finish = FinishReason::Stop;
-                } else {
-                    text.push_str(&seq.stop.flush());
-                }
-            }
+            let (text, stopped) = match &self.tokenizer {
+                Some(t) => seq.finish_text(t.as_ref()),
+                None => (String::new(), false),
+            };
+            let finish = match stopped {
+                true => FinishReason::Stop,
+                false => FinishReason::Length,
+            };
             outputs.push(StepOutput {
                 id,
                 token: None,

@@ -4,7 +4,7 @@
 use crate::block_pool::BlockId;
 use crate::sampling::{Sampler, SamplingParams};
 use crate::stop_matcher::StopMatcher;
-use kvfleet_core::tokenizer::StreamDecoder;
+use kvfleet_core::tokenizer::{StreamDecoder, Tokenizer};
 use kvfleet_core::{chain_hash, BlockHash, TokenId};
 
 /// Caller-chosen id of a request (unique among the engine's unfinished requests).
@@ -78,6 +78,19 @@ pub struct Sequence {
 }
 
 impl Sequence {
+    /// The text still held back when the sequence ends at a length limit: the
+    /// decoder's rest, cut at a stop string if one completes in it (then `true`: the
+    /// sequence stopped rather than ran out), else with the matcher's held text.
+    pub fn finish_text(&mut self, tokenizer: &dyn Tokenizer) -> (String, bool) {
+        let rest = self.decoder.finish(tokenizer).unwrap_or_default();
+        let check = self.stop.push(&rest);
+        let mut text = check.emit;
+        if !check.stopped {
+            text.push_str(&self.stop.flush());
+        }
+        (text, check.stopped)
+    }
+
     /// Number of generated tokens.
     pub fn num_generated(&self) -> usize {
         self.tokens.len() - self.prompt_len
