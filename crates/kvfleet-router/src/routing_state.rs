@@ -70,16 +70,6 @@ impl RoutingState {
         lock(&self.kv).matches(hashes, now).deepest() > 0
     }
 
-    /// Undoes a decision whose request never reached its worker: its reservation must
-    /// not steer siblings, and it is no longer in flight there.
-    pub fn abandon(&self, decision: &RouteDecision) {
-        let mut kv = lock(&self.kv);
-        if let Some(r) = decision.reservation {
-            kv.cancel_reservation(r);
-        }
-        let _ = kv.request_finished(&decision.worker, decision.prefill_tokens);
-    }
-
     /// Ends a reservation early (the request never reached the worker).
     pub fn cancel_reservation(&self, id: ReservationId) {
         lock(&self.kv).cancel_reservation(id);
@@ -201,7 +191,10 @@ mod tests {
         let d = r.route(&req).unwrap();
         // The reservation makes the chain known before any event confirms it.
         assert!(r.is_known_prefix(&chain));
-        r.abandon(&d);
+        // What dispatch does for a request that never reached its worker: the
+        // reservation is cancelled and its in-flight guard dropped.
+        r.cancel_reservation(d.reservation.unwrap());
+        r.request_finished(&d.worker, d.prefill_tokens);
         assert!(
             !r.is_known_prefix(&chain),
             "abandoned reservation still steers"
