@@ -8,16 +8,14 @@ use futures::future::BoxFuture;
 use kvfleet_control::memory::MemKv;
 use kvfleet_control::{KvMembership, KvPlacement, Membership, Placement, PlacementKey};
 use kvfleet_control::{Registration, WorkerRecord};
-use kvfleet_core::{hash_blocks, namespace_seed};
-use kvfleet_proto::v1 as pb;
 use kvfleet_router::circuit_breaker::{BreakerConfig, CircuitState};
 use kvfleet_router::control_hooks::{ControlHooks, PlacementRef, RequestUsage};
 use kvfleet_router::control_plane::RouterControl;
-use kvfleet_router::dispatch::{dispatch, GenerationSpec};
-use kvfleet_router::{Fleet, FleetConfig, PolicyKind, RouterConfig};
+use kvfleet_router::dispatch::dispatch;
+use kvfleet_router::{Fleet, FleetConfig, RouterConfig};
 use std::sync::Arc;
 use std::time::Duration;
-use support::fake_worker::{FakeWorker, Script, BS, MODEL};
+use support::fake_worker::{chat_spec, FakeWorker, Script, BS, MODEL};
 use support::flaky_control::{FlakyMembership, FlakyPlacement};
 
 const TTL: Duration = Duration::from_secs(30);
@@ -239,21 +237,7 @@ async fn a_request_cancelled_during_its_placement_claim_is_not_left_in_flight() 
     // A prompt no worker holds: its prefix root is claimed first, and the claim hangs
     // until the client goes away.
     let tokens: Vec<u32> = (0..64).map(|i| (i * 5 + 1) % 300 + 1).collect();
-    let spec = GenerationSpec {
-        request_id: "r1".into(),
-        hashes: hash_blocks(namespace_seed(MODEL, ""), &tokens, BS as usize),
-        token_ids: tokens,
-        sampling: pb::SamplingParams {
-            max_tokens: 1,
-            ..Default::default()
-        },
-        cache_salt: String::new(),
-        cacheable_len: None,
-        fork_group: None,
-        session: None,
-        policy: PolicyKind::CacheAware,
-        endpoint: "chat",
-    };
+    let spec = chat_spec("r1", tokens);
     let cancelled = tokio::time::timeout(Duration::from_millis(300), dispatch(&fleet, &spec)).await;
     assert!(cancelled.is_err(), "the claim resolved");
     assert_eq!(

@@ -5,13 +5,12 @@
 mod support;
 
 use kvfleet_core::{hash_blocks, namespace_seed};
-use kvfleet_proto::v1 as pb;
 use kvfleet_router::circuit_breaker::{BreakerConfig, CircuitState};
 use kvfleet_router::dispatch::{dispatch, GenerationSpec};
-use kvfleet_router::{Fleet, FleetConfig, PolicyKind, RouterConfig};
+use kvfleet_router::{Fleet, FleetConfig, RouterConfig};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use support::fake_worker::{FakeWorker, Script, BS, MODEL};
+use support::fake_worker::{chat_spec, FakeWorker, Script, BS, MODEL};
 
 /// A 64-token prompt (4 full blocks) and its chained hashes.
 fn prompt() -> (Vec<u32>, Vec<kvfleet_core::BlockHash>) {
@@ -35,22 +34,7 @@ fn cached_chain() -> Vec<(u64, Option<u64>)> {
 }
 
 fn spec(id: &str) -> GenerationSpec {
-    let (token_ids, hashes) = prompt();
-    GenerationSpec {
-        request_id: id.to_string(),
-        token_ids,
-        hashes,
-        sampling: pb::SamplingParams {
-            max_tokens: 1,
-            ..Default::default()
-        },
-        cache_salt: String::new(),
-        cacheable_len: None,
-        fork_group: None,
-        session: None,
-        policy: PolicyKind::CacheAware,
-        endpoint: "chat",
-    }
+    chat_spec(id, prompt().0)
 }
 
 /// A fleet with short deadlines whose breakers open on the `breaker_failures`-th

@@ -23,6 +23,30 @@ pub const BS: u32 = 16;
 /// The model every fake worker serves.
 pub const MODEL: &str = "fake-model";
 
+/// A one-token chat request for `tokens` (hashed as a fake worker's model), as the
+/// router's tests dispatch it.
+pub fn chat_spec(id: &str, tokens: Vec<u32>) -> kvfleet_router::dispatch::GenerationSpec {
+    kvfleet_router::dispatch::GenerationSpec {
+        request_id: id.to_string(),
+        hashes: kvfleet_core::hash_blocks(
+            kvfleet_core::namespace_seed(MODEL, ""),
+            &tokens,
+            BS as usize,
+        ),
+        token_ids: tokens,
+        sampling: pb::SamplingParams {
+            max_tokens: 1,
+            ..Default::default()
+        },
+        cache_salt: String::new(),
+        cacheable_len: None,
+        fork_group: None,
+        session: None,
+        policy: kvfleet_router::PolicyKind::CacheAware,
+        endpoint: "chat",
+    }
+}
+
 /// How a fake worker answers `Generate`.
 #[derive(Clone, Debug)]
 pub enum Script {
