@@ -228,10 +228,12 @@ impl RouterControl {
     /// Brings `members` in line with a listing: adds new and changed records, removes
     /// the workers the listing lacks (they left while no watch was looking).
     async fn reconcile_members(self: &Arc<Self>, members: &mut Members, listed: Vec<WorkerRecord>) {
+        let listed_ids: std::collections::HashSet<&str> =
+            listed.iter().map(|w| w.id.as_str()).collect();
         let gone: Vec<String> = members
             .known
             .keys()
-            .filter(|id| !listed.iter().any(|w| &w.id == *id))
+            .filter(|id| !listed_ids.contains(id.as_str()))
             .cloned()
             .collect();
         for id in gone {
