@@ -245,3 +245,65 @@ fn greedy_continuation_matches_transformers_on_the_widest_margin_prompt() {
         assert_eq!(got, p.greedy_ids[..32], "{:?} ({opts:?})", p.text);
     }
 }
+
+/// The logits after `ids`, prefilled `split` tokens at a time over one KV cache (as the
+/// engine does for a prompt whose first blocks are cached, or for chunked prefill).
+fn last_logits_in_steps(model: &LlamaModel, ids: &[u32], split: &[usize]) -> Vec<f32> {
+    let bs = 16;
+    let blocks = ids.len().div_ceil(bs);
+    let table: Vec<u32> = (0..blocks as u32).collect();
+    let mut kv = model.new_kv_cache(blocks, bs);
+    let mut pos = 0usize;
+    let mut last = Vec::new();
+    for &n in split.iter().chain(std::iter::once(&usize::MAX)) {
+        let end = pos.saturating_add(n).min(ids.len());
+        if end == pos {
+            break;
+        }
+        let mut out = model
+            .forward(
+                &[ForwardItem {
+                    tokens: &ids[pos..end],
+                    start_pos: pos,
+                    block_table: &table,
+                    logits: LogitsRequest::Last,
+                }],
+                &mut kv,
+            )
+            .unwrap();
+        last = out.swap_remove(0);
+        pos = end;
+    }
+    last
+}
+
+/// A prompt prefilled cold in one step and the same prompt as a short tail after a
+/// cached prefix give the same logits, bit for bit: otherwise a repeated greedy request
+/// can answer differently once its prefix is cached (a near-tie flips).
+#[test]
+fn a_prompt_gets_the_same_logits_cold_and_after_a_cached_prefix() {
+    let f = fixture();
+    let (model, _) =
+        LlamaModel::load_gguf(&model_path(&f.gguf), GgufLoadOptions::default()).unwrap();
+    // Over 300 tokens, so the cold prefill is a many-row product.
+    let ids: Vec<u32> = f
+        .prompts
+        .iter()
+        .flat_map(|p| p.ids.iter().copied())
+        .cycle()
+        .take(333)
+        .collect();
+    let cold = last_logits_in_steps(&model, &ids, &[]);
+    for split in [&[320][..], &[16, 300, 16], &[329, 1, 1, 1]] {
+        let cached = last_logits_in_steps(&model, &ids, split);
+        let differing = cold
+            .iter()
+            .zip(&cached)
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count();
+        assert_eq!(
+            differing, 0,
+            "prefilled as {split:?} then the rest: {differing} logits differ"
+        );
+    }
+}

@@ -4,7 +4,6 @@
 
 use std::fs::File;
 use std::io::BufReader;
-use std::sync::Arc;
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device};
@@ -116,7 +115,7 @@ impl Reader<'_> {
             GgmlDType::F32 => dense(DType::F32),
             GgmlDType::F16 => dense(DType::F16),
             GgmlDType::BF16 => dense(DType::BF16),
-            _ => Ok(Matrix::Quant(Arc::new(q))),
+            _ => Matrix::quantized(q),
         }
     }
 }

@@ -11,6 +11,7 @@
 
 pub(crate) mod attention;
 pub(crate) mod ops;
+pub(crate) mod packed_quant;
 mod quant_dot;
 pub(crate) mod rope;
 mod seeded;
