@@ -277,9 +277,10 @@ fn last_logits_in_steps(model: &LlamaModel, ids: &[u32], split: &[usize]) -> Vec
     last
 }
 
-/// A prompt prefilled cold in one step and the same prompt as a short tail after a
-/// cached prefix give the same logits, bit for bit: otherwise a repeated greedy request
-/// can answer differently once its prefix is cached (a near-tie flips).
+/// A prompt prefilled cold in one step, the same prompt as a short tail after a
+/// cached prefix, and the prompt beside another sequence give the same logits, bit for
+/// bit: otherwise a repeated greedy request can answer differently once its prefix is
+/// cached (a near-tie flips).
 #[test]
 fn a_prompt_gets_the_same_logits_cold_and_after_a_cached_prefix() {
     let f = fixture();
@@ -306,4 +307,39 @@ fn a_prompt_gets_the_same_logits_cold_and_after_a_cached_prefix() {
             "prefilled as {split:?} then the rest: {differing} logits differ"
         );
     }
+    // The same prompt sharing its step with another sequence.
+    let other: Vec<u32> = ids.iter().rev().take(70).copied().collect();
+    let bs = 16;
+    let (na, nb) = (ids.len().div_ceil(bs), other.len().div_ceil(bs));
+    let table_a: Vec<u32> = (0..na as u32).collect();
+    let table_b: Vec<u32> = (na as u32..(na + nb) as u32).collect();
+    let mut kv = model.new_kv_cache(na + nb, bs);
+    let both = model
+        .forward(
+            &[
+                ForwardItem {
+                    tokens: &other,
+                    start_pos: 0,
+                    block_table: &table_b,
+                    logits: LogitsRequest::Last,
+                },
+                ForwardItem {
+                    tokens: &ids,
+                    start_pos: 0,
+                    block_table: &table_a,
+                    logits: LogitsRequest::Last,
+                },
+            ],
+            &mut kv,
+        )
+        .unwrap();
+    let differing = cold
+        .iter()
+        .zip(&both[1])
+        .filter(|(a, b)| a.to_bits() != b.to_bits())
+        .count();
+    assert_eq!(
+        differing, 0,
+        "beside another sequence: {differing} logits differ"
+    );
 }
