@@ -225,32 +225,50 @@ impl PackedQuant {
     }
 }
 
+/// Quantized test matrices, shared by this module's tests and the kernels'.
 #[cfg(test)]
-mod tests {
+pub(crate) mod fixture {
     use super::*;
     use candle_core::quantized::QTensor;
     use candle_core::{Device, Tensor};
+
+    /// `w` (`out × inp`, row-major) quantized to `dtype`: packed, its GGML bytes, and
+    /// candle's dequantization of it.
+    pub(crate) fn quantized(
+        w: Vec<f32>,
+        out: usize,
+        inp: usize,
+        dtype: GgmlDType,
+    ) -> (PackedQuant, Vec<u8>, Vec<f32>) {
+        let t = Tensor::from_vec(w, (out, inp), &Device::Cpu).unwrap();
+        let q = QTensor::quantize(&t, dtype).unwrap();
+        let data = q.data().unwrap().to_vec();
+        let deq: Vec<f32> = q
+            .dequantize(&Device::Cpu)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let packed = PackedQuant::pack(QuantKind::of(dtype).unwrap(), &data, out, inp).unwrap();
+        (packed, data, deq)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
 
     #[test]
     fn packing_round_trips_and_dequantizes_as_candle_does() {
         // 13 rows: a short last group.
         let (out, inp) = (13, 64);
-        let w: Vec<f32> = (0..out * inp)
-            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 30.0)
-            .collect();
-        let t = Tensor::from_vec(w, (out, inp), &Device::Cpu).unwrap();
         for dtype in [GgmlDType::Q4_0, GgmlDType::Q4_1, GgmlDType::Q8_0] {
-            let q = QTensor::quantize(&t, dtype).unwrap();
-            let data = q.data().unwrap().to_vec();
-            let p = PackedQuant::pack(QuantKind::of(dtype).unwrap(), &data, out, inp).unwrap();
+            let w: Vec<f32> = (0..out * inp)
+                .map(|i| ((i * 37 % 101) as f32 - 50.0) / 30.0)
+                .collect();
+            let (p, data, all) = fixture::quantized(w, out, inp, dtype);
             assert_eq!(p.ggml_bytes(), data, "{dtype:?}");
-            let all: Vec<f32> = q
-                .dequantize(&Device::Cpu)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap();
             let mut row = vec![0.0; inp];
             for o in 0..out {
                 p.dequantize_row(o, &mut row);

@@ -518,8 +518,8 @@ mod avx2 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::quantized::{GgmlDType, QTensor};
-    use candle_core::{Device, Tensor};
+    use crate::model::packed_quant::fixture;
+    use candle_core::quantized::GgmlDType;
 
     fn seeded(n: usize, seed: u64) -> Vec<f32> {
         let mut s = seed;
@@ -535,17 +535,7 @@ mod tests {
 
     /// `out × inp` seeded weights of `dtype`, packed, and dequantized.
     fn weights(dtype: GgmlDType, out: usize, inp: usize, seed: u64) -> (PackedQuant, Vec<f32>) {
-        let w = Tensor::from_vec(seeded(out * inp, seed), (out, inp), &Device::Cpu).unwrap();
-        let q = QTensor::quantize(&w, dtype).unwrap();
-        let deq: Vec<f32> = q
-            .dequantize(&Device::Cpu)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap();
-        let data = q.data().unwrap();
-        let packed = PackedQuant::pack(QuantKind::of(dtype).unwrap(), &data, out, inp).unwrap();
+        let (packed, _, deq) = fixture::quantized(seeded(out * inp, seed), out, inp, dtype);
         (packed, deq)
     }
 
