@@ -7,7 +7,10 @@
 //! final RMSNorm and `lm_head`, only for rows whose logits are wanted.
 //!
 //! All tokens of all sequences in a step go through each projection as one matrix
-//! product: that is what makes continuous batching pay off on a CPU.
+//! product: that is what makes continuous batching pay off on a CPU. Q4_0, Q4_1 and
+//! Q8_0 weights are repacked ([`packed_quant`]) and multiplied by kernels whose sums for
+//! a row do not depend on the other rows of the step ([`quant_dot`]), and attention
+//! keeps the same property, so a prompt's logits are the same bits cold or cached.
 
 pub(crate) mod attention;
 pub(crate) mod ops;
