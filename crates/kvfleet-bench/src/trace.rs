@@ -8,10 +8,16 @@
 //! shared prefix. `id` names a request (default: its 0-based line index among the
 //! requests) so that `parent_id` can point at it: a request with a parent starts only
 //! after its parent finished. Readers validate every line and name the bad one.
+//!
+//! `id`, `parent_id`, `session_id` and `fork_group` may be integers or strings (traces
+//! exported from other systems name them with strings). Strings are numbered as they
+//! are first met, from 2^63 up; so that they never meet an integer id, a trace that
+//! names ids with strings must number the rest below 2^63. A trace written back holds
+//! the numbers, and reads back the same.
 
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::io::{BufRead, Write};
 use std::path::Path;
 
@@ -131,13 +137,19 @@ impl Trace {
         let mut records: Vec<TraceRecord> = Vec::new();
         let mut ids = HashSet::new();
         let mut block_size = None;
+        let mut names = IdNames::default();
         for (i, line) in reader.lines().enumerate() {
             let n = i + 1;
             let line = line.with_context(|| format!("line {n}: reading"))?;
             if line.trim().is_empty() {
                 continue;
             }
-            let mut r: TraceRecord = serde_json::from_str(&line)
+            let mut value: serde_json::Value = serde_json::from_str(&line)
+                .with_context(|| format!("line {n}: not a valid trace record"))?;
+            names
+                .number(&mut value)
+                .with_context(|| format!("line {n}"))?;
+            let mut r: TraceRecord = serde_json::from_value(value)
                 .with_context(|| format!("line {n}: not a valid trace record"))?;
             let bs = r.block_size();
             if bs == 0 {
@@ -172,11 +184,17 @@ impl Trace {
             }
             let id = *r.id.get_or_insert(records.len() as u64);
             if !ids.insert(id) {
-                bail!("line {n}: duplicate id {id}");
+                bail!(
+                    "line {n}: duplicate id {}",
+                    names.show(IdSpace::Request, id)
+                );
             }
             if let Some(p) = r.parent_id {
                 if !ids.contains(&p) || p == id {
-                    bail!("line {n}: parent_id {p} does not name an earlier request");
+                    bail!(
+                        "line {n}: parent_id {} does not name an earlier request",
+                        names.show(IdSpace::Request, p)
+                    );
                 }
             }
             records.push(r);
@@ -202,6 +220,84 @@ impl Trace {
     }
 }
 
+/// The id spaces of a trace: `id` and `parent_id` share one.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+enum IdSpace {
+    Request,
+    Session,
+    ForkGroup,
+}
+
+/// Numbers for string ids, per space, in the order they are first met.
+#[derive(Default)]
+struct IdNames {
+    numbers: HashMap<(IdSpace, String), u64>,
+    names: HashMap<(IdSpace, u64), String>,
+    /// The first integer id at or above [`FIRST_NAMED_ID`], if any was met.
+    high_integer: Option<(&'static str, u64)>,
+}
+
+/// The first number a string id gets: above every integer id a trace may hold.
+const FIRST_NAMED_ID: u64 = 1 << 63;
+
+impl IdNames {
+    /// Replaces the string ids in one record's fields by numbers. `parent_id` must name
+    /// an `id` already met; the other fields get a new number on first sight. A trace
+    /// with string ids must keep its integer ids below [`FIRST_NAMED_ID`].
+    fn number(&mut self, value: &mut serde_json::Value) -> Result<()> {
+        let Some(fields) = value.as_object_mut() else {
+            bail!("not a JSON object");
+        };
+        for (field, space) in [
+            ("id", IdSpace::Request),
+            ("parent_id", IdSpace::Request),
+            ("session_id", IdSpace::Session),
+            ("fork_group", IdSpace::ForkGroup),
+        ] {
+            let Some(v) = fields.get_mut(field) else {
+                continue;
+            };
+            match v {
+                serde_json::Value::String(name) => {
+                    let key = (space, std::mem::take(name));
+                    let number = match self.numbers.get(&key) {
+                        Some(&k) => k,
+                        None if field == "parent_id" => {
+                            bail!("parent_id {:?} does not name an earlier request", key.1)
+                        }
+                        None => {
+                            let k = FIRST_NAMED_ID + self.numbers.len() as u64;
+                            self.names.insert((space, k), key.1.clone());
+                            self.numbers.insert(key, k);
+                            k
+                        }
+                    };
+                    *v = serde_json::Value::from(number);
+                }
+                serde_json::Value::Number(num) => {
+                    if let Some(k) = num.as_u64().filter(|&k| k >= FIRST_NAMED_ID) {
+                        self.high_integer.get_or_insert((field, k));
+                    }
+                }
+                // Anything else is left to the record's own check, which names the type.
+                _ => {}
+            }
+        }
+        if let (Some((field, k)), false) = (self.high_integer, self.numbers.is_empty()) {
+            bail!("{field} {k} is too large for a trace with string ids (integers must be below 2^63)");
+        }
+        Ok(())
+    }
+
+    /// An id as the trace wrote it, for messages.
+    fn show(&self, space: IdSpace, id: u64) -> String {
+        match self.names.get(&(space, id)) {
+            Some(name) => format!("{name:?}"),
+            None => id.to_string(),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -218,6 +314,65 @@ mod tests {
         let mut out = Vec::new();
         t.write(&mut out).unwrap();
         assert_eq!(Trace::read(out.as_slice()).unwrap(), t);
+    }
+
+    #[test]
+    fn string_ids_read_as_their_integer_equivalent() {
+        let line = |ts: u64, extra: &str| {
+            format!("{{\"timestamp\": {ts}, \"input_length\": 10, \"output_length\": 1, \"hash_ids\": [7]{extra}}}\n")
+        };
+        let named = [
+            line(0, r#", "id": "root", "session_id": "s-a""#),
+            line(
+                1,
+                r#", "id": "k1", "parent_id": "root", "session_id": "s-a", "fork_group": "f""#,
+            ),
+            line(
+                1,
+                r#", "id": "k2", "parent_id": "root", "session_id": "s-a", "fork_group": "f""#,
+            ),
+            line(2, r#", "session_id": "s-b""#),
+        ]
+        .concat();
+        let t = Trace::read(named.as_bytes()).unwrap();
+        let r = &t.records;
+        // Requests numbered from 2^63 in order; the unnamed one takes its index.
+        let root = FIRST_NAMED_ID;
+        assert_eq!(r[0].id, Some(root));
+        assert_eq!([r[1].parent_id, r[2].parent_id], [Some(root), Some(root)]);
+        assert!(r[1].id > Some(root) && r[2].id > r[1].id);
+        assert_eq!(r[3].id, Some(3));
+        assert_eq!(r[0].session_id, r[1].session_id);
+        assert_ne!(r[0].session_id, r[3].session_id);
+        assert_eq!(r[1].fork_group, r[2].fork_group);
+        assert!(r[1].fork_group.is_some());
+        // Written back as numbers, it reads the same.
+        let mut out = Vec::new();
+        t.write(&mut out).unwrap();
+        assert_eq!(Trace::read(out.as_slice()).unwrap(), t);
+
+        let orphan = [line(0, r#", "id": "a""#), line(1, r#", "parent_id": "b""#)].concat();
+        let err = format!("{:#}", Trace::read(orphan.as_bytes()).unwrap_err());
+        assert!(
+            err.starts_with(r#"line 2: parent_id "b" does not name"#),
+            "{err}"
+        );
+        let twice = [line(0, r#", "id": "a""#), line(1, r#", "id": "a""#)].concat();
+        let err = format!("{:#}", Trace::read(twice.as_bytes()).unwrap_err());
+        assert!(err.starts_with(r#"line 2: duplicate id "a""#), "{err}");
+        let huge = [
+            line(0, r#", "session_id": 9223372036854775808"#),
+            line(0, r#", "session_id": "s""#),
+        ]
+        .concat();
+        let err = format!("{:#}", Trace::read(huge.as_bytes()).unwrap_err());
+        assert!(
+            err.starts_with("line 2: session_id 9223372036854775808 is too large"),
+            "{err}"
+        );
+        let bad = line(0, r#", "fork_group": [1]"#);
+        let err = format!("{:#}", Trace::read(bad.as_bytes()).unwrap_err());
+        assert!(err.starts_with("line 1: not a valid trace record"), "{err}");
     }
 
     #[test]
