@@ -12,6 +12,7 @@ mod tls_args;
 mod trace_cmd;
 mod up;
 mod worker_cmd;
+mod worker_http;
 
 use clap::{Parser, Subcommand};
 

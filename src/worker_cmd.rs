@@ -1,7 +1,7 @@
 //! `kvfleet worker`: one worker process serving the gRPC worker API.
 
 use crate::control_plane::{ControlArgs, WorkerControl};
-use crate::serve_args::{drain_deadline, init_logging, shutdown_signal, EngineArgs};
+use crate::serve_args::{init_logging, shutdown_signal, EngineArgs};
 use anyhow::{Context, Result};
 use clap::Args;
 use kvfleet_worker::{serve_service_tls, WorkerModel, WorkerService};
@@ -38,6 +38,24 @@ pub struct WorkerArgs {
     drain_timeout: u64,
     #[command(flatten)]
     tls: crate::tls_args::WorkerServerTlsArgs,
+    /// Fault test hook: panic on the engine thread once this many engine steps have
+    /// run (the worker must then leave routing and exit non-zero).
+    #[arg(long, hide = true)]
+    fault_panic_after_steps: Option<u64>,
+}
+
+/// After the engine has failed, how long the gRPC server may take to deliver the
+/// UNAVAILABLE its streams ended with before the process exits. Well inside any lease
+/// TTL: the worker is gone (lease revoked, then exited) before routers would have
+/// expired it.
+const FAILED_ENGINE_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Why serving ended.
+enum Stop {
+    /// Ctrl-C or SIGTERM: drain.
+    Signal,
+    /// The engine thread failed: leave, and exit non-zero.
+    EngineFailed,
 }
 
 /// Serves until Ctrl-C / SIGTERM.
@@ -58,9 +76,10 @@ pub fn run(args: WorkerArgs) -> Result<()> {
             .unwrap_or_else(|| format!("worker-{}", addr.port()));
         // Loaded here, not on the engine thread, so --served-model-name applies.
         let model = args.model.load()?;
-        let config = args
+        let mut config = args
             .engine
             .worker_config(id.clone(), WorkerModel::Loaded(model));
+        config.faults.panic_after_steps = args.fault_panic_after_steps;
         // Load the model before announcing the address, so whoever reads it can connect.
         let service = WorkerService::start(config)
             .await
@@ -85,9 +104,10 @@ pub fn run(args: WorkerArgs) -> Result<()> {
         } else {
             None
         };
-        // The engine is up: from here on `/health` answers 200.
+        let health = service.health();
+        // The engine is up: from here on `/health` answers 200, until it fails.
         let metrics = match &args.metrics {
-            Some(a) => Some(serve_metrics(a).await?),
+            Some(a) => Some(crate::worker_http::serve(a, health.clone()).await?),
             None => None,
         };
         let scheme = if tls.is_some() { "grpcs" } else { "grpc" };
@@ -104,43 +124,50 @@ pub fn run(args: WorkerArgs) -> Result<()> {
         std::io::stdout().flush()?;
         // SIGTERM: leave membership first (routers stop sending), then stop accepting;
         // new Generate calls get UNAVAILABLE (the router retries elsewhere) while the
-        // running ones finish, within --drain-timeout.
-        let (signalled_tx, signalled_rx) = tokio::sync::oneshot::channel::<()>();
+        // running ones finish, within --drain-timeout. A failed engine: the same, at
+        // once (its requests have already ended with UNAVAILABLE), then exit non-zero
+        // so the worker is restarted rather than left holding its lease and port.
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<Stop>();
+        let ttl = std::time::Duration::from_secs(args.lease_ttl.max(1));
+        let failed = health.clone();
         let shutdown = async move {
-            shutdown_signal().await;
-            let _ = signalled_tx.send(());
+            let stop = tokio::select! {
+                _ = shutdown_signal() => Stop::Signal,
+                (reason, _) = failed.failed() => {
+                    tracing::error!(worker = %id, %reason, "engine failed: leaving membership and exiting");
+                    Stop::EngineFailed
+                }
+            };
+            let _ = stop_tx.send(stop);
             if let Some(c) = control {
-                c.shutdown().await;
+                // A revoke that does not answer: the lease expires by itself once the
+                // process is gone.
+                if tokio::time::timeout(ttl, c.shutdown()).await.is_err() {
+                    tracing::warn!("leaving membership timed out; the lease will expire");
+                }
             }
         };
         let drain = std::time::Duration::from_secs(args.drain_timeout);
-        let deadline = drain_deadline(signalled_rx, drain);
+        let deadline = async move {
+            match stop_rx.await {
+                Ok(Stop::Signal) => tokio::time::sleep(drain).await,
+                Ok(Stop::EngineFailed) => tokio::time::sleep(FAILED_ENGINE_GRACE).await,
+                Err(_) => std::future::pending::<()>().await,
+            }
+        };
         let served = tokio::select! {
             r = serve_service_tls(service, listener, tls, shutdown) => r.context("serving gRPC"),
             _ = deadline => {
-                tracing::warn!("drain timeout: exiting with sequences still running");
+                tracing::warn!("deadline: exiting with streams still open");
                 Ok(())
             }
         };
-        if let Some((_, task)) = metrics {
-            task.abort();
+        // The metrics server is left running: it ends with the runtime, so `/health`
+        // answers (503 after a failure) until the process is gone.
+        drop(metrics);
+        if let kvfleet_worker::EngineStatus::Failed { reason, .. } = health.status() {
+            anyhow::bail!("the worker's engine failed ({reason}); exiting so it is restarted");
         }
         served
     })
-}
-
-/// Serves `/metrics` and `/health` on `addr` in the background; returns the bound
-/// address and the server task.
-async fn serve_metrics(addr: &str) -> Result<(std::net::SocketAddr, tokio::task::JoinHandle<()>)> {
-    let listener = tokio::net::TcpListener::bind(addr)
-        .await
-        .with_context(|| format!("binding --metrics {addr}"))?;
-    let bound = listener.local_addr()?;
-    let app = kvfleet_router::http_front::metrics_app();
-    let task = tokio::spawn(async move {
-        if let Err(e) = axum::serve(listener, app).await {
-            tracing::warn!("metrics server stopped: {e}");
-        }
-    });
-    Ok((bound, task))
 }

@@ -3,13 +3,15 @@
 //! (SIGTERM a worker, restart it, then SIGTERM the router) while clients stream.
 //!
 //! Also here, to share one test binary: etcd unreachable (`faults/etcd_outage.rs`),
-//! Kafka unreachable (`faults/kafka_outage.rs`) and a gap in a worker's event sequence
-//! (`faults/event_gap.rs`).
+//! Kafka unreachable (`faults/kafka_outage.rs`), a gap in a worker's event sequence
+//! (`faults/event_gap.rs`) and an engine panic (`faults/engine_panic.rs`).
 //!
 //! Each test prints its figures (`FIGURE …` lines) for docs/reliability.md.
 
 mod support;
 
+#[path = "faults/engine_panic.rs"]
+mod engine_panic;
 #[path = "faults/etcd_outage.rs"]
 mod etcd_outage;
 #[path = "faults/event_gap.rs"]

@@ -195,6 +195,42 @@ fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
 }
 
 #[test]
+fn stop_strings_over_the_bounds_are_a_400_on_every_front_end() {
+    let c = Cluster::up(&["--workers", "1"]);
+    let messages = json!([{"role": "user", "content": "hi"}]);
+    let five = json!(["a", "b", "c", "d", "e"]);
+    let long = json!(["x".repeat(257)]);
+    let with_stop = |mut body: serde_json::Value, stop: &serde_json::Value| {
+        body["stop"] = stop.clone();
+        body
+    };
+    let bodies = [
+        ("/v1/chat/completions", chat(messages.clone(), 2)),
+        (
+            "/v1/completions",
+            json!({"model": "tiny", "prompt": "hello", "max_tokens": 2}),
+        ),
+        (
+            "/v1/forks",
+            json!({"model": "tiny", "messages": messages, "directives": ["one", "two"],
+                   "max_tokens": 2}),
+        ),
+    ];
+    for (path, body) in &bodies {
+        for stop in [&five, &long] {
+            let (s, _, b) = c.post(path, &with_stop(body.clone(), stop), &[]);
+            assert_eq!(s, 400, "{path} with stop {stop}: {b}");
+            assert_eq!(b["error"]["param"], "stop", "{path}: {b}");
+            assert_eq!(b["error"]["type"], "invalid_request_error", "{path}: {b}");
+        }
+        // At the bounds: four stops of 256 bytes are served.
+        let at_bound = json!(vec!["\u{1}".repeat(256); 4]);
+        let (s, _, b) = c.post(path, &with_stop(body.clone(), &at_bound), &[]);
+        assert_eq!(s, 200, "{path} at the bounds: {b}");
+    }
+}
+
+#[test]
 fn completions_accept_text_and_token_ids() {
     let c = Cluster::up(&["--workers", "1"]);
     let text = "The quick brown fox jumps over the lazy dog";

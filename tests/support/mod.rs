@@ -210,6 +210,8 @@ pub struct Proc {
     pub child: Child,
     /// The address it printed on its first line (without the scheme).
     pub addr: String,
+    /// That first line.
+    pub line: String,
 }
 
 impl Drop for Proc {
@@ -241,7 +243,7 @@ pub fn start(args: &[&str], scheme: &str) -> Proc {
         .find_map(|w| w.strip_prefix(scheme))
         .unwrap_or_else(|| panic!("no {scheme} address in {line:?}"))
         .to_string();
-    Proc { child, addr }
+    Proc { child, addr, line }
 }
 
 /// Runs a `kvfleet` subcommand to completion and returns its stdout; panics with its

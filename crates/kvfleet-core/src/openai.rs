@@ -28,6 +28,53 @@ impl StopSpec {
     }
 }
 
+/// Most stop strings one request may give: OpenAI's limit.
+pub const MAX_STOP_STRINGS: usize = 4;
+
+/// Most bytes (UTF-8) in one stop string. Stop strings are delimiters (a role marker,
+/// a closing tag, a fence, a blank line): 256 bytes (about 64 tokens) is far above any
+/// of them, yet keeps what a stream may hold back while its tail could still become a
+/// stop (under 256 bytes) and the per-request matcher (at most 4 x 256 states) small.
+pub const MAX_STOP_STRING_BYTES: usize = 256;
+
+/// Most stop token ids one request may give (the `stop_token_ids` of the worker API):
+/// far more than a model has end-of-turn tokens, and a bound on the per-token check.
+pub const MAX_STOP_TOKEN_IDS: usize = 64;
+
+/// Checks stop strings against [`MAX_STOP_STRINGS`] and [`MAX_STOP_STRING_BYTES`],
+/// counting every string given (empty ones too, as OpenAI does). The one check every
+/// front end and the worker API apply; the error says which bound was exceeded.
+pub fn check_stop_strings(stops: &[String]) -> Result<(), String> {
+    if stops.len() > MAX_STOP_STRINGS {
+        return Err(format!(
+            "stop may hold at most {MAX_STOP_STRINGS} strings, got {}",
+            stops.len()
+        ));
+    }
+    if let Some((i, s)) = stops
+        .iter()
+        .enumerate()
+        .find(|(_, s)| s.len() > MAX_STOP_STRING_BYTES)
+    {
+        return Err(format!(
+            "stop string {i} is {} bytes long; at most {MAX_STOP_STRING_BYTES} are allowed",
+            s.len()
+        ));
+    }
+    Ok(())
+}
+
+/// Checks stop token ids against [`MAX_STOP_TOKEN_IDS`].
+pub fn check_stop_token_ids(ids: &[crate::TokenId]) -> Result<(), String> {
+    if ids.len() > MAX_STOP_TOKEN_IDS {
+        return Err(format!(
+            "stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, got {}",
+            ids.len()
+        ));
+    }
+    Ok(())
+}
+
 /// `stream_options`.
 #[derive(Clone, Debug, Default, Deserialize)]
 pub struct StreamOptions {
@@ -67,6 +114,20 @@ pub struct SamplingFields {
     pub cache_salt: Option<String>,
     /// Client-chosen end-user id (passed through to usage records).
     pub user: Option<String>,
+}
+
+impl SamplingFields {
+    /// The request's stop strings, checked by [`check_stop_strings`], without the
+    /// empty ones (which could match nothing).
+    pub fn stop_strings(&self) -> Result<Vec<String>, String> {
+        let stops = match &self.stop {
+            None => return Ok(Vec::new()),
+            Some(StopSpec::One(s)) => std::slice::from_ref(s),
+            Some(StopSpec::Many(v)) => v.as_slice(),
+        };
+        check_stop_strings(stops)?;
+        Ok(stops.iter().filter(|s| !s.is_empty()).cloned().collect())
+    }
 }
 
 /// `POST /v1/chat/completions`.

@@ -58,6 +58,10 @@ impl SamplingParams {
         if self.max_tokens == 0 {
             return bad("max_tokens must be at least 1".into());
         }
+        kvfleet_core::openai::check_stop_strings(&self.stop)
+            .map_err(EngineError::InvalidRequest)?;
+        kvfleet_core::openai::check_stop_token_ids(&self.stop_token_ids)
+            .map_err(EngineError::InvalidRequest)?;
         if self.stop.iter().any(String::is_empty) {
             // An empty stop string would match before the first token.
             return bad("stop strings must not be empty".into());

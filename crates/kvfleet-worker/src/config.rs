@@ -5,12 +5,15 @@ use crate::error::WorkerError;
 use kvfleet_engine::{Device, EngineConfig, KvPool, LoadedModel};
 use std::time::Duration;
 
-/// Faults the engine thread injects on purpose, for fault tests only (the hidden
-/// `--fault-*` flags of `kvfleet worker` and `kvfleet up`). The default injects none.
+/// Faults the engine thread injects on purpose, for fault tests only (set directly, or
+/// through the hidden `--fault-*` flags of `kvfleet worker`). The default injects none.
 #[derive(Clone, Debug, Default)]
 pub struct EngineFaults {
     /// Sleep this long before every engine step (a slow prefill on a real model).
     pub step_delay: Option<Duration>,
+    /// Panic on the engine thread once this many engine steps have run (an engine
+    /// bug), before the next step: the worker must leave routing and exit.
+    pub panic_after_steps: Option<u64>,
 }
 
 /// The model a worker serves.

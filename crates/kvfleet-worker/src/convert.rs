@@ -18,6 +18,11 @@ pub fn sampling_params(p: Option<&pb::SamplingParams>) -> Result<SamplingParams,
             p.max_tokens
         )));
     }
+    // Bounded here, before the request is queued: the engine thread matches them on
+    // every generated token.
+    kvfleet_core::openai::check_stop_strings(&p.stop).map_err(Status::invalid_argument)?;
+    kvfleet_core::openai::check_stop_token_ids(&p.stop_token_ids)
+        .map_err(Status::invalid_argument)?;
     Ok(SamplingParams {
         temperature: p.temperature,
         top_k: p.top_k as usize,

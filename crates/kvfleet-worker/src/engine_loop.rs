@@ -21,6 +21,7 @@ use crate::commands::{
 };
 use crate::config::{EngineFaults, WorkerConfig, WorkerModel};
 use crate::convert::{self, u32_of};
+use crate::engine_health::{EngineHealth, HealthReporter};
 use crate::engine_metrics::EngineMetrics;
 use crate::engine_state::EngineState;
 use crate::error::WorkerError;
@@ -58,6 +59,8 @@ pub(crate) struct EngineThread {
     pub stopped: watch::Receiver<()>,
     /// What the engine publishes for the handlers (load, unfinished names).
     pub state: Arc<EngineState>,
+    /// Whether the thread still serves, or how it ended.
+    pub health: EngineHealth,
 }
 
 /// Starts the engine thread: it loads the model, builds the engine (publishing KV
@@ -74,11 +77,14 @@ pub(crate) fn spawn(
     let config = config.clone();
     let state = Arc::new(EngineState::default());
     let published = Arc::clone(&state);
+    let (reporter, health) = HealthReporter::new();
     std::thread::Builder::new()
         .name(format!("kvfleet-engine-{}", config.worker_id))
         .spawn(move || {
-            // Dropped when this thread ends, however it ends.
+            // Dropped when this thread ends, however it ends; the reporter first, so
+            // whoever sees `stopped` already sees how it ended.
             let _stopped = stopped_tx;
+            let reporter = reporter;
             let (engine, info) = match build_engine(&config, events) {
                 Ok(built) => built,
                 Err(e) => {
@@ -96,13 +102,14 @@ pub(crate) fn spawn(
                 config.faults.clone(),
                 published,
             )
-            .run();
+            .run(&reporter);
         })?;
     Ok(EngineThread {
         handle: EngineHandle::new(tx, capacity),
         ready: ready_rx,
         stopped: stopped_rx,
         state,
+        health,
     })
 }
 
@@ -231,6 +238,8 @@ struct EngineLoop {
     progress: ProgressGuard,
     metrics: EngineMetrics,
     faults: EngineFaults,
+    /// Engine steps run so far (for `EngineFaults::panic_after_steps`).
+    steps: u64,
     /// Published for the gRPC handlers.
     state: Arc<EngineState>,
 }
@@ -272,21 +281,30 @@ impl EngineLoop {
             progress: ProgressGuard::new(),
             metrics: EngineMetrics::new(worker_id),
             faults,
+            steps: 0,
             state,
         }
     }
 
     /// Serves commands until the queue's senders are all gone (or the engine panics),
-    /// then ends every request still open.
-    fn run(mut self) {
+    /// then ends every request still open, and reports how it ended on `health`.
+    fn run(mut self, health: &HealthReporter) {
         let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| self.serve()));
         match outcome {
-            Ok(()) => self.fail_active(Status::unavailable("the worker is shutting down"), true),
+            Ok(()) => {
+                health.stopped();
+                self.fail_active(Status::unavailable("the worker is shutting down"), true);
+            }
             Err(p) => {
                 let msg = panic_message(p.as_ref());
                 tracing::error!(worker = %self.worker_id, panic = %msg, "engine thread panicked");
+                // First, so `/health` turns 503 and the worker leaves membership while
+                // the streams below are still being ended.
+                health.failed(format!("the engine panicked: {msg}"));
                 // The engine's state is suspect: end the streams without touching it.
-                let status = Status::internal(format!("the worker's engine failed: {msg}"));
+                // UNAVAILABLE, a transport-class error: the worker is gone, so a router
+                // resends a request that had not started to another worker.
+                let status = Status::unavailable(format!("the worker's engine failed: {msg}"));
                 self.fail_active(status, false);
             }
         }
@@ -294,6 +312,8 @@ impl EngineLoop {
             d.outbox.flush(&d.stream);
         }
         tracing::debug!(worker = %self.worker_id, "engine thread stopped");
+        // Commands still queued are dropped with the queue: their handlers answer
+        // UNAVAILABLE ("stopped before accepting").
     }
 
     fn wait_mode(&self) -> Wait {
@@ -779,6 +799,14 @@ impl EngineLoop {
         if let Some(d) = self.faults.step_delay {
             std::thread::sleep(d);
         }
+        if self
+            .faults
+            .panic_after_steps
+            .is_some_and(|n| self.steps >= n)
+        {
+            panic!("fault injected: --fault-panic-after-steps {}", self.steps);
+        }
+        self.steps += 1;
         match self.progress.step(&mut self.engine) {
             Ok(outputs) => {
                 // Before any stream hears of a finish, so a `Load` right after it

@@ -5,6 +5,7 @@
 //!   serves a bounded queue of `commands`; `outbox` holds what a slow client has not
 //!   taken yet; `engine_metrics` records the worker's metrics; `engine_state` is what the engine
 //!   publishes for `Load` and `Abort` (all private).
+//! - [`engine_health`]: whether the engine thread still runs, [`EngineHealth`].
 //! - [`event_log`]: the engine's KV event sink, a bounded replay ring and live fan-out.
 //! - [`service`]: the tonic service, [`WorkerService`].
 //! - [`server`]: [`serve`] on a listener, or [`spawn_worker`] on a loopback port.
@@ -24,6 +25,7 @@ mod commands;
 pub mod config;
 pub mod control_plane;
 mod convert;
+pub mod engine_health;
 mod engine_loop;
 mod engine_metrics;
 mod engine_state;
@@ -34,6 +36,7 @@ pub mod server;
 pub mod service;
 
 pub use config::{EngineFaults, WorkerConfig, WorkerModel};
+pub use engine_health::{EngineHealth, EngineStatus};
 pub use engine_metrics::describe_metrics;
 pub use error::WorkerError;
 pub use event_log::{EventLog, SubscribeError, Subscription};

@@ -3,6 +3,7 @@
 //! background (what the embedded cluster does for each of its workers).
 
 use crate::config::WorkerConfig;
+use crate::engine_health::EngineHealth;
 use crate::error::WorkerError;
 use crate::service::WorkerService;
 use kvfleet_proto::v1::InfoResponse;
@@ -92,6 +93,7 @@ pub async fn spawn_worker_on(
     let addr = listener.local_addr()?;
     let service = WorkerService::start(config).await?;
     let info = service.info().clone();
+    let health = service.health();
     let (shutdown_tx, shutdown_rx) = oneshot::channel::<()>();
     let task = tokio::spawn(serve_service(service, listener, async move {
         // A send or a dropped handle: either way, shut down.
@@ -100,6 +102,7 @@ pub async fn spawn_worker_on(
     Ok(WorkerHandle {
         addr,
         info,
+        health,
         shutdown: Some(shutdown_tx),
         task: Some(task),
     })
@@ -109,6 +112,7 @@ pub async fn spawn_worker_on(
 pub struct WorkerHandle {
     addr: SocketAddr,
     info: InfoResponse,
+    health: EngineHealth,
     shutdown: Option<oneshot::Sender<()>>,
     task: Option<JoinHandle<Result<(), WorkerError>>>,
 }
@@ -132,6 +136,11 @@ impl WorkerHandle {
     /// The worker's static facts (what `Info` answers).
     pub fn info(&self) -> &InfoResponse {
         &self.info
+    }
+
+    /// Whether the worker's engine thread still serves, or how it ended.
+    pub fn health(&self) -> &EngineHealth {
+        &self.health
     }
 
     /// Shuts the worker down gracefully and waits until it has stopped.

@@ -7,6 +7,7 @@
 use crate::commands::{Command, EngineHandle, ForkChildCommand, ForkCommand, GenerateCommand};
 use crate::config::WorkerConfig;
 use crate::convert;
+use crate::engine_health::EngineHealth;
 use crate::engine_loop;
 use crate::engine_state::EngineState;
 use crate::error::WorkerError;
@@ -49,6 +50,7 @@ pub struct WorkerService {
     closing: Arc<watch::Sender<bool>>,
     stopped: watch::Receiver<()>,
     state: Arc<EngineState>,
+    health: EngineHealth,
 }
 
 /// Ends the live `KvEvents` streams of a worker (with UNAVAILABLE), which would
@@ -96,6 +98,7 @@ impl WorkerService {
             closing: Arc::new(closing),
             stopped: thread.stopped,
             state: thread.state,
+            health: thread.health,
         })
     }
 
@@ -122,14 +125,21 @@ impl WorkerService {
         async move { while stopped.changed().await.is_ok() {} }
     }
 
+    /// Whether the engine thread still serves, or how it ended; holding it does not
+    /// keep the engine running.
+    pub fn health(&self) -> EngineHealth {
+        self.health.clone()
+    }
+
     /// The service wrapped for `tonic::transport::Server::add_service`.
     pub fn into_server(self) -> WorkerServer<Self> {
         WorkerServer::new(self)
     }
 
-    /// Published state is only served while the engine thread runs.
+    /// Published state is only served, and requests only taken, while the engine
+    /// thread runs.
     fn check_engine_running(&self) -> Result<(), Status> {
-        if self.stopped.has_changed().is_err() {
+        if !self.health.is_running() || self.stopped.has_changed().is_err() {
             return Err(Status::unavailable("the worker's engine has stopped"));
         }
         Ok(())
@@ -216,6 +226,7 @@ impl Worker for WorkerService {
     ) -> Result<Response<Self::GenerateStream>, Status> {
         let received_at = Instant::now();
         self.check_not_draining()?;
+        self.check_engine_running()?;
         let req = request.into_inner();
         self.check_request(&req.model, req.block_size, &req.block_hashes)?;
         let params = convert::sampling_params(req.sampling.as_ref())?;
@@ -250,6 +261,7 @@ impl Worker for WorkerService {
     ) -> Result<Response<Self::ForkStream>, Status> {
         let received_at = Instant::now();
         self.check_not_draining()?;
+        self.check_engine_running()?;
         let req = request.into_inner();
         self.check_request(&req.model, req.block_size, &req.block_hashes)?;
         if req.prefix_token_ids.is_empty() {

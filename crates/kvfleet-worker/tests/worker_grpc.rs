@@ -330,6 +330,17 @@ async fn bad_requests_are_invalid_arguments_and_the_worker_keeps_serving() {
     let mut r = good();
     r.sampling.as_mut().unwrap().top_p = Some(1.5);
     cases.push(("top_p", r));
+    // Stop strings and stop token ids are bounded (kvfleet_core::openai): the engine
+    // thread checks them on every token.
+    let mut r = good();
+    r.sampling.as_mut().unwrap().stop = ["a", "b", "c", "d", "e"].map(String::from).to_vec();
+    cases.push(("five stop strings", r));
+    let mut r = good();
+    r.sampling.as_mut().unwrap().stop = vec!["x".repeat(257)];
+    cases.push(("a 257-byte stop string", r));
+    let mut r = good();
+    r.sampling.as_mut().unwrap().stop_token_ids = (1..=65).collect();
+    cases.push(("65 stop token ids", r));
     for (what, req) in cases {
         let err = client.generate(req).await.expect_err(what);
         assert_eq!(err.code(), Code::InvalidArgument, "{what}: {err:?}");

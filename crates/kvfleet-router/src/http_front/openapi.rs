@@ -76,10 +76,13 @@ fn sampling_properties() -> Value {
         "top_p": {"type": "number", "exclusiveMinimum": true, "minimum": 0, "maximum": 1, "nullable": true},
         "top_k": {"type": "integer", "nullable": true},
         "seed": {"type": "integer", "nullable": true},
-        "stop": {"nullable": true, "oneOf": [
-            {"type": "string"},
-            {"type": "array", "items": {"type": "string"}}
-        ]},
+        // 64 characters are at most 256 bytes: whatever the schema allows is served.
+        "stop": {"nullable": true,
+            "description": "Up to 4 stop strings of at most 256 bytes (UTF-8) each",
+            "oneOf": [
+                {"type": "string", "maxLength": 64},
+                {"type": "array", "maxItems": 4, "items": {"type": "string", "maxLength": 64}}
+            ]},
         "n": {"type": "integer", "minimum": 1, "maximum": 1, "nullable": true},
         "ignore_eos": {"type": "boolean"},
         "stream": {"type": "boolean"},

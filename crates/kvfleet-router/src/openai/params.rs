@@ -66,14 +66,9 @@ pub fn sampling_params(
             ))
         }
     };
-    let stop: Vec<String> = f
-        .stop
-        .clone()
-        .map(|s| s.into_vec())
-        .unwrap_or_default()
-        .into_iter()
-        .filter(|s| !s.is_empty())
-        .collect();
+    let stop = f
+        .stop_strings()
+        .map_err(|m| ApiError::invalid_param("stop", m))?;
     Ok(pb::SamplingParams {
         temperature,
         top_k,
@@ -111,11 +106,30 @@ mod tests {
             (r#"{"top_p": 0}"#, "top_p"),
             (r#"{"n": 2}"#, "n"),
             (r#"{"top_k": -5}"#, "top_k"),
+            (r#"{"stop": ["a", "b", "c", "d", "e"]}"#, "stop"),
+            (r#"{"stop": ["", "", "", "", ""]}"#, "stop"),
         ] {
             let e = sampling_params(&fields(json), 10, 100).unwrap_err();
             assert_eq!(e.status, 400);
             assert_eq!(e.param.as_deref(), Some(param), "{json}");
         }
+    }
+
+    #[test]
+    fn stop_strings_are_bounded_in_count_and_bytes() {
+        use kvfleet_core::openai::{MAX_STOP_STRINGS, MAX_STOP_STRING_BYTES};
+        let at_bound = serde_json::json!({
+            "stop": vec!["x".repeat(MAX_STOP_STRING_BYTES); MAX_STOP_STRINGS]
+        });
+        let p = sampling_params(&fields(&at_bound.to_string()), 10, 100).unwrap();
+        assert_eq!(p.stop.len(), MAX_STOP_STRINGS);
+        let long = serde_json::json!({"stop": "é".repeat(MAX_STOP_STRING_BYTES / 2 + 1)});
+        let e = sampling_params(&fields(&long.to_string()), 10, 100).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("stop"));
+        assert!(e.message.contains("bytes"), "{}", e.message);
+        // Empty strings are dropped after counting.
+        let p = sampling_params(&fields(r#"{"stop": ["", "z"]}"#), 10, 100).unwrap();
+        assert_eq!(p.stop, vec!["z".to_string()]);
     }
 
     #[test]
