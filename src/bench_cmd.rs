@@ -374,7 +374,7 @@ fn run_matrix_cmd(a: MatrixArgs) -> Result<()> {
 
     // The Mooncake bound check of the issue.
     let m = &cfg.traces[0].trace;
-    let b8 = kvfleet_bench::bounds::bounds(m, 8, 1000);
+    let b8 = kvfleet_bench::bounds::bounds(m, 8, 1000, &cost);
     let _ = writeln!(doc, "## Memory, not routing: Mooncake at 8 workers × 1,000 blocks\n\nOne pooled LRU cache of 8,000 blocks reaches a hit ratio of **{:.3}** against a ceiling of **{:.3}**: with this much memory, no routing policy can get near the ceiling; the best a router can do is approach the pooled bound. Every table below shows both bounds.\n", b8.pooled, b8.ceiling);
 
     if a.scale_requests > 0 {
@@ -384,7 +384,7 @@ fn run_matrix_cmd(a: MatrixArgs) -> Result<()> {
             session_rate: 50.0,
             ..GenConfig::default()
         })?;
-        let bb = kvfleet_bench::bounds::bounds(&big, a.scale_workers, a.cache_blocks);
+        let bb = kvfleet_bench::bounds::bounds(&big, a.scale_workers, a.cache_blocks, &cost);
         let (scale, rate) =
             kvfleet_bench::matrix::load_scale(&big, a.scale_workers, bb.pooled, &cost, 0.9);
         let scaled = big.scaled_time(scale);

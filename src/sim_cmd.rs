@@ -83,7 +83,7 @@ pub fn run(args: SimArgs) -> Result<()> {
     if args.time_scale != 1.0 {
         trace = trace.scaled_time(args.time_scale);
     }
-    let b = bounds(&trace, args.workers, args.cache_blocks);
+    let b = bounds(&trace, args.workers, args.cache_blocks, &cost);
     let mut results = Vec::new();
     for p in policies {
         let mut cfg = SimConfig::new(args.workers, args.cache_blocks, p);

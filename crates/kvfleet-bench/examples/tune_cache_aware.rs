@@ -6,6 +6,7 @@
 
 use kvfleet_bench::bounds::bounds;
 use kvfleet_bench::matrix::load_scale;
+use kvfleet_bench::sim::cost_model::CostModel;
 use kvfleet_bench::sim::{simulate, SimConfig, SimPolicy};
 use kvfleet_bench::trace_gen::{generate, GenConfig};
 use kvfleet_routing::PolicyKind;
@@ -29,7 +30,7 @@ fn main() {
     .unwrap();
     for (name, t) in [("mooncake", mooncake), ("fork", fork), ("herd", herd)] {
         for n in [8usize, 64] {
-            let b = bounds(&t, n, 1000);
+            let b = bounds(&t, n, 1000, &CostModel::h200_llama8b());
             for load in [0.5, 0.9, 1.3] {
                 let mut base = SimConfig::new(n, 1000, SimPolicy::Kvfleet(PolicyKind::CacheAware));
                 let (s, _) = load_scale(&t, n, b.pooled, &base.cost, load);

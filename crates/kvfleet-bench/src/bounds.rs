@@ -4,26 +4,33 @@
 //!   seen — what perfect routing with infinite memory reaches;
 //! - the **pooled bound**: prefix hits with one LRU cache as large as the whole
 //!   fleet's memory (`workers × blocks per worker`) — what perfect routing reaches
-//!   when memory is pooled. Below it, memory (not routing) is the limit.
+//!   when memory is pooled. Below it, memory (not routing) is the limit;
+//! - the **no-queue floor**: each request's TTFT if it got the ceiling's hits and never
+//!   waited (its own uncached prefill under the cost model). A policy's TTFT above it
+//!   is queueing and misses.
 //!
 //! Hit ratios count blocks (hash ids): a request's hits are the leading blocks of its
 //! chain already cached.
 
+use crate::sim::cost_model::CostModel;
 use crate::sim::lru::LruBlockCache;
+use crate::sim::Percentiles;
 use crate::token_blocks::{chained_hashes, tenant_seed};
 use crate::trace::Trace;
 use kvfleet_core::BlockHashMap;
 use serde::Serialize;
 
-/// Hit ratios of the two bounds.
+/// The bounds of one trace on one fleet.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
 pub struct Bounds {
-    /// One unbounded cache.
+    /// Hit ratio of one unbounded cache.
     pub ceiling: f64,
-    /// One LRU cache of the fleet's total blocks.
+    /// Hit ratio of one LRU cache of the fleet's total blocks.
     pub pooled: f64,
     /// The pooled cache's size in blocks.
     pub pooled_blocks: usize,
+    /// TTFT with the ceiling's hits and no waiting, ms.
+    pub no_queue_floor_ms: Percentiles,
 }
 
 /// Every request's chained block hashes, in trace order.
@@ -59,13 +66,28 @@ pub fn pooled(trace: &Trace, blocks: usize) -> f64 {
     ratio(hit, total)
 }
 
-/// Both bounds for a fleet of `workers × blocks_per_worker` blocks.
-pub fn bounds(trace: &Trace, workers: usize, blocks_per_worker: usize) -> Bounds {
+/// Each request's TTFT with the ceiling's hits and no waiting: its uncached prefill
+/// under `cost` (at least one token is computed, as in the simulator).
+pub fn no_queue_floor(trace: &Trace, cost: &CostModel) -> Percentiles {
+    let mut seen: BlockHashMap<()> = BlockHashMap::default();
+    let mut ttft = Vec::with_capacity(trace.records.len());
+    for (r, c) in trace.records.iter().zip(chains(trace)) {
+        let hits = c.iter().take_while(|h| seen.contains_key(h)).count();
+        let cached = (hits * r.block_size()).min(r.input_length.saturating_sub(1));
+        ttft.push(cost.prefill_ms(r.input_length - cached));
+        seen.extend(c.into_iter().map(|h| (h, ())));
+    }
+    Percentiles::of(&mut ttft)
+}
+
+/// The bounds for a fleet of `workers × blocks_per_worker` blocks under `cost`.
+pub fn bounds(trace: &Trace, workers: usize, blocks_per_worker: usize, cost: &CostModel) -> Bounds {
     let pooled_blocks = workers * blocks_per_worker;
     Bounds {
         ceiling: ceiling(trace),
         pooled: pooled(trace, pooled_blocks),
         pooled_blocks,
+        no_queue_floor_ms: no_queue_floor(trace, cost),
     }
 }
 
@@ -118,5 +140,23 @@ mod tests {
         let mut t2 = t.clone();
         t2.records[2].tenant = Some("b".into());
         assert!((ceiling(&t2) - 3.0 / 12.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn the_floor_is_each_requests_uncached_prefill() {
+        let t = Trace {
+            records: vec![
+                rec(0, &[1, 2, 3]), // 12 tokens, none cached
+                rec(1, &[1, 2, 3]), // all cached but the last token
+                rec(2, &[1, 2, 7]), // 8 cached, 4 computed
+                rec(3, &[9]),       // 4 computed
+            ],
+        };
+        let cost = CostModel::h200_llama8b();
+        let mut want = [12, 1, 4, 4].map(|n| cost.prefill_ms(n));
+        let floor = no_queue_floor(&t, &cost);
+        assert_eq!(floor, Percentiles::of(&mut want));
+        assert_eq!(floor.p99, cost.prefill_ms(12));
+        assert_eq!(floor.p50, cost.prefill_ms(4));
     }
 }

@@ -93,7 +93,7 @@ pub fn run_matrix(
     let mut rows = Vec::new();
     for t in &cfg.traces {
         for &n in &cfg.workers {
-            let b = bounds(&t.trace, n, cfg.cache_blocks);
+            let b = bounds(&t.trace, n, cfg.cache_blocks, &cfg.cost);
             for (load, factor) in &cfg.loads {
                 let (scale, rate) = load_scale(&t.trace, n, b.pooled, &cfg.cost, *factor);
                 let scaled = t.trace.scaled_time(scale);

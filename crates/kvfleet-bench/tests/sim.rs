@@ -1,6 +1,7 @@
 //! Simulator tests on generated traces and on the real Mooncake trace.
 
 use kvfleet_bench::bounds::bounds;
+use kvfleet_bench::sim::cost_model::CostModel;
 use kvfleet_bench::sim::{simulate, SimConfig, SimPolicy};
 use kvfleet_bench::trace_gen::{generate, GenConfig};
 use kvfleet_bench::Trace;
@@ -35,7 +36,7 @@ fn small_fork() -> Trace {
 fn mooncake_bounds_at_8_by_1000() {
     let t = mooncake();
     assert_eq!(t.records.len(), 3993);
-    let b = bounds(&t, 8, 1000);
+    let b = bounds(&t, 8, 1000, &CostModel::h200_llama8b());
     assert!((b.ceiling - 0.640).abs() <= 0.01, "ceiling {}", b.ceiling);
     assert!((b.pooled - 0.372).abs() <= 0.01, "pooled {}", b.pooled);
     assert_eq!(b.pooled_blocks, 8000);
@@ -44,12 +45,23 @@ fn mooncake_bounds_at_8_by_1000() {
 #[test]
 fn mooncake_sim_stays_under_the_ceiling_and_beats_round_robin() {
     let t = mooncake();
-    let b = bounds(&t, 8, 1000);
+    let b = bounds(&t, 8, 1000, &CostModel::h200_llama8b());
     let run = |p| simulate(&t, &SimConfig::new(8, 1000, p)).unwrap();
     let ours = run(SimPolicy::Kvfleet(PolicyKind::CacheAware));
     let rr = run(SimPolicy::Kvfleet(PolicyKind::RoundRobin));
     assert_eq!(ours.requests, 3993);
     assert!(ours.hit_ratio <= b.ceiling + 1e-9);
+    // Nobody beats the no-queue floor: it has the ceiling's hits and never waits.
+    let floor = b.no_queue_floor_ms;
+    for r in [&ours, &rr] {
+        assert!(
+            floor.p50 <= r.ttft_ms.p50 && floor.p99 <= r.ttft_ms.p99,
+            "{}: TTFT {:?} below the floor {floor:?}",
+            r.policy,
+            r.ttft_ms
+        );
+    }
+    assert!(floor.p50 > 0.0 && floor.p50 < floor.p99, "{floor:?}");
     assert!(
         ours.hit_ratio > rr.hit_ratio + 0.05,
         "cache-aware {} vs round-robin {}",
@@ -62,7 +74,7 @@ fn mooncake_sim_stays_under_the_ceiling_and_beats_round_robin() {
 #[test]
 fn cache_aware_beats_round_robin_on_fork_fan_out() {
     let t = small_fork();
-    let b = bounds(&t, 4, 10_000);
+    let b = bounds(&t, 4, 10_000, &CostModel::h200_llama8b());
     let run = |p| simulate(&t, &SimConfig::new(4, 10_000, p)).unwrap();
     let ours = run(SimPolicy::Kvfleet(PolicyKind::CacheAware));
     let rr = run(SimPolicy::Kvfleet(PolicyKind::RoundRobin));
@@ -97,6 +109,6 @@ fn children_wait_for_their_parent() {
         &SimConfig::new(1, 100_000, SimPolicy::Kvfleet(PolicyKind::RoundRobin)),
     )
     .unwrap();
-    let b = bounds(&t, 1, 100_000);
+    let b = bounds(&t, 1, 100_000, &CostModel::h200_llama8b());
     assert!((r.hit_ratio - b.ceiling).abs() < 1e-9);
 }
