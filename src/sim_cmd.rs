@@ -22,7 +22,8 @@ pub struct SimArgs {
     #[arg(long, default_value_t = 1000)]
     cache_blocks: usize,
     /// Policies, comma-separated or repeated: cache-aware, round-robin, least-loaded,
-    /// consistent-hash, random, sglang-cache-aware, dynamo-kv-cost, or `all`.
+    /// consistent-hash, random, sglang-cache-aware, dynamo-kv-cost, sglang-spill,
+    /// dynamo-lmetric, or `all`.
     #[arg(long, value_delimiter = ',', default_value = "all")]
     policy: Vec<String>,
     /// Cost model file (JSON, see crates/kvfleet-bench/cost-models); default: the

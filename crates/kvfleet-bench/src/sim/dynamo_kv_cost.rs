@@ -14,10 +14,26 @@
 //!
 //! With temperature 0 the lowest cost wins; ties are broken at random (seeded).
 //! Defaults: overlap_weight 1.0, temperature 0.
+//!
+//! The `lmetric` variant ([`DynamoMetric::Lmetric`]) multiplies instead of adding:
+//! `cost(W) = overlap_weight × prefill_blocks(W) × (W's active blocks + 1)`, so a busy
+//! decoder is avoided in proportion to how busy it is, and an idle one is judged by its
+//! prefill alone.
 
 use super::{RouteReq, SimRouter, SimWorker};
 use kvfleet_routing::policy::mix64;
 use serde::{Deserialize, Serialize};
+
+/// How prefill and decode blocks combine into a worker's cost.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DynamoMetric {
+    /// `overlap_weight × prefill + decode` (the default KV router cost).
+    #[default]
+    Additive,
+    /// `overlap_weight × prefill × (active blocks + 1)` (`lmetric`).
+    Lmetric,
+}
 
 /// Dynamo KV router settings.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -25,6 +41,8 @@ use serde::{Deserialize, Serialize};
 pub struct DynamoConfig {
     /// Weight of prefill blocks against decode blocks (1.0).
     pub overlap_weight: f64,
+    /// How the two combine.
+    pub metric: DynamoMetric,
     /// Seed of the tie-break.
     pub seed: u64,
 }
@@ -33,6 +51,7 @@ impl Default for DynamoConfig {
     fn default() -> Self {
         Self {
             overlap_weight: 1.0,
+            metric: DynamoMetric::Additive,
             seed: 7,
         }
     }
@@ -62,8 +81,14 @@ impl SimRouter for DynamoKvCost {
         for (i, w) in workers.iter().enumerate() {
             let overlap = w.lru.match_prefix(req.hashes);
             let prefill = w.queued_prefill_tokens as f64 / bs + (n - overlap) as f64;
-            let decode = (w.active_blocks + n) as f64;
-            let cost = self.config.overlap_weight * prefill + decode;
+            let cost = match self.config.metric {
+                DynamoMetric::Additive => {
+                    self.config.overlap_weight * prefill + (w.active_blocks + n) as f64
+                }
+                DynamoMetric::Lmetric => {
+                    self.config.overlap_weight * prefill * (w.active_blocks + 1) as f64
+                }
+            };
             if cost < best {
                 best = cost;
                 chosen = i;
@@ -78,5 +103,49 @@ impl SimRouter for DynamoKvCost {
             }
         }
         (chosen, 0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sim::SimWorker;
+    use kvfleet_core::BlockHash;
+
+    /// Worker 0 holds the prompt's first 6 of 8 blocks but decodes 60 blocks; worker 1
+    /// is idle and cold.
+    fn workers(prompt: &[BlockHash]) -> Vec<SimWorker> {
+        let mut w = vec![SimWorker::new(100), SimWorker::new(100)];
+        w[0].lru.insert_chain(&prompt[..6]);
+        w[0].active_blocks = 60;
+        w
+    }
+
+    #[test]
+    fn lmetric_weighs_prefill_by_decode_load() {
+        let prompt: Vec<BlockHash> = (1..=8).map(BlockHash).collect();
+        let req = RouteReq {
+            hashes: &prompt,
+            input_tokens: 8 * 16,
+            block_size: 16,
+        };
+        let w = workers(&prompt);
+        // Additive: 2 + 68 = 70 against 8 + 8 = 16 → the idle worker.
+        let mut add = DynamoKvCost::new(DynamoConfig::default());
+        assert_eq!(add.route(&req, &w, 0.0).0, 1);
+        // lmetric: 2 × 61 = 122 against 8 × 1 = 8 → the idle worker. At 4 active blocks
+        // on worker 0 still the idle one (2 × 5 = 10 > 8), where the additive cost already
+        // picks worker 0 (2 + 12 = 14 < 16); at 2 active blocks worker 0 (2 × 3 = 6 < 8).
+        let mut lm = DynamoKvCost::new(DynamoConfig {
+            metric: DynamoMetric::Lmetric,
+            ..DynamoConfig::default()
+        });
+        assert_eq!(lm.route(&req, &w, 0.0).0, 1);
+        let mut w4 = workers(&prompt);
+        w4[0].active_blocks = 4;
+        assert_eq!(lm.route(&req, &w4, 0.0).0, 1);
+        assert_eq!(add.route(&req, &w4, 0.0).0, 0, "additive: 2 + 12 = 14 < 16");
+        w4[0].active_blocks = 2;
+        assert_eq!(lm.route(&req, &w4, 0.0).0, 0);
     }
 }

@@ -21,7 +21,7 @@ pub mod sglang_cache_aware;
 use crate::bounds::chains;
 use crate::trace::Trace;
 use cost_model::CostModel;
-use dynamo_kv_cost::{DynamoConfig, DynamoKvCost};
+use dynamo_kv_cost::{DynamoConfig, DynamoKvCost, DynamoMetric};
 use kvfleet_core::BlockHash;
 use kvfleet_routing::{PolicyKind, RouterConfig};
 use lru::{ChainChange, LruBlockCache};
@@ -39,10 +39,14 @@ pub enum SimPolicy {
     SglangCacheAware,
     /// Dynamo's KV router cost.
     DynamoKvCost,
+    /// SGLang router's `cache_aware` with its per-worker spill rule.
+    SglangSpill,
+    /// Dynamo's `lmetric` cost: prefill × (decode blocks + 1).
+    DynamoLmetric,
 }
 
 impl SimPolicy {
-    /// Every policy: kvfleet's five, then the two baselines.
+    /// Every policy: kvfleet's five, then the four baselines.
     pub fn all() -> Vec<SimPolicy> {
         let mut v: Vec<SimPolicy> = PolicyKind::ALL
             .into_iter()
@@ -50,6 +54,8 @@ impl SimPolicy {
             .collect();
         v.push(SimPolicy::SglangCacheAware);
         v.push(SimPolicy::DynamoKvCost);
+        v.push(SimPolicy::SglangSpill);
+        v.push(SimPolicy::DynamoLmetric);
         v
     }
 
@@ -59,6 +65,8 @@ impl SimPolicy {
             SimPolicy::Kvfleet(k) => k.as_str(),
             SimPolicy::SglangCacheAware => "sglang-cache-aware",
             SimPolicy::DynamoKvCost => "dynamo-kv-cost",
+            SimPolicy::SglangSpill => "sglang-spill",
+            SimPolicy::DynamoLmetric => "dynamo-lmetric",
         }
     }
 }
@@ -69,8 +77,10 @@ impl std::str::FromStr for SimPolicy {
         match s.trim() {
             "sglang-cache-aware" | "sglang" => Ok(SimPolicy::SglangCacheAware),
             "dynamo-kv-cost" | "dynamo" => Ok(SimPolicy::DynamoKvCost),
+            "sglang-spill" => Ok(SimPolicy::SglangSpill),
+            "dynamo-lmetric" => Ok(SimPolicy::DynamoLmetric),
             other => other.parse::<PolicyKind>().map(SimPolicy::Kvfleet).map_err(|_| {
-                format!("unknown policy {s:?}; valid: cache-aware, round-robin, least-loaded, consistent-hash, random, sglang-cache-aware, dynamo-kv-cost")
+                format!("unknown policy {s:?}; valid: cache-aware, round-robin, least-loaded, consistent-hash, random, sglang-cache-aware, dynamo-kv-cost, sglang-spill, dynamo-lmetric")
             }),
         }
     }
@@ -299,6 +309,17 @@ pub fn make_router(cfg: &SimConfig, block_size: usize) -> anyhow::Result<Box<dyn
             Box::new(SglangCacheAware::new(cfg.sglang.clone(), cfg.workers))
         }
         SimPolicy::DynamoKvCost => Box::new(DynamoKvCost::new(cfg.dynamo.clone())),
+        SimPolicy::SglangSpill => Box::new(SglangCacheAware::new(
+            SglangConfig {
+                spill: true,
+                ..cfg.sglang.clone()
+            },
+            cfg.workers,
+        )),
+        SimPolicy::DynamoLmetric => Box::new(DynamoKvCost::new(DynamoConfig {
+            metric: DynamoMetric::Lmetric,
+            ..cfg.dynamo.clone()
+        })),
     })
 }
 

@@ -14,6 +14,11 @@
 //!
 //! Either way the prompt is inserted into the chosen worker's tree. Defaults:
 //! cache_threshold 0.3, balance_abs_threshold 64, balance_rel_threshold 1.5.
+//!
+//! The `spill` variant ([`SglangConfig::spill`]) replaces step 1 with SGLang's newer
+//! per-worker rule: the worker step 2 picks *spills* to the one with the fewest pending
+//! requests when its own load exceeds both `balance_rel_threshold × mean` and
+//! `mean + balance_abs_threshold`, the mean taken over all workers.
 //! Here prompts are chains of block hashes, so the tree is a set of chained hashes
 //! (equivalent to a radix tree over blocks) with LRU trimming, and lengths count
 //! blocks instead of characters.
@@ -35,6 +40,8 @@ pub struct SglangConfig {
     /// Tree size cap per worker, in blocks: SGLang's `max_tree_size` of 2^26
     /// characters at ~4 characters per token, in 512-token blocks.
     pub max_tree_blocks: usize,
+    /// The per-worker spill rule instead of the fleet-wide imbalance check.
+    pub spill: bool,
 }
 
 impl Default for SglangConfig {
@@ -44,6 +51,7 @@ impl Default for SglangConfig {
             balance_abs_threshold: 64,
             balance_rel_threshold: 1.5,
             max_tree_blocks: (1 << 26) / 4 / 512,
+            spill: false,
         }
     }
 }
@@ -67,13 +75,12 @@ impl SglangCacheAware {
 impl SimRouter for SglangCacheAware {
     fn route(&mut self, req: &RouteReq<'_>, workers: &[SimWorker], _now_ms: f64) -> (usize, usize) {
         let loads = workers.iter().map(|w| w.inflight);
-        let max = loads.clone().max().unwrap_or(0);
-        let min = loads.min().unwrap_or(0);
-        let imbalanced = max - min > self.config.balance_abs_threshold
-            && max as f64 > min as f64 * self.config.balance_rel_threshold;
-        let chosen = if imbalanced {
-            argmin(workers.iter().map(|w| w.inflight))
-        } else {
+        let least_loaded = || argmin(workers.iter().map(|w| w.inflight));
+        let (abs, rel) = (
+            self.config.balance_abs_threshold,
+            self.config.balance_rel_threshold,
+        );
+        let by_cache = || {
             let matches = self.trees.iter().map(|t| t.match_prefix(req.hashes));
             let best = argmax(matches.clone());
             let best_len = matches.clone().nth(best).unwrap_or(0);
@@ -82,6 +89,24 @@ impl SimRouter for SglangCacheAware {
                 best
             } else {
                 argmin(self.trees.iter().map(LruBlockCache::len))
+            }
+        };
+        let chosen = if self.config.spill {
+            let mean = loads.sum::<usize>() as f64 / workers.len().max(1) as f64;
+            let pick = by_cache();
+            let load = workers[pick].inflight as f64;
+            if load > rel * mean && load > mean + abs as f64 {
+                least_loaded()
+            } else {
+                pick
+            }
+        } else {
+            let max = loads.clone().max().unwrap_or(0);
+            let min = loads.min().unwrap_or(0);
+            if max - min > abs && max as f64 > min as f64 * rel {
+                least_loaded()
+            } else {
+                by_cache()
             }
         };
         self.trees[chosen].insert_chain(req.hashes);
@@ -109,4 +134,51 @@ pub(crate) fn argmax(it: impl Iterator<Item = usize>) -> usize {
         }
     }
     best.map_or(0, |b| b.1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvfleet_core::BlockHash;
+
+    /// Four workers; worker 0 has seen the prompt and holds `load` requests, the others
+    /// `others` each.
+    fn route(spill: bool, load: usize, others: usize) -> usize {
+        let prompt: Vec<BlockHash> = (1..=4).map(BlockHash).collect();
+        let req = RouteReq {
+            hashes: &prompt,
+            input_tokens: 64,
+            block_size: 16,
+        };
+        let mut workers: Vec<SimWorker> = (0..4).map(|_| SimWorker::new(100)).collect();
+        for (i, w) in workers.iter_mut().enumerate() {
+            w.inflight = if i == 0 { load } else { others };
+        }
+        let mut r = SglangCacheAware::new(
+            SglangConfig {
+                spill,
+                ..SglangConfig::default()
+            },
+            4,
+        );
+        r.trees[0].insert_chain(&prompt);
+        r.route(&req, &workers, 0.0).0
+    }
+
+    #[test]
+    fn the_spill_rule_judges_the_matched_worker_against_the_mean() {
+        // Loads 100, 40, 40, 40: mean 55; 100 > 1.5 × 55 and > 55 + 64 fails (119), so
+        // the matched worker keeps the request under the spill rule, while the global
+        // rule (100 − 40 > 64 fails too) also keeps it.
+        assert_eq!(route(true, 100, 40), 0);
+        assert_eq!(route(false, 100, 40), 0);
+        // Loads 200, 100, 100, 100: mean 125; 200 > 187.5 and > 189 → spills. The global
+        // rule: 200 − 100 > 64 and 200 > 150 → least loaded too.
+        assert_eq!(route(true, 200, 100), 1);
+        assert_eq!(route(false, 200, 100), 1);
+        // Loads 70, 0, 0, 0: mean 17.5; 70 > 26.25 but not > 81.5 → stays under the spill
+        // rule, where the global rule (70 − 0 > 64 and 70 > 0) moves it.
+        assert_eq!(route(true, 70, 0), 0);
+        assert_eq!(route(false, 70, 0), 1);
+    }
 }
