@@ -92,10 +92,20 @@ fn body(i: u32, max_tokens: u32, stream: bool) -> serde_json::Value {
 
 /// Sends one non-streaming round-robin request: (status, serving worker).
 fn send(http: &reqwest::blocking::Client, url: &str, i: u32) -> (u16, Option<String>) {
+    send_tokens(http, url, i, 4)
+}
+
+/// [`send`] for `max_tokens` tokens.
+fn send_tokens(
+    http: &reqwest::blocking::Client,
+    url: &str,
+    i: u32,
+    max_tokens: u32,
+) -> (u16, Option<String>) {
     match http
         .post(format!("{url}/v1/chat/completions"))
         .header("x-kvfleet-policy", "round-robin")
-        .json(&body(i, 4, false))
+        .json(&body(i, max_tokens, false))
         .send()
     {
         Ok(r) => {

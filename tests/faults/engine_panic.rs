@@ -6,7 +6,7 @@
 
 use crate::support::start;
 use kvfleet_control::test_services::EtcdServer;
-use serde_json::{json, Value};
+use serde_json::Value;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -24,31 +24,7 @@ fn http() -> reqwest::blocking::Client {
 /// One round-robin request of one token: each is a single engine step (its prefill),
 /// so the step that panics is always a request's prefill, before it has started.
 fn send(http: &reqwest::blocking::Client, router: &str, i: u32) -> (u16, Option<String>) {
-    let body = json!({
-        "model": "tiny",
-        "messages": [{"role": "user", "content": crate::support::filler(i, 200)}],
-        "max_tokens": 1,
-        "temperature": 0,
-        "ignore_eos": true,
-    });
-    match http
-        .post(format!("{router}/v1/chat/completions"))
-        .header("x-kvfleet-policy", "round-robin")
-        .json(&body)
-        .send()
-    {
-        Ok(r) => {
-            let worker = r
-                .headers()
-                .get("x-kvfleet-worker")
-                .and_then(|v| v.to_str().ok())
-                .map(str::to_string);
-            let status = r.status().as_u16();
-            let _ = r.bytes();
-            (status, worker)
-        }
-        Err(_) => (0, None),
-    }
+    crate::send_tokens(http, router, i, 1)
 }
 
 #[test]
