@@ -57,6 +57,15 @@ impl EtcdKv {
     }
 }
 
+/// A failed write: [`ControlError::LeaseLost`] when it named a lease etcd no longer has.
+fn write_err(e: etcd_client::Error, lease: Option<i64>) -> ControlError {
+    if e.to_string().contains("lease not found") {
+        ControlError::LeaseLost(lease.unwrap_or_default())
+    } else {
+        etcd_err(e)
+    }
+}
+
 fn utf8_key(k: &[u8]) -> Result<String> {
     String::from_utf8(k.to_vec()).map_err(|e| ControlError::Decode {
         what: "etcd key",
@@ -105,13 +114,10 @@ impl KvStore for EtcdKv {
         let mut c = self.c();
         let opts = lease.map(|l| PutOptions::new().with_lease(l));
         timeout(self.call_timeout, "etcd put", async move {
-            let r = c.put(key, value, opts).await.map_err(|e| {
-                if e.to_string().contains("lease not found") {
-                    ControlError::LeaseLost(lease.unwrap_or_default())
-                } else {
-                    etcd_err(e)
-                }
-            })?;
+            let r = c
+                .put(key, value, opts)
+                .await
+                .map_err(|e| write_err(e, lease))?;
             Ok(r.header().map_or(0, |h| h.revision()))
         })
         .await
@@ -130,7 +136,7 @@ impl KvStore for EtcdKv {
             .and_then([TxnOp::put(key, value, opts)])
             .or_else([TxnOp::get(key, None)]);
         timeout(self.call_timeout, "etcd compare-and-set", async move {
-            let r = c.txn(txn).await.map_err(etcd_err)?;
+            let r = c.txn(txn).await.map_err(|e| write_err(e, lease))?;
             if r.succeeded() {
                 return Ok(CasOutcome::Created(r.header().map_or(0, |h| h.revision())));
             }
