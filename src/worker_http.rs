@@ -4,7 +4,7 @@
 //! fail even in the moments before the process exits).
 
 use anyhow::{Context, Result};
-use axum::http::{header, StatusCode};
+use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
@@ -14,24 +14,8 @@ use serde_json::json;
 /// The worker's `/metrics` and `/health` app.
 pub fn app(health: EngineHealth) -> Router {
     Router::new()
-        .route("/metrics", get(metrics))
+        .route("/metrics", get(kvfleet_router::http_front::metrics))
         .route("/health", get(move || health_of(health.clone())))
-}
-
-/// `GET /metrics`: the process's Prometheus exposition.
-async fn metrics() -> Response {
-    match kvfleet_router::fleet_metrics::prometheus_handle() {
-        Some(h) => (
-            [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-            h.render(),
-        )
-            .into_response(),
-        None => (
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "metrics recorder unavailable",
-        )
-            .into_response(),
-    }
 }
 
 /// `GET /health`: 200 `ok` while the engine serves; 503

@@ -96,13 +96,10 @@ pub fn app_with(fleet: Arc<Fleet>, admission: Arc<Admission>) -> Router {
         .with_state(fleet)
 }
 
-/// `/metrics` and `/health` alone, for a process that serves no API (`kvfleet worker
-/// --metrics`): the process-wide recorder's series, and 200 while the process runs.
-pub fn metrics_app() -> Router {
-    Router::new()
-        .route("/metrics", get(admin::metrics))
-        .route("/health", get(|| async { "ok" }))
-}
+/// `GET /metrics`: this process's Prometheus exposition (every `kvfleet_*` series it
+/// registered). Routers serve it from [`app_with`]; a worker process mounts it in its
+/// own health app.
+pub use admin::metrics;
 
 /// The request's admission facts; a handler reached without the gate (not through
 /// [`app_with`]) runs as the open default tenant.
