@@ -137,9 +137,9 @@ impl WorkerService {
     }
 
     /// Published state is only served, and requests only taken, while the engine
-    /// thread runs.
+    /// thread runs (its health leaves `Running` before the thread ends, however it ends).
     fn check_engine_running(&self) -> Result<(), Status> {
-        if !self.health.is_running() || self.stopped.has_changed().is_err() {
+        if !self.health.is_running() {
             return Err(Status::unavailable("the worker's engine has stopped"));
         }
         Ok(())
