@@ -53,7 +53,7 @@ impl QuantKind {
     }
 
     /// Bytes of one GGML block.
-    pub(crate) fn block_bytes(self) -> usize {
+    pub(crate) const fn block_bytes(self) -> usize {
         match self {
             Self::Q4_0 => 18,
             Self::Q4_1 => 20,
@@ -62,7 +62,7 @@ impl QuantKind {
     }
 
     /// Bytes of one row's quants in a block.
-    pub(crate) fn quant_bytes(self) -> usize {
+    pub(crate) const fn quant_bytes(self) -> usize {
         match self {
             Self::Q8_0 => 32,
             _ => 16,
@@ -70,7 +70,7 @@ impl QuantKind {
     }
 
     /// Bytes of a packed group-block before the quants: the scales (and Q4_1 minima).
-    pub(crate) fn header_bytes(self) -> usize {
+    pub(crate) const fn header_bytes(self) -> usize {
         match self {
             Self::Q4_1 => 4 * GROUP,
             _ => 2 * GROUP,

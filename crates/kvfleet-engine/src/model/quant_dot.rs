@@ -268,19 +268,12 @@ mod avx2 {
         out: usize,
     }
 
-    const fn header<const KIND: u8>() -> usize {
-        if KIND == Q4_1 {
-            4 * GROUP
-        } else {
-            2 * GROUP
-        }
-    }
-
-    const fn quant_bytes<const KIND: u8>() -> usize {
-        if KIND == Q8_0 {
-            32
-        } else {
-            16
+    /// The [`QuantKind`] of a const parameter (its layout sizes fold to constants).
+    const fn kind<const KIND: u8>() -> QuantKind {
+        match KIND {
+            Q4_0 => QuantKind::Q4_0,
+            Q4_1 => QuantKind::Q4_1,
+            _ => QuantKind::Q8_0,
         }
     }
 
@@ -336,7 +329,7 @@ mod avx2 {
     /// (Q4_x: the nibbles; the offset is applied through Σx).
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn unpack<const KIND: u8>(gb: *const u8, m: usize) -> (__m256i, __m256i) {
-        let q = gb.add(header::<KIND>() + m * quant_bytes::<KIND>());
+        let q = gb.add(kind::<KIND>().header_bytes() + m * kind::<KIND>().quant_bytes());
         match KIND {
             Q8_0 => (
                 _mm256_cvtepi8_epi16(_mm_loadu_si128(q as *const __m128i)),

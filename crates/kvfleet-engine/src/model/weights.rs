@@ -182,14 +182,14 @@ impl Matrix {
         }
     }
 
-    /// `x` (`rows × in`, row-major, and the same as the tensor `xt`) times `Wᵀ`:
-    /// `rows × out`, row-major.
-    fn forward(&self, x: &[f32], xt: &Tensor, rows: usize) -> Result<Vec<f32>> {
+    /// `x` (`rows × in`, row-major, `xt` its tensor form, made on first use) times
+    /// `Wᵀ`: `rows × out`, row-major.
+    fn forward(&self, x: &[f32], xt: &LazyTensor<'_>, rows: usize) -> Result<Vec<f32>> {
         match self {
-            Matrix::Dense(w) if w.dtype() == DType::F32 => dense_product(w, xt, rows),
+            Matrix::Dense(w) if w.dtype() == DType::F32 => dense_product(w, xt.get()?, rows),
             Matrix::Dense(w) => {
                 let (out, _) = w.dims2()?;
-                widened_product(out, xt, rows, |start, n| {
+                widened_product(out, xt.get()?, rows, |start, n| {
                     Ok(w.narrow(0, start, n)?.to_dtype(DType::F32)?)
                 })
             }
@@ -206,7 +206,7 @@ impl Matrix {
                 let data = q.data()?;
                 // Weight tiles dequantized to f32 (in cache), then gemm.
                 let row_bytes = data.len() / out.max(1);
-                widened_product(out, xt, rows, |start, n| {
+                widened_product(out, xt.get()?, rows, |start, n| {
                     let bytes = &data[start * row_bytes..(start + n) * row_bytes];
                     Ok(QTensor::new(quant_storage(bytes, q.dtype())?, (n, inp))?
                         .dequantize(&Device::Cpu)?)
@@ -358,6 +358,24 @@ fn internal(what: &str) -> EngineError {
 }
 
 /// `x·Wᵀ` for a contiguous f32 `W`, in the orientation that is faster for `rows`.
+/// A product's activations as a tensor, copied from the slice only when a segment
+/// multiplies through candle (packed matrices read the slice itself).
+struct LazyTensor<'a> {
+    x: &'a [f32],
+    shape: (usize, usize),
+    tensor: std::cell::OnceCell<Tensor>,
+}
+
+impl LazyTensor<'_> {
+    fn get(&self) -> Result<&Tensor> {
+        if let Some(t) = self.tensor.get() {
+            return Ok(t);
+        }
+        let t = Tensor::from_slice(self.x, self.shape, &Device::Cpu)?;
+        Ok(self.tensor.get_or_init(|| t))
+    }
+}
+
 fn dense_product(w: &Tensor, xt: &Tensor, rows: usize) -> Result<Vec<f32>> {
     let out = w.dim(0)?;
     if rows <= SMALL_BATCH_ROWS {
@@ -470,7 +488,11 @@ impl Linear {
         if rows == 0 {
             return Ok(Vec::new());
         }
-        let xt = Tensor::from_slice(x, (rows, self.in_dim), &Device::Cpu)?;
+        let xt = LazyTensor {
+            x,
+            shape: (rows, self.in_dim),
+            tensor: std::cell::OnceCell::new(),
+        };
         let mut y = if let [one] = self.segments.as_slice() {
             one.forward(x, &xt, rows)?
         } else {
