@@ -30,6 +30,9 @@ enum BenchCommand {
     /// Run the simulation matrix and write docs/benchmarks.md (see
     /// scripts/benchmarks.sh).
     Matrix(MatrixArgs),
+    /// Run every policy over a family of generated traces, fleet sizes and loads, and
+    /// check `cache-aware` against the best baseline of each (docs/policy-sweep.md).
+    Sweep(SweepArgs),
     /// Measure one model's engine throughput in process: pp512, pp2048, tg128, and
     /// aggregate decode over 4 and 8 sequences (see scripts/bench/vs-llamacpp.sh).
     Model(ModelArgs),
@@ -107,7 +110,7 @@ pub struct GenArgs {
     /// Sessions started per second.
     #[arg(long, default_value_t = 0.5)]
     session_rate: f64,
-    /// Arrival process of sessions: poisson or uniform.
+    /// Arrival process of sessions: poisson, uniform or bursty.
     #[arg(long, default_value = "poisson")]
     arrival: Arrival,
     /// Think time between turns, ms.
@@ -193,6 +196,44 @@ pub struct ReplayArgs {
     json: bool,
 }
 
+/// Arguments of `kvfleet bench sweep`.
+#[derive(Args)]
+pub struct SweepArgs {
+    /// Fleet sizes.
+    #[arg(long, value_delimiter = ',', default_value = "8,16,64,256")]
+    workers: Vec<usize>,
+    /// Sessions per worker of each generated trace.
+    #[arg(long, default_value_t = 4)]
+    sessions_per_worker: usize,
+    /// Fewest sessions of a generated trace.
+    #[arg(long, default_value_t = 100)]
+    min_sessions: usize,
+    /// Seed of the trace family (another seed: a held-out family).
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// The shared Mooncake trace (skipped when the file is absent).
+    #[arg(long, default_value = "traces/mooncake_synthetic_trace.jsonl")]
+    mooncake: PathBuf,
+    /// Only these traces (conversation, fork, herd, tenants, bursty, mooncake).
+    #[arg(long, value_delimiter = ',')]
+    only: Vec<String>,
+    /// Policies (default: all).
+    #[arg(long, value_delimiter = ',')]
+    policy: Vec<SimPolicy>,
+    /// `cache-aware` weights as JSON (fields of CacheAwareConfig), for tuning.
+    #[arg(long)]
+    cache_aware: Option<String>,
+    /// Cost model file (default: the built-in H200 estimate).
+    #[arg(long)]
+    cost_model: Option<PathBuf>,
+    /// Write the Markdown page here (default: print it).
+    #[arg(long)]
+    doc: Option<PathBuf>,
+    /// Write every row as JSON here.
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
 /// Arguments of `kvfleet bench matrix`.
 #[derive(Args)]
 pub struct MatrixArgs {
@@ -260,6 +301,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         }
         BenchCommand::Replay(a) => run_replay(a),
         BenchCommand::Matrix(a) => run_matrix_cmd(a),
+        BenchCommand::Sweep(a) => run_sweep_cmd(a),
         BenchCommand::Model(a) => run_model_bench(a),
     }
 }
@@ -444,6 +486,78 @@ fn run_matrix_cmd(a: MatrixArgs) -> Result<()> {
     let json = serde_json::to_string_pretty(&serde_json::json!({ "rows": rows }))?;
     write_file(&a.plots, "matrix.json", &json)?;
     eprintln!("wrote {}", a.doc.display());
+    Ok(())
+}
+
+fn run_sweep_cmd(a: SweepArgs) -> Result<()> {
+    use kvfleet_bench::sweep::{run_sweep, sweep_checks, sweep_markdown, SweepConfig};
+    let cost = match &a.cost_model {
+        Some(p) => CostModel::read_path(p)?,
+        None => CostModel::h200_llama8b(),
+    };
+    let mut router = kvfleet_router::RouterConfig::default();
+    if let Some(j) = &a.cache_aware {
+        router.cache_aware = serde_json::from_str(j).context("parsing --cache-aware")?;
+    }
+    let mooncake = if a.mooncake.exists() {
+        Some(Trace::read_path(&a.mooncake)?)
+    } else {
+        eprintln!(
+            "{} not found: the sweep runs without it",
+            a.mooncake.display()
+        );
+        None
+    };
+    let cfg = SweepConfig {
+        workers: a.workers.clone(),
+        loads: vec![
+            ("light".into(), 0.5),
+            ("near".into(), 0.9),
+            ("overloaded".into(), 1.3),
+        ],
+        policies: if a.policy.is_empty() {
+            SimPolicy::all()
+        } else {
+            a.policy.clone()
+        },
+        cost: cost.clone(),
+        router: router.clone(),
+        sessions_per_worker: a.sessions_per_worker,
+        min_sessions: a.min_sessions,
+        seed: a.seed,
+        mooncake,
+        only: a.only.clone(),
+    };
+    let wall = std::time::Instant::now();
+    let rows = run_sweep(&cfg)?;
+    let checks = sweep_checks(&rows, "cache-aware");
+    let mut doc = String::new();
+    doc.push_str(include_str!("../docs/policy-sweep.head.md"));
+    let _ = writeln!(
+        doc,
+        "\nRun: `kvfleet bench sweep --workers {} --sessions-per-worker {} --min-sessions {} --seed {}`; {} simulations in {:.0} s of wall time. Cost model `{}`. `cache-aware` weights: `{}`.\n",
+        a.workers.iter().map(|w| w.to_string()).collect::<Vec<_>>().join(","),
+        a.sessions_per_worker,
+        a.min_sessions,
+        a.seed,
+        rows.len(),
+        wall.elapsed().as_secs_f64(),
+        cost.name,
+        serde_json::to_string(&router.cache_aware)?
+    );
+    doc.push_str(&sweep_markdown(&checks));
+    match &a.doc {
+        Some(p) => {
+            std::fs::write(p, &doc).with_context(|| format!("writing {}", p.display()))?;
+            eprintln!("wrote {}", p.display());
+        }
+        None => print!("{doc}"),
+    }
+    if let Some(p) = &a.json {
+        let json =
+            serde_json::to_string_pretty(&serde_json::json!({ "rows": rows, "checks": checks }))?;
+        std::fs::write(p, json).with_context(|| format!("writing {}", p.display()))?;
+    }
     Ok(())
 }
 

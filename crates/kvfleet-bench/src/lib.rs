@@ -8,6 +8,8 @@
 //! - [`bounds`]: the unbounded ceiling and the pooled-LRU bound.
 //! - [`sim`]: the discrete-event fleet simulator (`kvfleet sim`) with kvfleet's
 //!   policies through the real router core and the SGLang / Dynamo baselines.
+//! - [`sweep`]: every policy over a family of generated traces, fleet sizes and loads
+//!   (`kvfleet bench sweep`), `cache-aware` checked against the best baseline.
 //! - [`replay`]: the HTTP replay client (`kvfleet bench replay`).
 //! - [`report`] and [`plots`]: JSON, Markdown and SVG output.
 //! - [`usage_trace`]: production usage records → a trace (`kvfleet trace export`).
@@ -18,6 +20,7 @@ pub mod plots;
 pub mod replay;
 pub mod report;
 pub mod sim;
+pub mod sweep;
 pub mod token_blocks;
 pub mod trace;
 pub mod trace_gen;

@@ -27,7 +27,14 @@ pub enum Arrival {
     Poisson,
     /// Constant gaps of `1 / session_rate`.
     Uniform,
+    /// Bursts of [`BURST_SESSIONS`] sessions starting at the same instant, the bursts
+    /// a Poisson process at `session_rate / BURST_SESSIONS` (a batch job, a retry
+    /// storm, an agent framework starting its workers together).
+    Bursty,
 }
+
+/// Sessions per burst of [`Arrival::Bursty`].
+pub const BURST_SESSIONS: usize = 8;
 
 impl std::str::FromStr for Arrival {
     type Err = String;
@@ -35,8 +42,9 @@ impl std::str::FromStr for Arrival {
         match s {
             "poisson" => Ok(Arrival::Poisson),
             "uniform" => Ok(Arrival::Uniform),
+            "bursty" => Ok(Arrival::Bursty),
             _ => Err(format!(
-                "unknown arrival process {s:?}; use poisson or uniform"
+                "unknown arrival process {s:?}; use poisson, uniform or bursty"
             )),
         }
     }
@@ -201,6 +209,10 @@ pub fn generate(cfg: &GenConfig) -> anyhow::Result<Trace> {
         let gap = match cfg.arrival {
             Arrival::Poisson => -(1.0 - rng.unit()).ln() / cfg.session_rate,
             Arrival::Uniform => 1.0 / cfg.session_rate,
+            Arrival::Bursty if (s as usize).is_multiple_of(BURST_SESSIONS) => {
+                -(1.0 - rng.unit()).ln() * BURST_SESSIONS as f64 / cfg.session_rate
+            }
+            Arrival::Bursty => 0.0,
         };
         if s > 0 {
             start_ms += gap * 1000.0;
@@ -339,6 +351,26 @@ mod tests {
         );
         let c = generate(&GenConfig { seed: 2, ..small() }).unwrap();
         assert_ne!(a, c);
+    }
+
+    #[test]
+    fn bursty_sessions_start_together() {
+        let cfg = GenConfig {
+            sessions: 3 * BURST_SESSIONS,
+            arrival: Arrival::Bursty,
+            ..small()
+        };
+        let t = generate(&cfg).unwrap();
+        // Each session's first request (no parent) is its start time.
+        let mut starts: Vec<u64> = t
+            .records
+            .iter()
+            .filter(|r| r.parent_id.is_none())
+            .map(|r| r.timestamp)
+            .collect();
+        starts.dedup();
+        assert_eq!(starts.len(), 3, "{starts:?}");
+        assert_eq!("bursty".parse::<Arrival>(), Ok(Arrival::Bursty));
     }
 
     #[test]

@@ -112,3 +112,85 @@ fn children_wait_for_their_parent() {
     let b = bounds(&t, 1, 100_000, &CostModel::h200_llama8b());
     assert!((r.hit_ratio - b.ceiling).abs() < 1e-9);
 }
+
+/// Two cold prompts at the same instant: one worker has to wait only if the policy
+/// stacks them, while another worker is idle.
+#[test]
+fn stacking_cold_prompts_behind_an_idle_worker_counts_as_an_avoidable_wait() {
+    use kvfleet_bench::TraceRecord;
+    let rec = |id: u64, salt: u64| TraceRecord {
+        timestamp: 0,
+        input_length: 64 * 512,
+        output_length: 4,
+        hash_ids: (0..64).map(|i| salt * 1_000 + i).collect(),
+        block_size: Some(512),
+        id: Some(id),
+        session_id: None,
+        parent_id: None,
+        fork_group: None,
+        tenant: None,
+    };
+    let t = Trace {
+        records: vec![rec(0, 1), rec(1, 2)],
+    };
+    let run = |p| simulate(&t, &SimConfig::new(2, 1_000, p)).unwrap();
+    // Consistent hashing on these keys puts both on one worker; least-loaded never.
+    let spread = run(SimPolicy::Kvfleet(PolicyKind::LeastLoaded));
+    assert_eq!(spread.worker_requests, vec![1, 1]);
+    assert_eq!(spread.avoidable_waits, 0);
+    let ours = run(SimPolicy::Kvfleet(PolicyKind::CacheAware));
+    assert_eq!(ours.avoidable_waits, 0, "{:?}", ours.worker_requests);
+    let stacked = simulate(
+        &t,
+        &SimConfig::new(1, 1_000, SimPolicy::Kvfleet(PolicyKind::CacheAware)),
+    )
+    .unwrap();
+    // One worker: nothing was idle, so the wait was not avoidable.
+    assert_eq!(stacked.avoidable_waits, 0);
+    let rr_same = (0..8)
+        .map(|seed| {
+            let mut cfg = SimConfig::new(2, 1_000, SimPolicy::Kvfleet(PolicyKind::Random));
+            cfg.router.random_seed = seed;
+            simulate(&t, &cfg).unwrap()
+        })
+        .find(|r| r.worker_requests.contains(&2))
+        .expect("some seed stacks both prompts on one worker");
+    assert_eq!(rr_same.avoidable_waits, 1, "{:?}", rr_same.worker_requests);
+}
+
+#[test]
+fn the_sweep_checks_cache_aware_against_the_best_other_policy() {
+    use kvfleet_bench::sweep::{run_sweep, sweep_checks, SweepConfig};
+    let cfg = SweepConfig {
+        workers: vec![4],
+        loads: vec![("near".into(), 0.9)],
+        policies: vec![
+            SimPolicy::Kvfleet(PolicyKind::CacheAware),
+            SimPolicy::Kvfleet(PolicyKind::RoundRobin),
+            SimPolicy::SglangCacheAware,
+        ],
+        cost: CostModel::h200_llama8b(),
+        router: kvfleet_routing::RouterConfig::default(),
+        sessions_per_worker: 3,
+        min_sessions: 12,
+        seed: 1,
+        mooncake: None,
+        only: vec!["fork".into(), "conversation".into()],
+    };
+    let rows = run_sweep(&cfg).unwrap();
+    assert_eq!(rows.len(), 2 * 3);
+    let checks = sweep_checks(&rows, "cache-aware");
+    assert_eq!(checks.len(), 2);
+    for c in &checks {
+        let group: Vec<_> = rows.iter().filter(|r| r.trace == c.trace).collect();
+        let best = group
+            .iter()
+            .filter(|r| r.result.policy != "cache-aware")
+            .map(|r| r.result.hit_ratio)
+            .fold(0.0, f64::max);
+        assert_eq!(c.best_hit, best);
+        assert!(c.best_hit_baseline != "cache-aware");
+        assert!(c.cache_blocks >= 8);
+        assert!(c.excess_ms >= 0.0 && c.floor_p99_ms > 0.0);
+    }
+}

@@ -357,8 +357,8 @@ impl KvRouter {
             .get(id)
             .ok_or_else(|| IndexError::UnknownWorker(id.to_owned()))?;
         self.index.apply(idx, event)?;
-        if matches!(event.kind, RouterKvEventKind::Stored { .. }) {
-            self.confirm(idx);
+        if let RouterKvEventKind::Stored { block_hashes, .. } = &event.kind {
+            self.reservations.confirm_stored(idx, block_hashes);
         }
         Ok(())
     }

@@ -74,6 +74,10 @@ pub struct Reservations {
     slots: Vec<Reservation>,
     free_slots: Vec<u32>,
     by_worker: Vec<Vec<u32>>,
+    // Deepest block hash → the live reservations ending there (of any worker), so a
+    // `Stored` event confirms in time proportional to its blocks, not to the
+    // worker's live reservations.
+    by_deepest: BlockHashMap<Vec<u32>>,
     expiry: VecDeque<(u64, ReservationId)>,
     live: usize,
 }
@@ -89,6 +93,7 @@ impl Reservations {
             slots: Vec::new(),
             free_slots: Vec::new(),
             by_worker: Vec::new(),
+            by_deepest: BlockHashMap::default(),
             expiry: VecDeque::new(),
             live: 0,
         }
@@ -163,6 +168,7 @@ impl Reservations {
             pos,
         };
         list.push(slot);
+        self.by_deepest.entry(deepest).or_default().push(slot);
         self.live += 1;
         let id = ReservationId { slot, generation };
         self.expiry.push_back((expires_at_ms, id));
@@ -211,6 +217,29 @@ impl Reservations {
             self.end(s);
         }
         done.len()
+    }
+
+    /// Ends `worker`'s reservations whose deepest block is one of `stored` (the blocks
+    /// of a `Stored` event): O(blocks) whatever the number of live reservations.
+    /// Returns how many ended. A reservation whose deepest block was already cached
+    /// when it was made is never created (see `KvRouter::route`), so every live one
+    /// ends through the event that stores its deepest block, a rebuild, or its TTL.
+    pub fn confirm_stored(&mut self, worker: WorkerIdx, stored: &[BlockHash]) -> usize {
+        if self.worker_len(worker) == 0 {
+            return 0;
+        }
+        let mut ended = 0;
+        for h in stored {
+            while let Some(slot) = self.by_deepest.get(h).and_then(|v| {
+                v.iter()
+                    .copied()
+                    .find(|&s| self.slots[s as usize].worker == worker)
+            }) {
+                self.end(slot);
+                ended += 1;
+            }
+        }
+        ended
     }
 
     /// Ends every reservation of `worker` (it left the fleet).
@@ -384,13 +413,21 @@ impl Reservations {
 
     /// Ends the live reservation in `slot`: unwinds its path and unlists it.
     fn end(&mut self, slot: u32) {
-        let (worker, leaf, pos) = {
+        let (worker, leaf, pos, deepest) = {
             let r = &mut self.slots[slot as usize];
             r.live = false;
-            (r.worker, r.leaf, r.pos)
+            (r.worker, r.leaf, r.pos, r.deepest)
         };
         self.live -= 1;
         self.free_slots.push(slot);
+        if let Some(v) = self.by_deepest.get_mut(&deepest) {
+            if let Some(i) = v.iter().position(|&s| s == slot) {
+                v.swap_remove(i);
+            }
+            if v.is_empty() {
+                self.by_deepest.remove(&deepest);
+            }
+        }
         if let Some(list) = self.by_worker.get_mut(worker.index()) {
             let pos = pos as usize;
             if pos < list.len() && list[pos] == slot {
@@ -530,6 +567,14 @@ mod tests {
         r.reserve(w(1), &b, 0).unwrap();
         assert_eq!(r.confirm(w(0), |h| h == a[4]), 1);
         assert_eq!(r.worker_len(w(0)), 1);
+        // A `Stored` event confirms only the storing worker's reservations.
+        let c = chain_from(&a[..2], 3, 2);
+        r.reserve(w(0), &c, 0).unwrap();
+        r.reserve(w(1), &c, 0).unwrap();
+        assert_eq!(r.confirm_stored(w(0), &c[2..]), 1);
+        assert_eq!(r.confirm_stored(w(0), &c[2..]), 0);
+        assert_eq!(r.pending(&c).depth(w(1)), 4);
+        assert_eq!(r.confirm_stored(w(1), &c[3..]), 1);
         assert_eq!(r.remove_worker(w(1)), 1);
         assert_eq!(r.pending(&b).depth(w(0)), 7);
         assert_eq!(r.pending(&b).depth(w(1)), 0);
@@ -546,7 +591,7 @@ mod tests {
         /// The trie agrees with a plain list of reserved chains.
         #[test]
         fn trie_matches_naive_list(
-            ops in proptest::collection::vec((0u32..4, 0usize..5, 1usize..30, 0usize..3), 1..40)
+            ops in proptest::collection::vec((0u32..4, 0usize..5, 1usize..30, 0usize..4), 1..40)
         ) {
             // A small family of chains sharing prefixes of various lengths.
             let root = chain_from(&[], 99, 40);
@@ -563,6 +608,16 @@ mod tests {
                 if action == 2 && !live.is_empty() {
                     let (id, _, _) = live.remove(len % live.len());
                     prop_assert!(r.release(id));
+                } else if action == 3 {
+                    // A `Stored` event of `worker` for a slice of a chain ends exactly
+                    // that worker's reservations whose deepest block is in it.
+                    let ch = &family[c];
+                    let stored = &ch[len.min(ch.len()) / 2..len.min(ch.len())];
+                    let before = live.len();
+                    live.retain(|(_, wk, chain)| {
+                        !(*wk == WorkerIdx(worker) && chain.last().is_some_and(|h| stored.contains(h)))
+                    });
+                    prop_assert_eq!(r.confirm_stored(WorkerIdx(worker), stored), before - live.len());
                 } else {
                     let ch = &family[c];
                     let chain = ch[..len.min(ch.len())].to_vec();
@@ -591,6 +646,7 @@ mod tests {
             }
             prop_assert_eq!(r.node_count(), 0);
             prop_assert!(r.children.is_empty());
+            prop_assert!(r.by_deepest.is_empty());
         }
     }
 }

@@ -271,6 +271,12 @@ pub struct SimResult {
     pub throughput_rps: f64,
     /// Hit ratio per arrival-time bucket: (bucket end in s, ratio).
     pub hit_timeline: Vec<(f64, f64)>,
+    /// Requests that waited although a worker was idle when they arrived, and waited
+    /// so long that computing their whole prompt on that idle worker would have
+    /// reached the first token sooner ("a worker idle while another queues").
+    pub avoidable_waits: usize,
+    /// `avoidable_waits` over all requests.
+    pub avoidable_wait_ratio: f64,
     /// Wall time of the simulation, s.
     pub wall_s: f64,
     /// Every TTFT in ms, sorted (for CDF plots; not serialized).
@@ -291,6 +297,8 @@ struct ReqState {
     token: usize,
     sent_ms: f64,
     uncached: usize,
+    /// A worker's prefill lane was idle when this request arrived.
+    idle_elsewhere: bool,
     done: bool,
 }
 
@@ -366,6 +374,9 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
     let mut arrivals: Vec<(f64, usize, usize)> = Vec::with_capacity(recs.len());
     let mut now = t0;
     let mut served = 0usize;
+    // Workers whose prefill lane is busy, kept up to date on every start and finish.
+    let mut prefilling = 0usize;
+    let mut avoidable_waits = 0usize;
 
     while let Some(Reverse((tb, _, ev))) = heap.pop() {
         now = f64::from_bits(tb);
@@ -384,6 +395,7 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                     input_tokens: r.input_length,
                     block_size: bs,
                 };
+                let idle_elsewhere = prefilling < workers.len();
                 let (w, token) = router.route(&req, &workers, now);
                 anyhow::ensure!(w < workers.len(), "router chose a worker out of range");
                 let wk = &mut workers[w];
@@ -407,10 +419,12 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                     token,
                     sent_ms: now,
                     uncached,
+                    idle_elsewhere,
                     done: false,
                 };
                 if wk.prefilling.is_none() {
                     if let Some(t) = start_prefill(wk, &st, &cfg.cost) {
+                        prefilling += 1;
                         push(&mut heap, now + t, Ev::PrefillDone(w));
                     }
                 }
@@ -421,8 +435,13 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                 let Some(i) = wk.prefilling.take() else {
                     continue;
                 };
+                prefilling -= 1;
                 wk.queued_prefill_tokens -= st[i].uncached;
-                ttft.push(now - st[i].sent_ms);
+                let took = now - st[i].sent_ms;
+                if st[i].idle_elsewhere && took > cfg.cost.prefill_ms(recs[i].input_length) {
+                    avoidable_waits += 1;
+                }
+                ttft.push(took);
                 wk.decoding += 1;
                 let step = cfg.cost.decode_step_ms(wk.decoding);
                 let steps = recs[i].output_length.saturating_sub(1);
@@ -431,6 +450,7 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                 }
                 push(&mut heap, now + step * steps as f64, Ev::DecodeDone(i));
                 if let Some(t) = start_prefill(wk, &st, &cfg.cost) {
+                    prefilling += 1;
                     push(&mut heap, now + t, Ev::PrefillDone(w));
                 }
                 router.on_load_changed(w, &workers);
@@ -500,6 +520,8 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
             0.0
         },
         hit_timeline,
+        avoidable_waits,
+        avoidable_wait_ratio: ratio(avoidable_waits as u64, recs.len() as u64),
         wall_s: wall.elapsed().as_secs_f64(),
         ttft_samples: ttft,
     })

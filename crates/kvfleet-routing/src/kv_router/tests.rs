@@ -224,7 +224,7 @@ fn bounded_load_guard_spills_and_the_spill_target_warms_a_copy() {
 #[test]
 fn absolute_prefill_cap_spills() {
     let mut cfg = RouterConfig::default();
-    cfg.cache_aware.max_prefill_backlog_tokens = Some(6_000);
+    cfg.cache_aware.max_prefill_backlog_tokens = Some(4_500);
     let mut r = KvRouter::new(cfg);
     for i in 0..2 {
         r.add_worker(&format!("w{i}"), BS).unwrap();
@@ -238,12 +238,13 @@ fn absolute_prefill_cap_spills() {
     r.update_load(
         "w0",
         WorkerLoad {
-            queued_prefill_tokens: 5_900,
+            queued_prefill_tokens: 4_400,
             ..WorkerLoad::default()
         },
     )
     .unwrap();
-    // Cost favours w0 (5,900 + 2×160 < 2×3,360), but 5,900 + 160 is over the cap.
+    // Cost favours w0 (4,400 + 2×160 < 1.55×3,360 on idle w1, half the fleet being
+    // busy), but 4,400 + 160 is over the cap.
     let d = r
         .route(&kids[0].0, kids[0].1, PolicyKind::CacheAware, 0)
         .unwrap();

@@ -2,19 +2,34 @@
 //! counting the prefix a worker already holds (or is computing), but never pile
 //! unbounded work onto the holder of a hot prefix.
 //!
-//! Estimated cost of worker `W`, in prompt-token equivalents:
+//! Estimated cost of worker `W`, in prompt-token equivalents (one latency estimate:
+//! the tokens that must be computed on `W` before this request's first token, plus a
+//! price on the fleet work a cache miss spends):
 //!
 //! ```text
-//! cost(W) = prefill_weight × uncached(W)            // this request's prefill on W
+//! cost(W) = λ(W) × uncached(W)                      // this request's prefill on W
 //!         + backlog(W)                              // prefill queued ahead of it
 //!         + decode_cost_per_sequence × active(W)    // decode work sharing W's steps
+//! λ(W)    = prefill_weight                                      if W's lane is busy
+//!         = idle_prefill_weight
+//!           + (prefill_weight − idle_prefill_weight) × busy     if W's lane is idle
 //! ```
 //!
-//! `prefill_weight` is above 1 (default 2) because an uncached token costs twice: it
-//! delays this request, and it spends fleet capacity that a cache hit would not. With
-//! a weight of 1 a fork sibling would be indifferent between waiting behind its first
-//! sibling's prefix on `W` and recomputing the whole prefix elsewhere — equal latency,
-//! but double the fleet's work.
+//! An uncached token delays this request once (weight 1); it also spends capacity
+//! that other requests may be waiting for, which is why its weight is above 1. On a
+//! worker whose prefill lane is busy that capacity is taken from the requests queued
+//! there: weight `prefill_weight` (default 2), so a fork sibling waits behind its first
+//! sibling's prefix rather than recompute it elsewhere at equal latency. On an idle
+//! worker the capacity is free now, and the more of the fleet is idle (`busy` is the
+//! fraction of candidates with a prefill backlog) the longer it stays free: the weight
+//! falls towards `idle_prefill_weight` (default 1.1) on a quiet fleet, so a request
+//! no longer waits behind a hot prefix much longer than a cold start on an idle worker
+//! would take, yet a sibling still prefers its holder at equal latency.
+//!
+//! **Near ties** (costs within `near_tie_tokens` or `near_tie_ratio` of the cheapest)
+//! go to the candidate chosen least recently. Cold prefixes then spread over every
+//! worker's cache instead of filling the lowest-index idle worker's, and an idle
+//! worker is told apart from a merely cheap one.
 //!
 //! Bounded-load guard: a worker is skipped in favour of the next cheapest when its
 //! active sequences after taking the request would exceed
@@ -24,21 +39,23 @@
 //! holder while loads are small; the relative bound stops one hot prefix from growing a
 //! worker's load without limit. The worker it spills to then holds a second copy of the
 //! prefix, and later requests for it see both. If every worker is over its bound, the
-//! cheapest is used. Ties go to fewer active sequences, then to the lower index.
+//! cheapest is used.
 
 use super::{Candidate, RouteContext, RoutingPolicy, Selection};
 use crate::registry::WorkerIdx;
 use serde::{Deserialize, Serialize};
 
-/// (cost, active sequences, worker): the order in which candidates are preferred.
-type Key = (f64, usize, WorkerIdx);
-
 /// Weights and bounds of [`CacheAware`].
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct CacheAwareConfig {
-    /// Cost of one uncached prompt token on the chosen worker (default 2.0).
+    /// Cost of one uncached prompt token on a worker whose prefill lane is busy
+    /// (default 2.0).
     pub prefill_weight: f64,
+    /// Cost of one uncached prompt token when every candidate's prefill lane is idle
+    /// (default 1.1); an idle worker of a partly busy fleet is weighted in between,
+    /// by the fraction of busy lanes.
+    pub idle_prefill_weight: f64,
     /// Cost of one active sequence on the worker, in prompt-token equivalents
     /// (default 16.0).
     pub decode_cost_per_sequence: f64,
@@ -49,16 +66,23 @@ pub struct CacheAwareConfig {
     /// Cap on a worker's prefill backlog including this request, in tokens
     /// (default: none).
     pub max_prefill_backlog_tokens: Option<usize>,
+    /// Costs within this many tokens of the cheapest are near ties (default 32).
+    pub near_tie_tokens: f64,
+    /// Costs within this fraction of the cheapest are near ties (default 0.02).
+    pub near_tie_ratio: f64,
 }
 
 impl Default for CacheAwareConfig {
     fn default() -> Self {
         Self {
             prefill_weight: 2.0,
+            idle_prefill_weight: 1.1,
             decode_cost_per_sequence: 16.0,
             balance_epsilon: 0.25,
             balance_slack: 16.0,
             max_prefill_backlog_tokens: None,
+            near_tie_tokens: 32.0,
+            near_tie_ratio: 0.02,
         }
     }
 }
@@ -67,12 +91,20 @@ impl Default for CacheAwareConfig {
 #[derive(Clone, Debug, Default)]
 pub struct CacheAware {
     config: CacheAwareConfig,
+    /// When each worker (by index) was last chosen, on `clock`'s scale (0: never).
+    last_chosen: Vec<u64>,
+    /// Selections made so far.
+    clock: u64,
 }
 
 impl CacheAware {
     /// A policy with the given weights.
     pub fn new(config: CacheAwareConfig) -> Self {
-        Self { config }
+        Self {
+            config,
+            last_chosen: Vec::new(),
+            clock: 0,
+        }
     }
 
     /// The policy's weights.
@@ -80,12 +112,48 @@ impl CacheAware {
         &self.config
     }
 
-    /// Estimated cost of sending the request of `ctx` to `c`.
-    pub fn cost(&self, ctx: &RouteContext<'_>, c: &Candidate) -> f64 {
-        self.config.prefill_weight * ctx.uncached_tokens(c) as f64
+    /// The weight of an uncached token on `c`, when `busy` of the `n` candidates
+    /// have a prefill backlog: `prefill_weight` on a busy candidate; on an idle one,
+    /// from `idle_prefill_weight` (every lane idle) up to `prefill_weight` (every
+    /// other lane busy).
+    pub fn prefill_weight(&self, c: &Candidate, busy: usize, n: usize) -> f64 {
+        let cfg = &self.config;
+        if c.load.prefill_backlog_tokens() > 0 || n == 0 {
+            cfg.prefill_weight
+        } else {
+            let f = busy as f64 / n as f64;
+            cfg.idle_prefill_weight + (cfg.prefill_weight - cfg.idle_prefill_weight) * f
+        }
+    }
+
+    /// Estimated cost of sending the request of `ctx` to `c`, with `busy` of the
+    /// candidates' prefill lanes busy.
+    pub fn cost(&self, ctx: &RouteContext<'_>, c: &Candidate, busy: usize) -> f64 {
+        self.prefill_weight(c, busy, ctx.candidates.len()) * ctx.uncached_tokens(c) as f64
             + c.load.prefill_backlog_tokens() as f64
             + self.config.decode_cost_per_sequence * c.load.active_sequences() as f64
     }
+
+    fn last_chosen(&self, w: WorkerIdx) -> u64 {
+        self.last_chosen.get(w.index()).copied().unwrap_or(0)
+    }
+
+    fn mark_chosen(&mut self, w: WorkerIdx) {
+        self.clock += 1;
+        let i = w.index();
+        if self.last_chosen.len() <= i {
+            self.last_chosen.resize(i + 1, 0);
+        }
+        self.last_chosen[i] = self.clock;
+    }
+}
+
+/// (cost, active sequences, worker): the order in which candidates are preferred
+/// before near ties are broken.
+type Key = (f64, usize, WorkerIdx);
+
+fn lt(a: &Key, b: &Key) -> bool {
+    a.0 < b.0 || (a.0 == b.0 && (a.1, a.2) < (b.1, b.2))
 }
 
 impl RoutingPolicy for CacheAware {
@@ -95,33 +163,16 @@ impl RoutingPolicy for CacheAware {
 
     fn select(&mut self, ctx: &RouteContext<'_>) -> Option<Selection> {
         let n = ctx.candidates.len();
-        let (wp, wd) = (
-            self.config.prefill_weight,
-            self.config.decode_cost_per_sequence,
-        );
-        let key = |c: &Candidate| -> Key {
-            let active = c.load.active_sequences();
-            let cost = wp * ctx.uncached_tokens(c) as f64
-                + c.load.prefill_backlog_tokens() as f64
-                + wd * active as f64;
-            (cost, active, c.worker)
-        };
-        // Candidates are ordered by (cost, active sequences, index): plain `<` on the
-        // cost with an exact-tie fallback keeps this hot loop branch-light.
-        let lt = |a: &Key, b: &Key| a.0 < b.0 || (a.0 == b.0 && (a.1, a.2) < (b.1, b.2));
-
-        // Pass 1: the cheapest worker, and the total load the bound needs.
-        let mut total = 0usize;
-        let mut best: Option<(Key, &Candidate)> = None;
+        // Pass 1: the fleet's load and how many prefill lanes are busy.
+        let (mut total, mut busy) = (0usize, 0usize);
         for c in ctx.candidates {
-            let k = key(c);
-            total += k.1;
-            if best.as_ref().is_none_or(|(b, _)| lt(&k, b)) {
-                best = Some((k, c));
-            }
+            total += c.load.active_sequences();
+            busy += usize::from(c.load.prefill_backlog_tokens() > 0);
         }
-        let (best_key, best_c) = best?;
-        let bound = (1.0 + self.config.balance_epsilon) * (total + 1) as f64 / n as f64
+        let key = |c: &Candidate| -> Key {
+            (self.cost(ctx, c, busy), c.load.active_sequences(), c.worker)
+        };
+        let bound = (1.0 + self.config.balance_epsilon) * (total + 1) as f64 / n.max(1) as f64
             + self.config.balance_slack;
         let cap = self.config.max_prefill_backlog_tokens.unwrap_or(usize::MAX);
         let overloaded = |k: &Key, c: &Candidate| {
@@ -131,24 +182,129 @@ impl RoutingPolicy for CacheAware {
                     .saturating_add(ctx.uncached_tokens(c))
                     > cap
         };
-        if !overloaded(&best_key, best_c) {
-            return Some(Selection::to(best_key.2));
-        }
-        // Pass 2 (rare): the cheapest worker within its bounds; if none is, the
-        // cheapest overall.
+
+        // Pass 2: the cheapest worker, and the cheapest within its bounds.
+        let mut best: Option<Key> = None;
         let mut best_ok: Option<Key> = None;
         for c in ctx.candidates {
             let k = key(c);
+            if best.as_ref().is_none_or(|b| lt(&k, b)) {
+                best = Some(k);
+            }
             if !overloaded(&k, c) && best_ok.as_ref().is_none_or(|b| lt(&k, b)) {
                 best_ok = Some(k);
             }
         }
-        Some(match best_ok {
-            Some(ok) => Selection {
-                worker: ok.2,
-                spilled_from: Some(best_key.2),
-            },
-            None => Selection::to(best_key.2),
+        let best = best?;
+        // Every worker over its bound: the cheapest takes it.
+        let Some(target) = best_ok else {
+            self.mark_chosen(best.2);
+            return Some(Selection::to(best.2));
+        };
+
+        // Pass 3: among the near ties of the target (within bounds), the one chosen
+        // least recently.
+        let band = self
+            .config
+            .near_tie_tokens
+            .max(self.config.near_tie_ratio * target.0);
+        let mut pick = target;
+        let mut pick_last = self.last_chosen(target.2);
+        for c in ctx.candidates {
+            let k = key(c);
+            if k.0 > target.0 + band || overloaded(&k, c) {
+                continue;
+            }
+            let last = self.last_chosen(k.2);
+            if last < pick_last || (last == pick_last && lt(&k, &pick)) {
+                pick = k;
+                pick_last = last;
+            }
+        }
+        self.mark_chosen(pick.2);
+        Some(Selection {
+            worker: pick.2,
+            spilled_from: (best.2 != target.2).then_some(best.2),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::load::WorkerLoad;
+
+    fn cand(i: u32, backlog: usize, active: usize, matched: usize) -> Candidate {
+        Candidate {
+            worker: WorkerIdx(i),
+            id_hash: u64::from(i),
+            load: WorkerLoad {
+                running: active,
+                queued_prefill_tokens: backlog,
+                ..WorkerLoad::default()
+            },
+            matched_blocks: matched,
+        }
+    }
+
+    fn ctx(candidates: &[Candidate], blocks: usize) -> RouteContext<'_> {
+        RouteContext {
+            hashes: &[],
+            prompt_tokens: blocks * 16 + 1,
+            block_size: 16,
+            candidates,
+        }
+    }
+
+    #[test]
+    fn cold_prompts_on_an_idle_fleet_spread_over_every_worker() {
+        // Eight idle, equal workers and no cache anywhere: the old tie-break (fewer
+        // sequences, then the lower index) sent each of these to w0.
+        let c: Vec<Candidate> = (0..8).map(|i| cand(i, 0, 0, 0)).collect();
+        let mut p = CacheAware::default();
+        let chosen: std::collections::BTreeSet<u32> = (0..8)
+            .map(|_| p.select(&ctx(&c, 100)).unwrap().worker.0)
+            .collect();
+        assert_eq!(chosen.len(), 8, "{chosen:?}");
+    }
+
+    #[test]
+    fn near_ties_never_override_a_real_cache_hit() {
+        // w3 holds 90 of the 100 blocks: no amount of recency moves it elsewhere.
+        let mut c: Vec<Candidate> = (0..8).map(|i| cand(i, 0, 0, 0)).collect();
+        c[3].matched_blocks = 90;
+        let mut p = CacheAware::default();
+        for _ in 0..5 {
+            assert_eq!(p.select(&ctx(&c, 100)).unwrap().worker, WorkerIdx(3));
+        }
+    }
+
+    #[test]
+    fn a_quiet_fleet_does_not_make_a_request_wait_longer_than_a_cold_start() {
+        // w0 holds 60 of 100 blocks but has 1,200 tokens of prefill queued: waiting
+        // there (1,200 + 641 tokens) is slower than a cold start on idle w1 (1,601).
+        let prompt_blocks = 100;
+        let mut c: Vec<Candidate> = (0..8).map(|i| cand(i, 0, 0, 0)).collect();
+        c[0] = cand(0, 1_200, 1, 60);
+        let mut p = CacheAware::default();
+        let s = p.select(&ctx(&c, prompt_blocks)).unwrap();
+        assert_ne!(s.worker, WorkerIdx(0), "a quiet fleet spends idle capacity");
+        // The same holder on a fleet whose every other lane is busy keeps the request:
+        // recomputing 960 tokens elsewhere would take capacity others queue for.
+        let mut busy: Vec<Candidate> = (0..8).map(|i| cand(i, 3_000, 1, 0)).collect();
+        busy[0] = cand(0, 1_200, 1, 60);
+        busy[5] = cand(5, 0, 1, 0);
+        let s = p.select(&ctx(&busy, prompt_blocks)).unwrap();
+        assert_eq!(s.worker, WorkerIdx(0));
+    }
+
+    #[test]
+    fn a_fork_sibling_waits_for_its_first_siblings_prefix() {
+        // w2 is computing the shared 2,000-block prefix (the first sibling); the
+        // sibling's own tail is 10 blocks. At equal latency it stays on the holder.
+        let mut c: Vec<Candidate> = (0..8).map(|i| cand(i, 0, 0, 0)).collect();
+        c[2] = cand(2, 2_000 * 16, 1, 2_000);
+        let mut p = CacheAware::default();
+        assert_eq!(p.select(&ctx(&c, 2_010)).unwrap().worker, WorkerIdx(2));
     }
 }
