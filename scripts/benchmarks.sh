@@ -4,7 +4,9 @@
 #   2. replays a small generated fork fan-out trace against a live
 #      `kvfleet up --workers 4` (tiny model) and keeps the report;
 #   3. runs `kvfleet bench matrix`: the simulator over traces x fleets x loads x policies,
-#      the 100k-request x 1,000-worker scale run, and the replay-vs-simulator comparison.
+#      the 100k-request x 1,000-worker scale run, and the replay-vs-simulator comparison;
+#   4. runs `kvfleet bench sweep` (docs/policy-sweep.md): cache-aware against every other
+#      policy over a family of generated traces at 8-256 workers.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MOONCAKE=${MOONCAKE:-traces/mooncake_synthetic_trace.jsonl}
@@ -40,3 +42,11 @@ cp "$OUT/replay/worker_load.svg" docs/plots/replay_worker_load.svg
 "$BIN" bench matrix --mooncake "$MOONCAKE" --doc docs/benchmarks.md --plots docs/plots \
   --replay-json "$OUT/replay.json" --replay-trace "$OUT/replay-trace.jsonl" \
   --replay-setup "$REPLAY_SETUP" --notes docs/benchmarks.notes.md "$@"
+
+# 4. The policy sweep: every policy over the generated trace family and Mooncake at
+#    8-256 workers (docs/policy-sweep.md), and the held-out family (seed 2) at 8 and 64.
+#    About 15 minutes on 2 cores; SWEEP=0 skips it.
+[ "${SWEEP:-1}" = 0 ] && exit 0
+"$BIN" bench sweep --mooncake "$MOONCAKE" --doc docs/policy-sweep.md --json docs/bench/policy-sweep.json
+"$BIN" bench sweep --mooncake "$MOONCAKE" --seed 2 --workers 8,64 --doc docs/policy-sweep-seed2.md \
+  --json docs/bench/policy-sweep-seed2.json

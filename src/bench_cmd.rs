@@ -554,8 +554,24 @@ fn run_sweep_cmd(a: SweepArgs) -> Result<()> {
         None => print!("{doc}"),
     }
     if let Some(p) = &a.json {
-        let json =
-            serde_json::to_string_pretty(&serde_json::json!({ "rows": rows, "checks": checks }))?;
+        // Every row's headline figures (the full results, with per-worker arrays and
+        // timelines, run to megabytes at 256 workers).
+        let compact: Vec<serde_json::Value> = rows
+            .iter()
+            .map(|r| {
+                serde_json::json!({
+                    "trace": r.trace, "workers": r.result.workers, "load": r.load,
+                    "policy": r.result.policy, "cache_blocks": r.result.cache_blocks,
+                    "hit_ratio": r.result.hit_ratio, "ttft_ms": r.result.ttft_ms,
+                    "floor_p99_ms": r.bounds.no_queue_floor_ms.p99, "pooled": r.bounds.pooled,
+                    "ceiling": r.bounds.ceiling, "avoidable_waits": r.result.avoidable_waits,
+                    "work_max_over_mean": r.result.work_max_over_mean,
+                })
+            })
+            .collect();
+        let json = serde_json::to_string_pretty(
+            &serde_json::json!({ "rows": compact, "checks": checks }),
+        )?;
         std::fs::write(p, json).with_context(|| format!("writing {}", p.display()))?;
     }
     Ok(())

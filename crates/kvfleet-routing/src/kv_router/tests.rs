@@ -243,8 +243,7 @@ fn absolute_prefill_cap_spills() {
         },
     )
     .unwrap();
-    // Cost favours w0 (4,400 + 2×160 < 1.55×3,360 on idle w1, half the fleet being
-    // busy), but 4,400 + 160 is over the cap.
+    // Cost favours w0 (4,400 + 2×160 < 2×3,360), but 4,400 + 160 is over the cap.
     let d = r
         .route(&kids[0].0, kids[0].1, PolicyKind::CacheAware, 0)
         .unwrap();

@@ -16,20 +16,22 @@
 //! ```
 //!
 //! An uncached token delays this request once (weight 1); it also spends capacity
-//! that other requests may be waiting for, which is why its weight is above 1. On a
-//! worker whose prefill lane is busy that capacity is taken from the requests queued
-//! there: weight `prefill_weight` (default 2), so a fork sibling waits behind its first
-//! sibling's prefix rather than recompute it elsewhere at equal latency. On an idle
-//! worker the capacity is free now, and the more of the fleet is idle (`busy` is the
-//! fraction of candidates with a prefill backlog) the longer it stays free: the weight
-//! falls towards `idle_prefill_weight` (default 1.1) on a quiet fleet, so a request
-//! no longer waits behind a hot prefix much longer than a cold start on an idle worker
-//! would take, yet a sibling still prefers its holder at equal latency.
+//! that other requests may be waiting for, which is why its weight is above 1: with
+//! `prefill_weight` 2 a fork sibling waits behind its first sibling's prefix rather
+//! than recompute it elsewhere at equal latency but double the fleet's work.
 //!
-//! **Near ties** (costs within `near_tie_tokens` or `near_tie_ratio` of the cheapest)
-//! go to the candidate chosen least recently. Cold prefixes then spread over every
-//! worker's cache instead of filling the lowest-index idle worker's, and an idle
-//! worker is told apart from a merely cheap one.
+//! `idle_prefill_weight` prices an uncached token on a worker whose prefill lane is
+//! idle, scaled up to `prefill_weight` by the fraction of busy lanes (`busy`): below 2,
+//! a request stops waiting behind a hot prefix when a cold start on an idle worker is
+//! faster. It is off by default (2.0). `kvfleet bench sweep` measured 1.1 against 2.0
+//! over 72 groups (docs/policy-sweep.md): 35% fewer avoidable waits, but a lower hit
+//! ratio and a higher p99 excess over the no-queue floor, the two targets that come
+//! first.
+//!
+//! **Ties** go to the candidate chosen least recently (with `near_tie_tokens` /
+//! `near_tie_ratio`, costs that close to the cheapest count as ties too; off by
+//! default, as the sweep found no gain). Cold prefixes on equally loaded workers then
+//! spread over every worker's cache instead of filling the lowest-index one.
 //!
 //! Bounded-load guard: a worker is skipped in favour of the next cheapest when its
 //! active sequences after taking the request would exceed
@@ -53,8 +55,8 @@ pub struct CacheAwareConfig {
     /// (default 2.0).
     pub prefill_weight: f64,
     /// Cost of one uncached prompt token when every candidate's prefill lane is idle
-    /// (default 1.1); an idle worker of a partly busy fleet is weighted in between,
-    /// by the fraction of busy lanes.
+    /// (default 2.0, the same as `prefill_weight`: off); an idle worker of a partly
+    /// busy fleet is weighted in between, by the fraction of busy lanes.
     pub idle_prefill_weight: f64,
     /// Cost of one active sequence on the worker, in prompt-token equivalents
     /// (default 16.0).
@@ -66,9 +68,10 @@ pub struct CacheAwareConfig {
     /// Cap on a worker's prefill backlog including this request, in tokens
     /// (default: none).
     pub max_prefill_backlog_tokens: Option<usize>,
-    /// Costs within this many tokens of the cheapest are near ties (default 32).
+    /// Costs within this many tokens of the cheapest are near ties (default 0: exact
+    /// ties only).
     pub near_tie_tokens: f64,
-    /// Costs within this fraction of the cheapest are near ties (default 0.02).
+    /// Costs within this fraction of the cheapest are near ties (default 0).
     pub near_tie_ratio: f64,
 }
 
@@ -76,13 +79,13 @@ impl Default for CacheAwareConfig {
     fn default() -> Self {
         Self {
             prefill_weight: 2.0,
-            idle_prefill_weight: 1.1,
+            idle_prefill_weight: 2.0,
             decode_cost_per_sequence: 16.0,
             balance_epsilon: 0.25,
             balance_slack: 16.0,
             max_prefill_backlog_tokens: None,
-            near_tie_tokens: 32.0,
-            near_tie_ratio: 0.02,
+            near_tie_tokens: 0.0,
+            near_tie_ratio: 0.0,
         }
     }
 }
@@ -280,13 +283,16 @@ mod tests {
     }
 
     #[test]
-    fn a_quiet_fleet_does_not_make_a_request_wait_longer_than_a_cold_start() {
+    fn with_an_idle_discount_a_quiet_fleet_does_not_make_a_request_wait_longer_than_a_cold_start() {
         // w0 holds 60 of 100 blocks but has 1,200 tokens of prefill queued: waiting
         // there (1,200 + 641 tokens) is slower than a cold start on idle w1 (1,601).
         let prompt_blocks = 100;
         let mut c: Vec<Candidate> = (0..8).map(|i| cand(i, 0, 0, 0)).collect();
         c[0] = cand(0, 1_200, 1, 60);
-        let mut p = CacheAware::default();
+        let mut p = CacheAware::new(CacheAwareConfig {
+            idle_prefill_weight: 1.1,
+            ..CacheAwareConfig::default()
+        });
         let s = p.select(&ctx(&c, prompt_blocks)).unwrap();
         assert_ne!(s.worker, WorkerIdx(0), "a quiet fleet spends idle capacity");
         // The same holder on a fleet whose every other lane is busy keeps the request:
