@@ -9,6 +9,8 @@ import sys
 import anthropic
 
 BLOCK = 16  # kvfleet's KV block size: only whole blocks are cached.
+# Recent SDKs dropped `temperature` from create()'s signature; the API still takes it.
+GREEDY = {"temperature": 0}
 
 
 def main(url: str, model: str) -> None:
@@ -20,8 +22,8 @@ def main(url: str, model: str) -> None:
 
     def ask(question: str, **kw):
         return client.messages.create(
-            model=model, max_tokens=6, temperature=0, system=system,
-            messages=[{"role": "user", "content": question}], **kw,
+            model=model, max_tokens=6, system=system,
+            messages=[{"role": "user", "content": question}], extra_body=GREEDY, **kw,
         )
 
     first = ask("Say something.")
@@ -46,8 +48,8 @@ def main(url: str, model: str) -> None:
 
     # Streamed: the SDK assembles the final message from Anthropic's events.
     with client.messages.stream(
-        model=model, max_tokens=6, temperature=0, system=system,
-        messages=[{"role": "user", "content": "Say something."}],
+        model=model, max_tokens=6, system=system,
+        messages=[{"role": "user", "content": "Say something."}], extra_body=GREEDY,
     ) as stream:
         streamed = "".join(stream.text_stream)
         final = stream.get_final_message()
@@ -70,8 +72,8 @@ def main(url: str, model: str) -> None:
     }]
     question = {"role": "user", "content": "What is the weather in Paris?"}
     out = client.messages.create(
-        model=model, max_tokens=24, temperature=0, system=system, tools=tools,
-        messages=[question],
+        model=model, max_tokens=24, system=system, tools=tools,
+        messages=[question], extra_body=GREEDY,
     )
     assert out.stop_reason in ("end_turn", "max_tokens", "tool_use"), out
     uses = [b for b in out.content if b.type == "tool_use"]
@@ -84,7 +86,7 @@ def main(url: str, model: str) -> None:
         call = anthropic.types.ToolUseBlock(
             type="tool_use", id="toolu_1", name="get_weather", input={"city": "Paris"})
     back = client.messages.create(
-        model=model, max_tokens=12, temperature=0, system=system, tools=tools,
+        model=model, max_tokens=12, system=system, tools=tools, extra_body=GREEDY,
         messages=[
             question,
             {"role": "assistant", "content": [call.model_dump()]},
@@ -124,6 +126,17 @@ def main(url: str, model: str) -> None:
         assert e.body["error"]["type"] == "not_found_error", e.body
     else:
         raise AssertionError("no 404 for an unknown model")
+
+    # Top-level cache_control (the SDK's automatic caching) marks the last block: the
+    # same conversation again reads it all back.
+    convo = [{"role": "user", "content": system_text + " And one more thing?"}]
+    auto1 = client.messages.create(model=model, max_tokens=2, messages=convo,
+                                   cache_control={"type": "ephemeral"}, extra_body=GREEDY)
+    auto2 = client.messages.create(model=model, max_tokens=2, messages=convo,
+                                   cache_control={"type": "ephemeral"}, extra_body=GREEDY)
+    assert auto1.usage.cache_creation_input_tokens > 300, auto1.usage
+    assert auto2.usage.cache_read_input_tokens == auto1.usage.cache_creation_input_tokens, \
+        (auto1.usage, auto2.usage)
 
     print(f"cache: first {u1}, second {u2}")
     print("anthropic client: ok")

@@ -58,6 +58,9 @@ pub struct MessagesRequest {
     /// Stream the answer as server-sent events.
     #[serde(default)]
     pub stream: bool,
+    /// A breakpoint on the request's last block (Anthropic's automatic caching).
+    #[serde(default)]
+    pub cache_control: Option<CacheControl>,
     /// Cache namespace (a kvfleet extension).
     #[serde(default)]
     pub cache_salt: Option<String>,
@@ -204,6 +207,12 @@ pub enum ContentBlock {
         /// A cache breakpoint after this block.
         #[serde(default)]
         cache_control: Option<CacheControl>,
+        /// Who made the call (the SDK echoes it back); accepted and ignored.
+        #[serde(default)]
+        caller: Option<Value>,
+        /// The tool's toolset (the SDK echoes it back); accepted and ignored.
+        #[serde(default)]
+        toolset_name: Option<Value>,
     },
     /// The result of a tool call.
     ToolResult {
@@ -214,7 +223,10 @@ pub enum ContentBlock {
         content: Option<Vec<ContentBlock>>,
         /// Whether the tool failed.
         #[serde(default)]
-        is_error: bool,
+        is_error: Option<bool>,
+        /// The tool's toolset; accepted and ignored.
+        #[serde(default)]
+        toolset_name: Option<Value>,
         /// A cache breakpoint after this block.
         #[serde(default)]
         cache_control: Option<CacheControl>,
@@ -458,6 +470,25 @@ fn breakpoints(req: &MessagesRequest) -> Result<Vec<CachePoint>, MessagesError> 
             }
         }
     }
+    // The top-level marker applies to the last block of the last message.
+    if let Some(c) = &req.cache_control {
+        let last = req
+            .messages
+            .iter()
+            .enumerate()
+            .rev()
+            .find(|(_, m)| !m.content.is_empty());
+        if let Some((m, msg)) = last {
+            let at = Breakpoint::Message {
+                message: m,
+                block: msg.content.len() - 1,
+            };
+            let ttl_s = ttl_seconds(c, "cache_control")?;
+            if !out.iter().any(|p| p.at == at) {
+                out.push(CachePoint { at, ttl_s });
+            }
+        }
+    }
     if out.len() > MAX_BREAKPOINTS {
         return Err(MessagesError::new(
             "cache_control",
@@ -612,7 +643,7 @@ fn messages(
                     },
                 ) => {
                     let mut text = blocks_text(content.as_deref().unwrap_or_default(), &at)?;
-                    if *is_error {
+                    if is_error.unwrap_or(false) {
                         text.insert_str(0, "error: ");
                     }
                     if !parts.is_empty() {

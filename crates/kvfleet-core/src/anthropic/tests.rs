@@ -140,6 +140,20 @@ fn breakpoints_sort_in_prefix_order() {
         ]
     );
     assert!(at.windows(2).all(|w| w[0] < w[1]));
+    // The top-level marker is a breakpoint on the last block.
+    let auto = req(with(json!({"cache_control": cc, "messages": [
+        {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+        {"role": "user", "content": [{"type": "text", "text": "c"}, {"type": "text", "text": "d"}]}
+    ]})))
+    .unwrap();
+    let c = Conversation::from_request(&auto).unwrap();
+    assert_eq!(
+        c.breakpoints[0].at,
+        Breakpoint::Message {
+            message: 2,
+            block: 1
+        }
+    );
 }
 
 #[test]

@@ -148,6 +148,7 @@ fn messages_request(model_schema: Value) -> Value {
                 "user_id": {"type": "string", "nullable": true}
             }},
             "stream": {"type": "boolean"},
+            "cache_control": cache_control,
             "cache_salt": {"type": "string", "nullable": true}
         }
     })
