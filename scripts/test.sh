@@ -27,6 +27,12 @@ if ! python3 -c "import openai" 2>/dev/null; then
   python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore openai
 fi
 
+# The official Anthropic Python client, driven against `kvfleet up` by
+# tests/e2e_anthropic_client.rs.
+if ! python3 -c "import anthropic" 2>/dev/null; then
+  python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore anthropic
+fi
+
 # schemathesis (PyPI), the OpenAPI fuzzer tests/e2e_openapi.rs runs against `kvfleet up`.
 if ! python3 -c "import schemathesis.cli" 2>/dev/null; then
   python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore 'schemathesis>=4,<5'

@@ -9,6 +9,7 @@
 //! need them: the OpenAI request/response bodies ([`openai`]) and the incremental
 //! tokenizer's conversation memo ([`incremental_tokenizer`]).
 
+pub mod anthropic;
 pub mod block_hash;
 pub mod byte_lru;
 pub mod chat;

@@ -23,6 +23,7 @@ pub type Target = fn(&[u8]);
 /// directories).
 pub const TARGETS: &[(&str, Target)] = &[
     ("chat_request", chat_request),
+    ("messages_request", messages_request),
     ("trace_line", trace_line),
     ("proto_decode", proto_decode),
     ("event_apply", event_apply),
@@ -53,6 +54,48 @@ pub fn chat_request(data: &[u8]) {
     }
     assert!(prompt.reused <= prompt.ids.len());
     assert!(prompt.history_len <= prompt.ids.len());
+}
+
+/// Request JSON → Anthropic Messages request → chat messages → rendered and tokenized,
+/// then each `cache_control` breakpoint's token position. Checks that a breakpoint's
+/// prefix lies within the prompt and that later breakpoints never end earlier, and
+/// that the usage split adds up to the prompt.
+pub fn messages_request(data: &[u8]) {
+    use kvfleet_core::anthropic::{
+        breakpoint_tokens, Conversation, MessagesRequest, MessagesUsage,
+    };
+    let Ok(req) = serde_json::from_slice::<MessagesRequest>(data) else {
+        return;
+    };
+    let _ = req.sampling();
+    let Ok(conv) = Conversation::from_request(&req) else {
+        return;
+    };
+    let (tokenizer, template) = (ByteTokenizer::new(), ChatTemplate::ChatMl);
+    let Ok(text) = template.render(&conv.messages, &conv.tools, true) else {
+        return;
+    };
+    let Ok(ids) = tokenizer.encode(&text) else {
+        return;
+    };
+    let mut last = 0;
+    for point in &conv.breakpoints {
+        let Ok(end) = breakpoint_tokens(&req, point.at, &template, &tokenizer, &ids) else {
+            continue;
+        };
+        assert!(end <= ids.len(), "a breakpoint past the prompt");
+        // Tool breakpoints cover the system prompt too; from the system on, the
+        // prefixes grow in order.
+        if !matches!(point.at, kvfleet_core::anthropic::Breakpoint::Tool(_)) {
+            assert!(end >= last, "breakpoints out of order: {end} after {last}");
+            last = end;
+        }
+        for cached in [0, end / 2, end, ids.len()] {
+            let u = MessagesUsage::split(ids.len(), cached, Some(end), 16, 0);
+            let sum = u.input_tokens + u.cache_read_input_tokens + u.cache_creation_input_tokens;
+            assert_eq!(sum, ids.len(), "usage does not add up: {u:?}");
+        }
+    }
 }
 
 /// Bytes as a JSONL trace (the `kvfleet-bench` trace reader); a trace that reads must

@@ -1,25 +1,19 @@
 //! `POST /v1/chat/completions`.
 
 use super::relay::{collect, relay_sse, ChunkWriter};
-use super::{
-    insert_header, off_runtime, parse_body, prepare, prompt_error, session_id, sse_response,
-    unix_now, unix_now_ms, Prepared, RequestMeta, PREFIX_BREAK_HEADER, SESSION_TURN_HEADER,
-};
-use crate::agent_status::{StatusMode, StatusRequestExt};
+use super::turn::{start_turn, StartedTurn, TurnInput};
+use super::{off_runtime, parse_body, session_id, sse_response, unix_now, RequestMeta};
 use crate::fleet::Fleet;
-use crate::fleet_metrics as m;
 use crate::openai::error::ApiError;
 use crate::openai::tool_call_parser::{has_open, parse_tool_calls, partial_open_len};
-use crate::prefix_breaks::TurnFingerprint;
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use kvfleet_core::chat::status_bar::status_message;
 use kvfleet_core::openai::{
     AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest,
-    ChunkChoice, ChunkDelta, RenderedStatus, ToolCallDelta, Usage,
+    ChunkChoice, ChunkDelta, ToolCallDelta, Usage,
 };
 use std::sync::Arc;
 
@@ -51,101 +45,20 @@ pub async fn chat_completions(
         _ => req.tools.clone().unwrap_or_default(),
     };
     let session = session_id(&headers, req.sampling.user.as_deref())?;
-    let meta = RequestMeta {
-        session: session.clone(),
-        ..meta
-    };
-    req.status.validate(session.as_deref())?;
-    let now_ms = fleet.now_ms();
-    let status = match req.status.wanted() {
-        false => None,
-        true => {
-            let before = session
-                .as_deref()
-                .and_then(|s| fleet.sessions.get(meta.tenant_name(), s));
-            let fields = req
-                .status
-                .fields(&req.messages, before.as_ref(), unix_now_ms(), now_ms);
-            Some(
-                status_message(&fields)
-                    .map_err(|e| ApiError::invalid_param("agent_status", e.to_string()))?,
-            )
-        }
-    };
-    let mode = req.status.mode();
-    // Replace mode renders the status after the history but keeps it out of the
-    // cacheable prefix; append mode makes it history.
-    let mut history = req.messages;
-    let mut tail = Vec::new();
-    let rendered_status = status.map(|message| {
-        let mode_name = match mode {
-            StatusMode::Replace => {
-                tail.push(message.clone());
-                "replace"
-            }
-            StatusMode::Append => {
-                history.push(message.clone());
-                "append"
-            }
-        };
-        RenderedStatus {
-            mode: mode_name,
-            message,
-        }
-    });
-    let has_tail = !tail.is_empty();
+    let meta = RequestMeta { session, ..meta };
     let want_tools = !tools.is_empty();
-    let scope = meta.scope();
-    let want_fingerprint = session.is_some();
-    let work = fleet.clone();
-    let (prompt, fingerprint) = off_runtime(body_bytes, move || {
-        let prompt = work
-            .tokens
-            .tokenize_with_tail(&work.prompt, &scope, &history, &tail, &tools)
-            .map_err(prompt_error)?;
-        // Hashes every message: part of the same work.
-        let fingerprint = want_fingerprint.then(|| {
-            let cacheable = prompt.ids[..prompt.history_len].to_vec();
-            TurnFingerprint::new(scope, &history, &tools, cacheable)
-        });
-        Ok((prompt, fingerprint))
-    })
-    .await?;
-    let cacheable_len = has_tail.then_some(prompt.history_len);
-    if has_tail {
-        m::agent_status("replace", prompt.ids.len() - prompt.history_len);
-    } else if rendered_status.is_some() {
-        m::agent_status("append", 0);
-    }
-    let turn = session.as_deref().zip(fingerprint).map(|(s, fingerprint)| {
-        fleet
-            .sessions
-            .begin_turn(meta.tenant_name(), s, now_ms, fingerprint)
-    });
-    let prompt_len = prompt.ids.len();
-    let Prepared {
+    let input = TurnInput {
+        messages: req.messages,
+        tools,
+        status: req.status,
+        cache_end: None,
+    };
+    let StartedTurn {
         dispatched,
-        mut worker_header,
-    } = prepare(&fleet, &meta, prompt.ids, cacheable_len, &req.sampling).await?;
-    if let (Some(s), Some(turn)) = (session.as_deref(), turn.as_ref()) {
-        let cached = dispatched
-            .first
-            .usage
-            .as_ref()
-            .map_or(0, |u| u.cached_tokens as usize);
-        fleet
-            .sessions
-            .record_cached(meta.tenant_name(), s, cached, prompt_len);
-        insert_header(
-            &mut worker_header,
-            SESSION_TURN_HEADER,
-            &(turn.before.turns + 1).to_string(),
-        );
-        if let Some(b) = &turn.prefix_break {
-            m::prefix_break(b.reason.as_str());
-            insert_header(&mut worker_header, PREFIX_BREAK_HEADER, &b.header_value());
-        }
-    }
+        worker_header,
+        rendered_status,
+        ..
+    } = start_turn(&fleet, &meta, body_bytes, input, &req.sampling).await?;
     // The router's request id, so a response can be found in the decision log.
     let id = format!("chatcmpl-{}", dispatched.request_id);
     let created = unix_now();

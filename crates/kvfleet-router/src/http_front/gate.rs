@@ -15,7 +15,8 @@
 //! asks for a running slot: a client that stalls its upload holds a connection, never a
 //! slot that other requests wait for.
 //!
-//! Without a keys file every request runs as tenant `default` (admin).
+//! Without a keys file every request runs as tenant `default` (admin). Refusals on
+//! Anthropic's `/v1/messages` have Anthropic's error shape, all others OpenAI's.
 
 use crate::admission::{Admission, Refusal, RunPermit, TenantState};
 use crate::openai::error::ApiError;
@@ -147,17 +148,27 @@ fn is_inference(method: &Method, path: &str) -> bool {
     method == Method::POST
         && matches!(
             path,
-            "/v1/chat/completions" | "/v1/completions" | "/v1/forks"
+            "/v1/chat/completions" | "/v1/completions" | "/v1/messages" | "/v1/forks"
         )
 }
 
 /// The middleware (see the module docs).
-pub async fn gate(State(adm): State<Arc<Admission>>, mut req: Request, next: Next) -> Response {
+pub async fn gate(State(adm): State<Arc<Admission>>, req: Request, next: Next) -> Response {
+    // Anthropic's clients read Anthropic's error shape; every other path OpenAI's.
+    let anthropic = req.uri().path() == "/v1/messages";
+    match admit(adm, req, next).await {
+        Ok(r) => r,
+        Err(e) if anthropic => super::messages::error_response(&e),
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn admit(adm: Arc<Admission>, mut req: Request, next: Next) -> Result<Response, ApiError> {
     let path = req.uri().path().to_string();
     let admin_path = path == "/fleet" || path == "/dashboard/state";
     let api_path = path == "/v1" || path.starts_with("/v1/");
     if !admin_path && !api_path {
-        return next.run(req).await;
+        return Ok(next.run(req).await);
     }
     let key = api_key(req.headers());
     let Some(tenant) = adm.authenticate(key) else {
@@ -165,10 +176,10 @@ pub async fn gate(State(adm): State<Arc<Admission>>, mut req: Request, next: Nex
             None => "missing API key: send `Authorization: Bearer <key>`",
             Some(_) => "incorrect API key provided",
         };
-        return ApiError::unauthorized(message).into_response();
+        return Err(ApiError::unauthorized(message));
     };
     if admin_path && !tenant.tenant.admin {
-        return ApiError::forbidden("this endpoint needs an admin key").into_response();
+        return Err(ApiError::forbidden("this endpoint needs an admin key"));
     }
     let limit = adm.limits.max_body_bytes;
     let declared = req
@@ -177,20 +188,14 @@ pub async fn gate(State(adm): State<Arc<Admission>>, mut req: Request, next: Nex
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
     if declared.is_some_and(|n| n > limit as u64) {
-        return ApiError::too_large(limit).into_response();
+        return Err(ApiError::too_large(limit));
     }
     let inference = is_inference(req.method(), &path);
     if inference {
-        req = match read_body(req, limit, adm.limits.body_timeout).await {
-            Ok(r) => r,
-            Err(e) => return e.into_response(),
-        };
+        req = read_body(req, limit, adm.limits.body_timeout).await?;
     }
     let permit = if inference {
-        match adm.admit(&tenant).await {
-            Ok(p) => Some(p),
-            Err(r) => return refusal_error(r).into_response(),
-        }
+        Some(adm.admit(&tenant).await.map_err(refusal_error)?)
     } else {
         None
     };
@@ -203,13 +208,13 @@ pub async fn gate(State(adm): State<Arc<Admission>>, mut req: Request, next: Nex
     // A body over the limit without a Content-Length is cut by the body-limit layer,
     // whose plain-text 413 becomes an OpenAI error here.
     if response.status() == StatusCode::PAYLOAD_TOO_LARGE && !is_json(response.headers()) {
-        return ApiError::too_large(limit).into_response();
+        return Err(ApiError::too_large(limit));
     }
-    match permit {
+    Ok(match permit {
         Some(p) if is_event_stream(response.headers()) => hold_until_body_ends(response, p),
         // A JSON answer is complete: the request has finished running.
         _ => response,
-    }
+    })
 }
 
 /// Reads `req`'s whole body (at most `limit` bytes, within `deadline`) and puts it

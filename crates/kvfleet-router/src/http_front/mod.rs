@@ -1,5 +1,5 @@
 //! The OpenAI-compatible HTTP front (axum): `/v1/chat/completions`, `/v1/completions`,
-//! `/v1/models`, `/v1/forks`, plus `/health`, `/metrics` (Prometheus), `/fleet` (JSON
+//! `/v1/models`, `/v1/forks`, Anthropic's `/v1/messages`, plus `/health`, `/metrics` (Prometheus), `/fleet` (JSON
 //! state), `/dashboard` (the live cache map, with its JSON at `/dashboard/state`) and
 //! `/openapi.json` (the OpenAPI document of all of them). Every request passes
 //! [`gate::gate`] first: API key, body size, admission limits.
@@ -13,8 +13,10 @@ mod completions;
 mod dashboard;
 mod forks;
 pub mod gate;
+mod messages;
 pub mod openapi;
 mod relay;
+mod turn;
 
 use crate::admission::{Admission, Limits};
 use crate::dispatch::{dispatch, Dispatched, GenerationSpec};
@@ -61,6 +63,7 @@ pub const MAX_BODY_BYTES: usize = 32 << 20;
 pub const ROUTES: &[(&str, &str)] = &[
     ("post", "/v1/chat/completions"),
     ("post", "/v1/completions"),
+    ("post", "/v1/messages"),
     ("post", "/v1/forks"),
     ("get", "/v1/models"),
     ("get", "/health"),
@@ -82,6 +85,7 @@ pub fn app_with(fleet: Arc<Fleet>, admission: Arc<Admission>) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(chat::chat_completions))
         .route("/v1/completions", post(completions::completions))
+        .route("/v1/messages", post(messages::messages))
         .route("/v1/forks", post(forks::forks))
         .route("/v1/models", get(admin::models))
         .route("/health", get(admin::health))

@@ -68,6 +68,92 @@ fn ok_json_or_stream(schema: &str) -> Value {
     }})
 }
 
+/// `/v1/messages`' responses: errors in Anthropic's shape.
+fn anthropic_responses() -> Value {
+    let mut r = error_responses();
+    if let Value::Object(m) = &mut r {
+        for v in m.values_mut() {
+            v["content"]["application/json"]["schema"]["$ref"] =
+                json!("#/components/schemas/AnthropicError");
+        }
+    }
+    let ok = json!({"200": {
+        "description": "The message (JSON), or Anthropic's server-sent events when `stream` is true",
+        "content": {
+            "application/json": {"schema": {"$ref": "#/components/schemas/MessagesResponse"}},
+            "text/event-stream": {"schema": {"type": "string"}}
+        }
+    }});
+    if let (Value::Object(r), Value::Object(ok)) = (&mut r, ok) {
+        r.extend(ok);
+    }
+    r
+}
+
+/// The Messages request body; unknown fields are refused, as the schema says.
+fn messages_request(model_schema: Value) -> Value {
+    let cache_control = json!({"type": "object", "additionalProperties": false,
+    "required": ["type"], "properties": {
+        "type": {"type": "string", "enum": ["ephemeral"]},
+        "ttl": {"type": "string", "enum": ["5m", "1h"]}
+    }});
+    let text_block = json!({"type": "object", "additionalProperties": false,
+    "required": ["type", "text"], "properties": {
+        "type": {"type": "string", "enum": ["text"]},
+        "text": {"type": "string"},
+        "cache_control": cache_control
+    }});
+    let block = json!({"type": "object", "required": ["type"], "properties": {
+        "type": {"type": "string", "enum": ["text", "tool_use", "tool_result"]},
+        "text": {"type": "string"},
+        "id": {"type": "string"},
+        "name": {"type": "string"},
+        "input": {"type": "object"},
+        "tool_use_id": {"type": "string"},
+        "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": text_block}]},
+        "is_error": {"type": "boolean"},
+        "cache_control": cache_control
+    }});
+    json!({
+        "type": "object",
+        "additionalProperties": false,
+        "required": ["model", "max_tokens", "messages"],
+        "properties": {
+            "model": model_schema,
+            "max_tokens": {"type": "integer", "minimum": 1, "example": 16},
+            "messages": {"type": "array", "minItems": 1, "items": {
+                "type": "object", "additionalProperties": false,
+                "required": ["role", "content"], "properties": {
+                    "role": {"type": "string", "enum": ["user", "assistant"]},
+                    "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": block}]}
+                }}},
+            "system": {"oneOf": [{"type": "string"}, {"type": "array", "items": text_block}]},
+            "tools": {"type": "array", "items": {"type": "object", "additionalProperties": false,
+                "required": ["name", "input_schema"], "properties": {
+                    "name": {"type": "string"},
+                    "description": {"type": "string"},
+                    "input_schema": {"type": "object"},
+                    "cache_control": cache_control
+                }}},
+            "tool_choice": {"type": "object", "required": ["type"], "properties": {
+                "type": {"type": "string", "enum": ["auto", "any", "tool", "none"]},
+                "name": {"type": "string"}
+            }},
+            "stop_sequences": {"type": "array", "maxItems": 4,
+                "items": {"type": "string", "maxLength": 64}},
+            "temperature": {"type": "number", "minimum": 0, "maximum": 1},
+            "top_p": {"type": "number", "exclusiveMinimum": true, "minimum": 0, "maximum": 1},
+            "top_k": {"type": "integer"},
+            "metadata": {"type": "object", "additionalProperties": false, "properties": {
+                "user_id": {"type": "string", "nullable": true}
+            }},
+            "stream": {"type": "boolean"},
+            "cache_control": cache_control,
+            "cache_salt": {"type": "string", "nullable": true}
+        }
+    })
+}
+
 fn sampling_properties() -> Value {
     json!({
         "max_tokens": {"type": "integer", "minimum": 1, "nullable": true, "example": 16},
@@ -272,6 +358,36 @@ pub fn document(model: Option<&str>) -> Value {
                         "usage": {"$ref": "#/components/schemas/Usage"}
                     }
                 },
+                "AnthropicError": {
+                    "type": "object",
+                    "required": ["type", "error"],
+                    "properties": {
+                        "type": {"type": "string", "enum": ["error"]},
+                        "error": {"type": "object", "required": ["type", "message"], "properties": {
+                            "type": {"type": "string"},
+                            "message": {"type": "string"}
+                        }}
+                    }
+                },
+                "MessagesRequest": messages_request(model_schema.clone()),
+                "MessagesResponse": {
+                    "type": "object",
+                    "properties": {
+                        "id": {"type": "string"},
+                        "type": {"type": "string", "enum": ["message"]},
+                        "role": {"type": "string", "enum": ["assistant"]},
+                        "model": {"type": "string"},
+                        "content": {"type": "array", "items": {"type": "object"}},
+                        "stop_reason": {"type": "string", "nullable": true},
+                        "stop_sequence": {"type": "string", "nullable": true},
+                        "usage": {"type": "object", "properties": {
+                            "input_tokens": {"type": "integer"},
+                            "output_tokens": {"type": "integer"},
+                            "cache_creation_input_tokens": {"type": "integer"},
+                            "cache_read_input_tokens": {"type": "integer"}
+                        }}
+                    }
+                },
                 "ModelList": {
                     "type": "object",
                     "properties": {
@@ -298,6 +414,12 @@ pub fn document(model: Option<&str>) -> Value {
                 "operationId": "createCompletion",
                 "requestBody": json_body("CompletionRequest"),
                 "responses": with_errors(ok_json_or_stream("Completion"))
+            }},
+            "/v1/messages": {"post": {
+                "operationId": "createMessage",
+                "description": "Anthropic's Messages API, with cache_control breakpoints; errors in Anthropic's shape",
+                "requestBody": json_body("MessagesRequest"),
+                "responses": anthropic_responses()
             }},
             "/v1/forks": {"post": {
                 "operationId": "createForks",

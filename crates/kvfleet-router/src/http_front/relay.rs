@@ -32,6 +32,18 @@ pub trait ChunkWriter: Send + 'static {
     fn text(&mut self, delta: &str) -> Vec<String>;
     /// Chunks closing the answer; `usage` is set when the client asked for it.
     fn finish(&mut self, reason: &'static str, usage: Option<&Usage>) -> Vec<String>;
+    /// The chunk that reports a failure after the stream began.
+    fn error(&mut self, message: &str) -> String {
+        error_chunk(message)
+    }
+    /// The last chunk after a finished answer (OpenAI's `[DONE]`).
+    fn done(&self) -> Option<String> {
+        Some("[DONE]".to_string())
+    }
+    /// One chunk as its SSE event (OpenAI's have only `data`).
+    fn event(&self, chunk: String) -> Event {
+        Event::default().data(chunk)
+    }
 }
 
 pub(super) fn usage_of(u: Option<&pb::Usage>, completion: usize) -> Usage {
@@ -217,18 +229,19 @@ pub async fn relay_sse(
     tx: mpsc::Sender<Result<Event, Infallible>>,
 ) {
     let mut tally = Tally::new(d.started);
-    let send = |chunks: Vec<String>| {
+    let send = |events: Vec<Event>| {
         let tx = tx.clone();
         async move {
-            for c in chunks {
-                if tx.send(Ok(Event::default().data(c))).await.is_err() {
+            for e in events {
+                if tx.send(Ok(e)).await.is_err() {
                     return false;
                 }
             }
             true
         }
     };
-    if !send(writer.start()).await {
+    let start = writer.start();
+    if !send(events(&writer, start)).await {
         tally.close(&fleet, &d, "client_gone");
         return;
     }
@@ -236,30 +249,40 @@ pub async fn relay_sse(
     loop {
         let Some(cur) = msg.take() else {
             tally.close(&fleet, &d, "worker_error");
-            let _ = send(vec![error_chunk("the worker ended the stream early")]).await;
+            let e = writer.error("the worker ended the stream early");
+            let _ = send(events(&writer, vec![e])).await;
             return;
         };
         tally.message(&cur);
-        if !cur.text.is_empty() && !send(writer.text(&cur.text)).await {
-            tally.close(&fleet, &d, "client_gone");
-            return;
+        if !cur.text.is_empty() {
+            let chunks = writer.text(&cur.text);
+            if !send(events(&writer, chunks)).await {
+                tally.close(&fleet, &d, "client_gone");
+                return;
+            }
         }
         if let Some(reason) = finish_reason_name(cur.finish_reason) {
             let usage = tally.close(&fleet, &d, "ok");
             let mut chunks = writer.finish(reason, include_usage.then_some(&usage));
-            chunks.push("[DONE]".to_string());
-            send(chunks).await;
+            chunks.extend(writer.done());
+            send(events(&writer, chunks)).await;
             return;
         }
         match next_message(&fleet, &mut d).await {
             Ok(next) => msg = next,
             Err(e) => {
                 tally.close(&fleet, &d, "worker_error");
-                let _ = send(vec![error_chunk(&e.message(&d.worker))]).await;
+                let e = writer.error(&e.message(&d.worker));
+                let _ = send(events(&writer, vec![e])).await;
                 return;
             }
         }
     }
+}
+
+/// Chunks as the writer's SSE events.
+fn events(w: &impl ChunkWriter, chunks: Vec<String>) -> Vec<Event> {
+    chunks.into_iter().map(|c| w.event(c)).collect()
 }
 
 /// An OpenAI-style error object sent as an SSE event (what OpenAI clients raise on).
