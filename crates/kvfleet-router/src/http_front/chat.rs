@@ -50,6 +50,12 @@ pub async fn chat_completions(
         Some("none") => Vec::new(),
         _ => req.tools.clone().unwrap_or_default(),
     };
+    let grammar = super::checked_grammar(
+        req.sampling.response_format.as_ref(),
+        req.tool_choice.as_ref(),
+        &tools,
+    )
+    .await?;
     let session = session_id(&headers, req.sampling.user.as_deref())?;
     let meta = RequestMeta {
         session: session.clone(),
@@ -126,7 +132,15 @@ pub async fn chat_completions(
     let Prepared {
         dispatched,
         mut worker_header,
-    } = prepare(&fleet, &meta, prompt.ids, cacheable_len, &req.sampling).await?;
+    } = prepare(
+        &fleet,
+        &meta,
+        prompt.ids,
+        cacheable_len,
+        &req.sampling,
+        grammar,
+    )
+    .await?;
     if let (Some(s), Some(turn)) = (session.as_deref(), turn.as_ref()) {
         let cached = dispatched
             .first
