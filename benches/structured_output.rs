@@ -1,9 +1,11 @@
 //! Structured outputs (constrained decoding with llguidance), side by side with
 //! unconstrained decoding in one run:
 //! - `sample_per_token`: picking one token from a vocabulary-sized logits row, plain
-//!   (`free`) vs under a JSON-schema grammar (`json_schema`: llguidance's mask, applied
-//!   to a copy of the row, then the same sampler, then the matcher advanced). The
-//!   difference is the per-token overhead a constrained request adds.
+//!   (`free_*`) vs under a JSON-schema grammar (`json_schema_*`: llguidance's mask,
+//!   applied to a copy of the row, then the same sampler, then the matcher advanced),
+//!   at temperature 1 and greedy. The difference is the per-token overhead a
+//!   constrained request adds (at temperature 1 the mask can make sampling cheaper:
+//!   masked ids leave the candidate list).
 //! - `<model>_decode_batch_8`: decode throughput of 8 sequences, all unconstrained vs
 //!   4 constrained + 4 unconstrained (every sequence runs its full 32 tokens).
 //!
@@ -72,35 +74,43 @@ fn bench_per_token(c: &mut Criterion, name: &str, tokenizer: &dyn Tokenizer, voc
     let grammar = long_grammar();
     let mut g = c.benchmark_group(format!("{name}_sample_per_token"));
     g.throughput(Throughput::Elements(1));
-    g.bench_function("free", |b| {
-        let mut s = Sampler::new(&sampling(1, 1, None), 0);
-        let mut i = 0;
-        b.iter(|| {
-            i += 1;
-            s.sample(&rows[i % rows.len()])
-        })
-    });
-    g.bench_function("json_schema", |b| {
-        let mut s = Sampler::new(&sampling(1, 1, None), 0);
-        let mut k = SeqConstraint::new(&compiler, &grammar).expect("grammar");
-        let mut i = 0;
-        b.iter_custom(|iters| {
-            let mut total = Duration::ZERO;
-            for _ in 0..iters {
+    // Temperature 1 (the sampler weighs every allowed id) and greedy (argmax only, so
+    // the mask's own cost shows).
+    for (mode, temperature) in [("t1", 1.0f32), ("greedy", 0.0)] {
+        let params = SamplingParams {
+            temperature,
+            ..sampling(1, 1, None)
+        };
+        g.bench_function(format!("free_{mode}"), |b| {
+            let mut s = Sampler::new(&params, 0);
+            let mut i = 0;
+            b.iter(|| {
                 i += 1;
-                // A fresh matcher now and then (not timed) keeps the state realistic.
-                if i % 512 == 0 {
-                    k = SeqConstraint::new(&compiler, &grammar).expect("grammar");
+                s.sample(&rows[i % rows.len()])
+            })
+        });
+        g.bench_function(format!("json_schema_{mode}"), |b| {
+            let mut s = Sampler::new(&params, 0);
+            let mut k = SeqConstraint::new(&compiler, &grammar).expect("grammar");
+            let mut i = 0;
+            b.iter_custom(|iters| {
+                let mut total = Duration::ZERO;
+                for _ in 0..iters {
+                    i += 1;
+                    // A fresh matcher now and then (not timed) keeps the state realistic.
+                    if i % 512 == 0 {
+                        k = SeqConstraint::new(&compiler, &grammar).expect("grammar");
+                    }
+                    let t = Instant::now();
+                    let tok = k.sample(&mut s, &rows[i % rows.len()]).expect("mask");
+                    let done = k.commit(tok).expect("commit");
+                    total += t.elapsed();
+                    assert!(!done, "the grammar ended early");
                 }
-                let t = Instant::now();
-                let tok = k.sample(&mut s, &rows[i % rows.len()]).expect("mask");
-                let done = k.commit(tok).expect("commit");
-                total += t.elapsed();
-                assert!(!done, "the grammar ended early");
-            }
-            total
-        })
-    });
+                total
+            })
+        });
+    }
     g.finish();
 }
 
