@@ -33,6 +33,11 @@ if ! python3 -c "import anthropic" 2>/dev/null; then
   python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore anthropic
 fi
 
+# jsonschema (PyPI): tests/openai_structured.py validates structured outputs with it.
+if ! python3 -c "import jsonschema" 2>/dev/null; then
+  python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore jsonschema
+fi
+
 # schemathesis (PyPI), the OpenAPI fuzzer tests/e2e_openapi.rs runs against `kvfleet up`.
 if ! python3 -c "import schemathesis.cli" 2>/dev/null; then
   python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore 'schemathesis>=4,<5'

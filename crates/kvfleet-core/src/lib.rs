@@ -16,6 +16,7 @@ pub mod chat;
 pub mod incremental_tokenizer;
 pub mod kv_events;
 pub mod openai;
+pub mod structured_output;
 pub mod sync;
 pub mod tokenizer;
 pub mod tokens;

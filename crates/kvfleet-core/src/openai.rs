@@ -114,6 +114,41 @@ pub struct SamplingFields {
     pub cache_salt: Option<String>,
     /// Client-chosen end-user id (passed through to usage records).
     pub user: Option<String>,
+    /// Structured output: free text, any JSON object, or JSON valid against a schema.
+    pub response_format: Option<ResponseFormat>,
+}
+
+/// `response_format`, served by constrained decoding (see
+/// [`crate::structured_output`]).
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ResponseFormat {
+    /// Free text (the default).
+    Text,
+    /// Any JSON object.
+    JsonObject,
+    /// JSON valid against `json_schema.schema`.
+    JsonSchema {
+        /// The schema and its name.
+        json_schema: JsonSchemaFormat,
+    },
+}
+
+/// `response_format.json_schema`.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+pub struct JsonSchemaFormat {
+    /// The schema's name (required by OpenAI; informational here).
+    pub name: String,
+    /// What the output is for (informational).
+    #[serde(default)]
+    pub description: Option<String>,
+    /// The JSON Schema; absent means any JSON value.
+    #[serde(default)]
+    pub schema: Option<serde_json::Value>,
+    /// Strict schema adherence. Output is always constrained to the schema, so this
+    /// changes nothing; accepted for compatibility.
+    #[serde(default)]
+    pub strict: Option<bool>,
 }
 
 impl SamplingFields {
@@ -140,7 +175,9 @@ pub struct ChatCompletionRequest {
     /// Tools the model may call.
     #[serde(default)]
     pub tools: Option<Vec<ToolDefinition>>,
-    /// `none` hides the tools from the model; anything else leaves them.
+    /// `none` hides the tools from the model; `required` or
+    /// `{"type": "function", "function": {"name": …}}` constrains the output to a call
+    /// (of any tool, or of the named one); `auto` (the default) leaves the choice.
     #[serde(default)]
     pub tool_choice: Option<serde_json::Value>,
     /// The agent status bar (an extension).

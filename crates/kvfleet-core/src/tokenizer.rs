@@ -129,6 +129,14 @@ pub trait Tokenizer: Send + Sync {
         let _ = id;
         false
     }
+
+    /// The bytes each id stands for, in id order, for a constrained-decoding token
+    /// trie ([`crate::structured_output::GrammarCompiler`]): special tokens are their
+    /// text after a 0xFF byte (never valid UTF-8, so grammar text cannot produce them).
+    /// `None`: this tokenizer cannot say, and structured outputs are unavailable.
+    fn token_bytes(&self) -> Option<Vec<Vec<u8>>> {
+        None
+    }
 }
 
 /// The text of a special token as `tokenizer_config.json` writes it: either a plain

@@ -7,6 +7,7 @@
 
 use crate::backend::ModelBackend;
 use crate::block_pool::BlockId;
+use crate::constrained::SeqConstraint;
 use crate::error::{EngineError, Result};
 use crate::kv_events::{KvEvent, KvEventSink};
 use crate::model::{ForwardItem, LogitsRequest};
@@ -14,10 +15,11 @@ use crate::sampling::{Sampler, SamplingParams};
 use crate::scheduler::{ScheduledChunk, Scheduler, SchedulerConfig};
 use crate::sequence::{FinishReason, RequestId, SeqStatus, Sequence};
 use crate::stop_matcher::StopMatcher;
+use kvfleet_core::structured_output::GrammarCompiler;
 use kvfleet_core::tokenizer::{StreamDecoder, Tokenizer};
 use kvfleet_core::{namespace_seed, BlockHash, TokenId};
 use std::collections::{HashMap, HashSet};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 /// How an engine is sized.
 #[derive(Clone, Debug)]
@@ -184,6 +186,11 @@ pub struct Engine {
     forks: HashMap<RequestId, (String, Vec<ForkChild>)>,
     stats: EngineStats,
     capture_logits: bool,
+    /// The model's token trie for structured outputs, built on the first constrained
+    /// request (once per model load; engines that never see one never build it).
+    grammars: OnceLock<std::result::Result<Arc<GrammarCompiler>, String>>,
+    /// Compiled grammars of fork children not spawned yet.
+    fork_constraints: HashMap<RequestId, Box<SeqConstraint>>,
 }
 
 impl Engine {
@@ -229,6 +236,8 @@ impl Engine {
             forks: HashMap::new(),
             stats: EngineStats::default(),
             capture_logits: false,
+            grammars: OnceLock::new(),
+            fork_constraints: HashMap::new(),
         })
     }
 
@@ -266,8 +275,9 @@ impl Engine {
     /// Queues a request after checking it can ever be served.
     pub fn add_request(&mut self, req: Request) -> Result<()> {
         self.validate(req.id, &req.prompt, &req.params)?;
+        let constraint = self.constraint(&req.params)?;
         let cacheable = req.cacheable_len.unwrap_or(usize::MAX);
-        let seq = self.new_sequence(
+        let mut seq = self.new_sequence(
             req.id,
             req.prompt,
             req.params,
@@ -275,9 +285,33 @@ impl Engine {
             cacheable,
             false,
         );
+        seq.constraint = constraint;
         self.stats.prompt_tokens += seq.prompt_len as u64;
         self.scheduler.enqueue(seq);
         Ok(())
+    }
+
+    /// The compiled grammar of a request that has one; a grammar llguidance rejects
+    /// is an [`EngineError::InvalidRequest`] with its message.
+    fn constraint(&self, params: &SamplingParams) -> Result<Option<Box<SeqConstraint>>> {
+        let Some(grammar) = &params.grammar else {
+            return Ok(None);
+        };
+        let compiler = self
+            .grammars
+            .get_or_init(|| {
+                let tokenizer = self
+                    .tokenizer
+                    .as_ref()
+                    .ok_or("structured outputs need the model's tokenizer")?;
+                GrammarCompiler::new(tokenizer.as_ref(), self.backend.config().vocab_size)
+                    .map(Arc::new)
+            })
+            .as_ref()
+            .map_err(|e| EngineError::InvalidRequest(format!("structured outputs: {e}")))?;
+        SeqConstraint::new(compiler, grammar)
+            .map(|c| Some(Box::new(c)))
+            .map_err(EngineError::InvalidRequest)
     }
 
     /// Queues a fork: the prefix is computed once, then each child continues from a
@@ -306,6 +340,13 @@ impl Engine {
             }
             self.validate(c.id, &full, &c.params)?;
         }
+        let mut constraints = HashMap::new();
+        for c in &fork.children {
+            if let Some(k) = self.constraint(&c.params)? {
+                constraints.insert(c.id, k);
+            }
+        }
+        self.fork_constraints.extend(constraints);
         let params = SamplingParams {
             max_tokens: 1,
             ..SamplingParams::default()
@@ -328,7 +369,15 @@ impl Engine {
     /// Stops a request; returns whether it was known. Its blocks are released.
     pub fn abort(&mut self, id: RequestId) -> bool {
         // Aborting a fork parent aborts the children it has not spawned yet.
-        let had_fork = self.forks.remove(&id).is_some();
+        let had_fork = match self.forks.remove(&id) {
+            Some((_, children)) => {
+                for c in children {
+                    self.fork_constraints.remove(&c.id);
+                }
+                true
+            }
+            None => false,
+        };
         self.scheduler.remove(id).is_some() || had_fork
     }
 
@@ -535,6 +584,7 @@ impl Engine {
             preemptions: 0,
             decoder: StreamDecoder::new(),
             block_size: self.config.block_size,
+            constraint: None,
         };
         seq.extend_hashes();
         seq
@@ -578,7 +628,16 @@ impl Engine {
             });
             return;
         }
-        let token = seq.sampler.sample(logits);
+        // Only a constrained sequence takes the masked path (see constrained.rs).
+        let (token, grammar_done) = match seq.constraint.as_mut() {
+            None => (seq.sampler.sample(logits), false),
+            Some(c) => {
+                let eos = c.eos();
+                // A matcher failure ends the sequence with what it has so far.
+                let token = c.sample(&mut seq.sampler, logits).unwrap_or(eos);
+                (token, c.commit(token).unwrap_or(true))
+            }
+        };
         let mut out = StepOutput {
             id: seq.id,
             token: None,
@@ -588,7 +647,9 @@ impl Engine {
             cached_tokens,
             logits: self.capture_logits.then(|| logits.to_vec()),
         };
+        let grammar_eos = seq.constraint.as_ref().map(|c| c.eos());
         let is_stop_token = seq.params.stop_token_ids.contains(&token)
+            || grammar_eos == Some(token)
             || (!seq.params.ignore_eos && self.eos.contains(&token));
         if is_stop_token {
             out.finish = Some(FinishReason::Stop);
@@ -607,6 +668,13 @@ impl Engine {
                 out.text = check.emit;
                 if check.stopped {
                     out.finish = Some(FinishReason::Stop);
+                }
+            }
+            if out.finish.is_none() && grammar_done {
+                // The grammar allows nothing more: the output is complete.
+                out.finish = Some(FinishReason::Stop);
+                if let Some(t) = &self.tokenizer {
+                    out.text.push_str(&seq.finish_text(t.as_ref()).0);
                 }
             }
             if out.finish.is_none()
@@ -640,6 +708,9 @@ impl Engine {
         if seq.prefill_only {
             let prefix_len = seq.prompt_len;
             if let Some((_, children)) = self.forks.remove(&id) {
+                for c in &children {
+                    self.fork_constraints.remove(&c.id);
+                }
                 outputs.extend(children.into_iter().map(|c| StepOutput {
                     id: c.id,
                     token: None,
@@ -698,6 +769,7 @@ impl Engine {
             let mut seq =
                 self.new_sequence(child.id, tokens, child.params, &salt, usize::MAX, false);
             seq.arrival = parent_arrival;
+            seq.constraint = self.fork_constraints.remove(&child.id);
             self.stats.prompt_tokens += seq.prompt_len as u64;
             for &b in &shared {
                 self.scheduler.pool.share(b);

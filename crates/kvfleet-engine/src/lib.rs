@@ -14,10 +14,13 @@
 //! - [`gguf_tokenizer`]: the tokenizer and chat template of a GGUF file.
 //! - [`kv_sizing`]: bytes of a KV block and how many blocks a device-memory budget
 //!   holds (`--gpu-memory-utilization`).
+//! - [`constrained`]: the structured-output hook, a per-sequence llguidance token
+//!   mask applied to the logits before sampling.
 //! - [`kv_events`]: `Stored` / `Removed` / `Cleared` events with sequence numbers.
 
 pub mod backend;
 pub mod block_pool;
+pub mod constrained;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod device;

@@ -25,6 +25,8 @@ pub struct SamplingParams {
     pub stop_token_ids: Vec<u32>,
     /// Keep generating past the model's end-of-sequence token.
     pub ignore_eos: bool,
+    /// The grammar the output must follow (structured outputs); `None` decodes freely.
+    pub grammar: Option<kvfleet_core::structured_output::OutputGrammar>,
 }
 
 impl Default for SamplingParams {
@@ -38,6 +40,7 @@ impl Default for SamplingParams {
             stop: Vec::new(),
             stop_token_ids: Vec::new(),
             ignore_eos: false,
+            grammar: None,
         }
     }
 }

@@ -75,6 +75,8 @@ pub struct Sequence {
     pub stop: StopMatcher,
     /// The block size hashes are computed with.
     pub block_size: usize,
+    /// The grammar's state when the request has one (structured outputs).
+    pub constraint: Option<Box<crate::constrained::SeqConstraint>>,
 }
 
 impl Sequence {

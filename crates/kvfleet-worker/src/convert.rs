@@ -32,7 +32,22 @@ pub fn sampling_params(p: Option<&pb::SamplingParams>) -> Result<SamplingParams,
         stop: p.stop.clone(),
         stop_token_ids: p.stop_token_ids.clone(),
         ignore_eos: p.ignore_eos,
+        grammar: p.grammar.as_ref().map(output_grammar).transpose()?,
     })
+}
+
+/// The engine's grammar from the wire form; a message without a kind is refused.
+pub fn output_grammar(
+    g: &pb::OutputGrammar,
+) -> Result<kvfleet_core::structured_output::OutputGrammar, Status> {
+    use kvfleet_core::structured_output::OutputGrammar;
+    use pb::output_grammar::Kind;
+    match &g.kind {
+        Some(Kind::JsonObject(_)) => Ok(OutputGrammar::JsonObject),
+        Some(Kind::JsonSchema(s)) => Ok(OutputGrammar::JsonSchema(s.clone())),
+        Some(Kind::Lark(s)) => Ok(OutputGrammar::Lark(s.clone())),
+        None => Err(Status::invalid_argument("grammar has no kind")),
+    }
 }
 
 /// The wire value of an engine finish reason. `Prefilled` (a fork parent, never

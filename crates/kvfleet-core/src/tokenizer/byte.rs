@@ -130,6 +130,20 @@ impl Tokenizer for ByteTokenizer {
     fn is_special(&self, id: TokenId) -> bool {
         matches!(id, BYTE_ENDOFTEXT_ID | BYTE_IM_START_ID | BYTE_IM_END_ID)
     }
+
+    fn token_bytes(&self) -> Option<Vec<Vec<u8>>> {
+        let mut words: Vec<Vec<u8>> = (0..=255u8).map(|b| vec![b]).collect();
+        for (text, id) in BYTE_SPECIAL_TOKENS.iter().zip(BYTE_SPECIAL_BASE..) {
+            let mut w = Vec::with_capacity(text.len() + 1);
+            if self.is_special(id) {
+                w.push(0xFF);
+            }
+            w.extend_from_slice(text.as_bytes());
+            words.push(w);
+        }
+        words.resize(BYTE_VOCAB_SIZE, Vec::new());
+        Some(words)
+    }
 }
 
 #[cfg(test)]

@@ -167,6 +167,15 @@ impl Tokenizer for HfTokenizer {
     fn is_special(&self, id: TokenId) -> bool {
         self.special_ids.contains(&id)
     }
+
+    fn token_bytes(&self) -> Option<Vec<Vec<u8>>> {
+        // llguidance reads byte-level and byte-fallback vocabularies from the JSON form.
+        let json: serde_json::Value =
+            serde_json::from_str(&self.inner.to_string(false).ok()?).ok()?;
+        let mut words = crate::structured_output::token_bytes_from_tokenizer_json(&json)?;
+        words.resize(words.len().max(self.vocab_size()), Vec::new());
+        Some(words)
+    }
 }
 
 /// The parsed JSON file at `path`, or `None` if it does not exist.

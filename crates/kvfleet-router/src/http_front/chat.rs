@@ -44,6 +44,12 @@ pub async fn chat_completions(
         Some("none") => Vec::new(),
         _ => req.tools.clone().unwrap_or_default(),
     };
+    let grammar = super::checked_grammar(
+        req.sampling.response_format.as_ref(),
+        req.tool_choice.as_ref(),
+        &tools,
+    )
+    .await?;
     let session = session_id(&headers, req.sampling.user.as_deref())?;
     let meta = RequestMeta { session, ..meta };
     let want_tools = !tools.is_empty();
@@ -52,6 +58,7 @@ pub async fn chat_completions(
         tools,
         status: req.status,
         cache_end: None,
+        grammar,
     };
     let StartedTurn {
         dispatched,

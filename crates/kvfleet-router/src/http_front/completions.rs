@@ -31,6 +31,7 @@ pub async fn completions(
         &req.model,
         req.sampling.cache_salt.as_deref(),
     )?;
+    let grammar = super::checked_grammar(req.sampling.response_format.as_ref(), None, &[]).await?;
     let vocab = fleet.prompt.tokenizer.vocab_size();
     let ids = match req.prompt {
         PromptInput::Text(t) => encode(&fleet, t).await?,
@@ -50,7 +51,7 @@ pub async fn completions(
     let Prepared {
         dispatched,
         worker_header,
-    } = prepare(&fleet, &meta, ids, None, &req.sampling).await?;
+    } = prepare(&fleet, &meta, ids, None, &req.sampling, grammar).await?;
     // The router's request id, so a response can be found in the decision log.
     let id = format!("cmpl-{}", dispatched.request_id);
     let created = unix_now();

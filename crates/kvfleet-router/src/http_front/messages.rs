@@ -92,6 +92,7 @@ async fn serve(
         tools: conv.tools,
         status: req.status(),
         cache_end,
+        grammar: None,
     };
     let StartedTurn {
         dispatched,

@@ -34,6 +34,7 @@ use axum::Router;
 use gate::Admitted;
 use kvfleet_core::incremental_tokenizer::PromptError;
 use kvfleet_core::openai::SamplingFields;
+use kvfleet_core::structured_output::OutputGrammar;
 use kvfleet_routing::policy::PolicyKind;
 use std::convert::Infallible;
 use std::future::Future;
@@ -212,6 +213,29 @@ fn large_work_permits() -> Arc<tokio::sync::Semaphore> {
         .clone()
 }
 
+/// The request's structured-output grammar (`response_format`, or a forced
+/// `tool_choice` over `tools`), compiled once here off the runtime so a grammar
+/// llguidance rejects is a 400 with its message before any work is done.
+async fn checked_grammar(
+    response_format: Option<&kvfleet_core::openai::ResponseFormat>,
+    tool_choice: Option<&serde_json::Value>,
+    tools: &[kvfleet_core::chat::ToolDefinition],
+) -> Result<Option<OutputGrammar>, ApiError> {
+    use crate::openai::structured;
+    let Some(grammar) = structured::request_grammar(response_format, tool_choice, tools)? else {
+        return Ok(None);
+    };
+    let size = match &grammar {
+        OutputGrammar::JsonObject => 0,
+        OutputGrammar::JsonSchema(s) | OutputGrammar::Lark(s) => s.len(),
+    };
+    off_runtime(size, move || {
+        structured::check(&grammar, structured::param_of(&grammar))?;
+        Ok(Some(grammar))
+    })
+    .await
+}
+
 /// Runs a request's CPU work that grows with its body (`body_bytes`: JSON parsing,
 /// chat rendering, tokenization, message hashing) on tokio's blocking pool: on the
 /// async runtime it would stall every stream and probe that shares the runtime's few
@@ -259,8 +283,10 @@ async fn prepare(
     ids: Vec<u32>,
     cacheable_len: Option<usize>,
     sampling: &SamplingFields,
+    grammar: Option<OutputGrammar>,
 ) -> Result<Prepared, ApiError> {
     let mut params = sampling_params(sampling, ids.len(), meta.context)?;
+    params.grammar = grammar.map(crate::openai::structured::to_proto);
     meta.admitted.cap_completion(sampling, &mut params)?;
     meta.admitted
         .charge(ids.len(), ids.len() + params.max_tokens.max(0) as usize)?;

@@ -177,7 +177,18 @@ fn sampling_properties() -> Value {
         }},
         "cache_salt": {"type": "string", "nullable": true,
             "description": "Cache namespace within the tenant's: prefixes are shared only within one salt"},
-        "user": {"type": "string", "nullable": true}
+        "user": {"type": "string", "nullable": true},
+        "response_format": {"type": "object", "nullable": true, "required": ["type"],
+            "description": "Structured output by constrained decoding (llguidance): any JSON object, or JSON valid against a schema",
+            "properties": {
+                "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
+                "json_schema": {"type": "object", "required": ["name"], "properties": {
+                    "name": {"type": "string"},
+                    "description": {"type": "string"},
+                    "schema": {"type": "object"},
+                    "strict": {"type": "boolean", "nullable": true}
+                }}
+            }}
     })
 }
 
@@ -286,7 +297,8 @@ pub fn document(model: Option<&str>) -> Value {
                             "items": {"$ref": "#/components/schemas/ChatMessage"}},
                         "tools": {"type": "array", "nullable": true,
                             "items": {"$ref": "#/components/schemas/Tool"}},
-                        "tool_choice": {"nullable": true}
+                        "tool_choice": {"nullable": true,
+                            "description": "\"none\", \"auto\", \"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}; the last two constrain the output to a tool call"}
                     }))
                 },
                 "ChatCompletion": {

@@ -38,6 +38,8 @@ pub(super) struct TurnInput {
     /// Where the cacheable prefix ends, when the request says (else all of it, less
     /// a replaced status).
     pub cache_end: Option<CacheEnd>,
+    /// The grammar the output must follow (structured outputs), already checked.
+    pub grammar: Option<kvfleet_core::structured_output::OutputGrammar>,
 }
 
 /// A started turn.
@@ -66,6 +68,7 @@ pub(super) async fn start_turn(
         tools,
         status: status_req,
         cache_end,
+        grammar,
     } = input;
     let session = meta.session.clone();
     status_req.validate(session.as_deref())?;
@@ -143,7 +146,7 @@ pub(super) async fn start_turn(
     let Prepared {
         dispatched,
         mut worker_header,
-    } = prepare(fleet, meta, prompt.ids, cacheable_len, sampling).await?;
+    } = prepare(fleet, meta, prompt.ids, cacheable_len, sampling, grammar).await?;
     if let (Some(s), Some(turn)) = (session.as_deref(), turn.as_ref()) {
         let cached = dispatched
             .first

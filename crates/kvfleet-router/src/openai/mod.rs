@@ -1,7 +1,9 @@
 //! The OpenAI-compatible API surface the router owns: error bodies, sampling
-//! validation and tool-call parsing. The request/response bodies themselves are wire
+//! validation, structured-output grammars and tool-call
+//! parsing. The request/response bodies themselves are wire
 //! format and live in `kvfleet_core::openai`.
 
 pub mod error;
 pub mod params;
+pub mod structured;
 pub mod tool_call_parser;

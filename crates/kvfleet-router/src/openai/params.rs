@@ -79,6 +79,8 @@ pub fn sampling_params(
         stop,
         stop_token_ids: Vec::new(),
         ignore_eos: f.ignore_eos,
+        // Set by the endpoint (`structured::request_grammar`), which knows the tools.
+        grammar: None,
     })
 }
 
