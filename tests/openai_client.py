@@ -88,6 +88,21 @@ def main(url: str, model: str) -> None:
     else:
         raise AssertionError("unknown model accepted")
 
+    # An unknown parameter is a 400 naming it, as OpenAI answers; extensions are served.
+    import openai
+    for create, kwargs in [
+        (client.chat.completions.create, {"messages": messages}),
+        (client.completions.create, {"prompt": "Once upon a time"}),
+    ]:
+        try:
+            create(model=model, max_tokens=1, extra_body={"frobnicate": 1}, **kwargs)
+        except openai.BadRequestError as e:
+            assert "frobnicate" in str(e), repr(e)
+            assert e.body.get("param") == "frobnicate", e.body
+        else:
+            raise AssertionError("unknown field accepted")
+        create(model=model, max_tokens=1, extra_body={"top_k": 5, "cache_salt": "x"}, **kwargs)
+
     completion = client.completions.create(model=model, prompt="Once upon a time", max_tokens=4, temperature=0)
     assert completion.choices[0].finish_reason in ("stop", "length"), completion
 

@@ -1,9 +1,12 @@
 //! Request and response bodies of the OpenAI API subset kvfleet serves:
 //! `/v1/chat/completions`, `/v1/completions`, `/v1/models`.
 //!
-//! Unknown request fields are ignored, as OpenAI-compatible servers do. Numbers that
-//! must be positive are parsed as signed so a negative value gets a clear 400 instead
-//! of a generic parse error.
+//! An unknown top-level request field is collected into [`UnknownFields`] and answered
+//! with a 400 naming it, as OpenAI does: a silently ignored parameter is a client bug
+//! waiting to happen. Fields inside messages are not checked (clients echo response
+//! messages back with fields such as `refusal`). Numbers that must be positive are
+//! parsed as signed so a negative value gets a clear 400 instead of a generic parse
+//! error.
 
 use crate::chat::{ChatMessage, ToolCall, ToolDefinition};
 use serde::{Deserialize, Serialize};
@@ -73,6 +76,45 @@ pub fn check_stop_token_ids(ids: &[crate::TokenId]) -> Result<(), String> {
         ));
     }
     Ok(())
+}
+
+/// The names of a body's top-level fields that no other field of its struct took.
+///
+/// Declared last among a struct's `#[serde(flatten)]` fields, it receives exactly the
+/// keys the others left (serde hands flattened structs only their own keys); values
+/// are skipped, not kept.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct UnknownFields(pub Vec<String>);
+
+impl UnknownFields {
+    /// The first unknown field, if any.
+    pub fn first(&self) -> Option<&str> {
+        self.0.first().map(String::as_str)
+    }
+}
+
+impl<'de> Deserialize<'de> for UnknownFields {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Names;
+        impl<'de> serde::de::Visitor<'de> for Names {
+            type Value = UnknownFields;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("an object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<UnknownFields, A::Error> {
+                let mut names = Vec::new();
+                while let Some(k) = map.next_key::<String>()? {
+                    map.next_value::<serde::de::IgnoredAny>()?;
+                    names.push(k);
+                }
+                Ok(UnknownFields(names))
+            }
+        }
+        d.deserialize_map(Names)
+    }
 }
 
 /// `stream_options`.
@@ -149,6 +191,9 @@ pub struct ChatCompletionRequest {
     /// Sampling and streaming.
     #[serde(flatten)]
     pub sampling: SamplingFields,
+    /// Top-level fields nothing above accepts (a 400). Must stay the last field.
+    #[serde(flatten)]
+    pub unknown: UnknownFields,
 }
 
 /// The prompt of `/v1/completions`: text or token ids, one or a batch of one.
@@ -178,6 +223,9 @@ pub struct CompletionRequest {
     /// Sampling and streaming.
     #[serde(flatten)]
     pub sampling: SamplingFields,
+    /// Top-level fields nothing above accepts (a 400). Must stay the last field.
+    #[serde(flatten)]
+    pub unknown: UnknownFields,
 }
 
 /// `usage.prompt_tokens_details`.
@@ -368,4 +416,27 @@ pub struct ModelList {
     pub object: &'static str,
     /// The models.
     pub data: Vec<ModelCard>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unknown_fields_are_exactly_those_no_struct_takes() {
+        let req: ChatCompletionRequest = serde_json::from_str(
+            r#"{"model": "m", "messages": [], "frobnicate": {"deep": [1]}, "top_k": 3,
+                "cache_salt": "s", "agent_status": {"a": 1}, "zzz": null}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            req.unknown.0,
+            vec!["frobnicate".to_string(), "zzz".to_string()]
+        );
+        assert_eq!(req.sampling.top_k, Some(3));
+        assert!(req.status.agent_status.is_some());
+        let req: CompletionRequest =
+            serde_json::from_str(r#"{"model": "m", "prompt": "p", "echo": false}"#).unwrap();
+        assert_eq!(req.unknown.first(), None);
+    }
 }

@@ -2,8 +2,9 @@
 
 use super::relay::{collect, relay_sse, ChunkWriter};
 use super::{
-    insert_header, off_runtime, parse_body, prepare, prompt_error, session_id, sse_response,
-    unix_now, unix_now_ms, Prepared, RequestMeta, PREFIX_BREAK_HEADER, SESSION_TURN_HEADER,
+    insert_header, off_runtime, parse_body, prepare, prompt_error, reject_unknown, session_id,
+    sse_response, unix_now, unix_now_ms, Prepared, RequestMeta, PREFIX_BREAK_HEADER,
+    SESSION_TURN_HEADER,
 };
 use crate::agent_status::{StatusMode, StatusRequestExt};
 use crate::fleet::Fleet;
@@ -32,6 +33,7 @@ pub async fn chat_completions(
 ) -> Result<Response, ApiError> {
     let body_bytes = body.len();
     let req: ChatCompletionRequest = off_runtime(body_bytes, move || parse_body(&body)).await?;
+    reject_unknown(&req.unknown)?;
     if req.messages.is_empty() {
         return Err(ApiError::invalid_param(
             "messages",

@@ -1,7 +1,9 @@
 //! `POST /v1/completions`: a prompt given as text or as token ids.
 
 use super::relay::{collect, relay_sse, ChunkWriter};
-use super::{off_runtime, parse_body, prepare, sse_response, unix_now, Prepared, RequestMeta};
+use super::{
+    off_runtime, parse_body, prepare, reject_unknown, sse_response, unix_now, Prepared, RequestMeta,
+};
 use crate::fleet::Fleet;
 use crate::openai::error::ApiError;
 use axum::body::Bytes;
@@ -20,6 +22,7 @@ pub async fn completions(
     body: Bytes,
 ) -> Result<Response, ApiError> {
     let req: CompletionRequest = off_runtime(body.len(), move || parse_body(&body)).await?;
+    reject_unknown(&req.unknown)?;
     if req.echo {
         return Err(ApiError::invalid_param("echo", "echo is not supported"));
     }

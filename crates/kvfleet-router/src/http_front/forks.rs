@@ -12,8 +12,8 @@
 
 use super::relay::{next_message, Tally};
 use super::{
-    insert_header, off_runtime, parse_body, prompt_error, request_id, unix_now, RequestMeta,
-    FORK_GROUP_HEADER,
+    insert_header, off_runtime, parse_body, prompt_error, reject_unknown, request_id, unix_now,
+    RequestMeta, FORK_GROUP_HEADER,
 };
 use crate::dispatch::{
     dispatch_with, finish_reason_name, report_usage, Dispatched, GenerationSpec,
@@ -30,7 +30,7 @@ use axum::Json;
 use futures::future::join_all;
 use kvfleet_core::chat::fork_message::{fork_child_message, DEFAULT_PLACEHOLDER};
 use kvfleet_core::chat::{ChatMessage, Role, ToolDefinition};
-use kvfleet_core::openai::{AssistantMessage, SamplingFields, Usage};
+use kvfleet_core::openai::{AssistantMessage, SamplingFields, UnknownFields, Usage};
 use kvfleet_proto::v1 as pb;
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
@@ -56,6 +56,9 @@ pub struct ForkRequestBody {
     /// Sampling, shared by every child.
     #[serde(flatten)]
     pub sampling: SamplingFields,
+    /// Top-level fields nothing above accepts (a 400). Must stay the last field.
+    #[serde(flatten)]
+    pub unknown: UnknownFields,
 }
 
 /// One child's answer.
@@ -117,6 +120,7 @@ pub async fn forks(
 ) -> Result<Response, ApiError> {
     let body_bytes = body.len();
     let mut req: ForkRequestBody = off_runtime(body_bytes, move || parse_body(&body)).await?;
+    reject_unknown(&req.unknown)?;
     if req.messages.is_empty() {
         return Err(ApiError::invalid_param(
             "messages",

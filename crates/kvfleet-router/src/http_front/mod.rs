@@ -123,6 +123,17 @@ fn parse_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError
     serde_json::from_slice(body).map_err(|e| ApiError::invalid(format!("invalid JSON body: {e}")))
 }
 
+/// A 400 naming the body's first unknown top-level field, worded as OpenAI words it.
+fn reject_unknown(unknown: &kvfleet_core::openai::UnknownFields) -> Result<(), ApiError> {
+    match unknown.first() {
+        None => Ok(()),
+        Some(field) => Err(ApiError::invalid_param(
+            field,
+            format!("Unrecognized request argument supplied: {field}"),
+        )),
+    }
+}
+
 /// Request facts every endpoint needs.
 struct RequestMeta {
     endpoint: &'static str,

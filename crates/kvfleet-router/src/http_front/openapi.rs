@@ -193,6 +193,8 @@ pub fn document(model: Option<&str>) -> Value {
                 "Usage": usage,
                 "ChatCompletionRequest": {
                     "type": "object",
+                    // An unknown top-level field is a 400 naming it.
+                    "additionalProperties": false,
                     "required": ["model", "messages"],
                     "properties": merged(sampling_properties(), json!({
                         "model": model_schema.clone(),
@@ -220,6 +222,8 @@ pub fn document(model: Option<&str>) -> Value {
                 },
                 "CompletionRequest": {
                     "type": "object",
+                    // An unknown top-level field is a 400 naming it.
+                    "additionalProperties": false,
                     "required": ["model", "prompt"],
                     "properties": merged(sampling_properties(), json!({
                         "model": model_schema.clone(),
@@ -250,6 +254,8 @@ pub fn document(model: Option<&str>) -> Value {
                 },
                 "ForkRequest": {
                     "type": "object",
+                    // An unknown top-level field is a 400 naming it.
+                    "additionalProperties": false,
                     "required": ["model", "messages", "directives"],
                     "properties": merged(sampling_properties(), json!({
                         "model": model_schema,
