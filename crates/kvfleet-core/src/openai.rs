@@ -156,6 +156,73 @@ pub struct SamplingFields {
     pub cache_salt: Option<String>,
     /// Client-chosen end-user id (passed through to usage records).
     pub user: Option<String>,
+    /// Chat: `true` asks for each token's log-probability; completions: how many
+    /// alternatives to list per token (0..=5).
+    pub logprobs: Option<LogprobsSpec>,
+    /// Chat: alternatives listed per token (0..=20), with `logprobs: true`.
+    pub top_logprobs: Option<i64>,
+    /// Lowers the logit of every token already generated (-2..=2).
+    pub presence_penalty: Option<f32>,
+    /// Lowers a token's logit by this times its count so far (-2..=2).
+    pub frequency_penalty: Option<f32>,
+    /// Token id (as a string) to a bias added to its logit (-100..=100), at most 300.
+    pub logit_bias: Option<std::collections::BTreeMap<String, f32>>,
+}
+
+/// `logprobs`: a flag (chat) or a count of alternatives (legacy completions).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(untagged)]
+pub enum LogprobsSpec {
+    /// Chat completions.
+    Flag(bool),
+    /// Legacy completions.
+    Count(i64),
+}
+
+/// One alternative token at a step of a chat answer.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct TopLogprob {
+    /// The token's text.
+    pub token: String,
+    /// Its log-probability.
+    pub logprob: f32,
+    /// The UTF-8 bytes of `token`.
+    pub bytes: Vec<u8>,
+}
+
+/// One generated token of a chat answer with its log-probability.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct TokenLogprob {
+    /// The token's text.
+    pub token: String,
+    /// Its log-probability: the log-softmax of the model's raw logits.
+    pub logprob: f32,
+    /// The UTF-8 bytes of `token`.
+    pub bytes: Vec<u8>,
+    /// The step's most likely tokens, most likely first.
+    pub top_logprobs: Vec<TopLogprob>,
+}
+
+/// `choices[].logprobs` of a chat answer or chunk.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct ChatLogprobs {
+    /// One entry per generated token.
+    pub content: Vec<TokenLogprob>,
+    /// Always null.
+    pub refusal: Option<()>,
+}
+
+/// `choices[].logprobs` of a legacy completion.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct CompletionLogprobs {
+    /// Each generated token's text.
+    pub tokens: Vec<String>,
+    /// Each token's log-probability.
+    pub token_logprobs: Vec<f32>,
+    /// Per token, its step's most likely tokens (text to log-probability).
+    pub top_logprobs: Vec<serde_json::Map<String, serde_json::Value>>,
+    /// Each token's byte offset in the generated text.
+    pub text_offset: Vec<usize>,
 }
 
 impl SamplingFields {
@@ -269,8 +336,8 @@ pub struct ChatChoice {
     pub message: AssistantMessage,
     /// `stop`, `length` or `tool_calls`.
     pub finish_reason: Option<&'static str>,
-    /// Not served: always null.
-    pub logprobs: Option<()>,
+    /// Log-probabilities, when asked for.
+    pub logprobs: Option<ChatLogprobs>,
 }
 
 /// A non-streamed chat completion.
@@ -341,8 +408,8 @@ pub struct ChunkChoice {
     pub delta: ChunkDelta,
     /// Set on the last content chunk.
     pub finish_reason: Option<&'static str>,
-    /// Not served: always null.
-    pub logprobs: Option<()>,
+    /// The log-probabilities of this chunk's tokens, when asked for.
+    pub logprobs: Option<ChatLogprobs>,
 }
 
 /// A streamed chat chunk.
@@ -372,8 +439,8 @@ pub struct CompletionChoice {
     pub text: String,
     /// `stop` or `length`; null on intermediate stream chunks.
     pub finish_reason: Option<&'static str>,
-    /// Not served: always null.
-    pub logprobs: Option<()>,
+    /// Log-probabilities (of this chunk's tokens, when streamed), when asked for.
+    pub logprobs: Option<CompletionLogprobs>,
 }
 
 /// A text completion (or one streamed chunk of it).

@@ -32,7 +32,24 @@ pub fn sampling_params(p: Option<&pb::SamplingParams>) -> Result<SamplingParams,
         stop: p.stop.clone(),
         stop_token_ids: p.stop_token_ids.clone(),
         ignore_eos: p.ignore_eos,
+        logprobs: p.logprobs.map(|k| k as usize),
+        presence_penalty: p.presence_penalty,
+        frequency_penalty: p.frequency_penalty,
+        logit_bias: p.logit_bias.iter().map(|b| (b.token_id, b.bias)).collect(),
     })
+}
+
+/// The wire form of one token's log-probabilities.
+pub fn token_logprob(l: kvfleet_engine::TokenLogprobs) -> pb::TokenLogprob {
+    pb::TokenLogprob {
+        token_id: l.token,
+        logprob: l.logprob,
+        top: l
+            .top
+            .into_iter()
+            .map(|(token_id, logprob)| pb::TopLogprob { token_id, logprob })
+            .collect(),
+    }
 }
 
 /// The wire value of an engine finish reason. `Prefilled` (a fork parent, never
@@ -111,6 +128,7 @@ pub fn load_response(
 /// and the later usage, timings and finish reason win.
 pub fn merge_response(into: &mut pb::GenerateResponse, next: pb::GenerateResponse) {
     into.token_ids.extend(next.token_ids);
+    into.logprobs.extend(next.logprobs);
     into.text.push_str(&next.text);
     if next.finish_reason != pb::FinishReason::Unspecified as i32 {
         into.finish_reason = next.finish_reason;

@@ -20,7 +20,7 @@ use crate::dispatch::{
 };
 use crate::fleet::Fleet;
 use crate::openai::error::ApiError;
-use crate::openai::params::sampling_params;
+use crate::openai::params::{sampling_params, Api};
 use crate::openai::tool_call_parser::parse_tool_calls;
 use axum::body::Bytes;
 use axum::extract::State;
@@ -139,6 +139,12 @@ pub async fn forks(
             "/v1/forks answers with one JSON body; streaming is not supported",
         ));
     }
+    if crate::openai::params::choices(&req.sampling)? != 1 {
+        return Err(ApiError::invalid_param(
+            "n",
+            "/v1/forks serves one answer per directive: n must be 1",
+        ));
+    }
     let meta = RequestMeta::from_headers(
         "forks",
         &fleet,
@@ -176,7 +182,7 @@ pub async fn forks(
     .await?;
     let shared = shared_prefix_len(&children);
     let longest = children.iter().map(Vec::len).max().unwrap_or(0);
-    let mut sampling = sampling_params(&req.sampling, longest, meta.context)?;
+    let mut sampling = sampling_params(&req.sampling, Api::Forks, longest, meta.context)?;
     meta.admitted.cap_completion(&req.sampling, &mut sampling)?;
     // The shared prefix is prefilled once; every child adds its tail and budget.
     let cost = shared

@@ -21,7 +21,7 @@ use crate::dispatch::{dispatch, Dispatched, GenerationSpec};
 use crate::fleet::Fleet;
 use crate::fleet_metrics as m;
 use crate::openai::error::ApiError;
-use crate::openai::params::sampling_params;
+use crate::openai::params::{choices, sampling_params, Api};
 use crate::wall_clock::{unix_ms as unix_now_ms, unix_secs as unix_now};
 use axum::extract::DefaultBodyLimit;
 use axum::http::{HeaderMap, HeaderName, HeaderValue};
@@ -254,8 +254,13 @@ fn prompt_error(e: PromptError) -> ApiError {
 }
 
 struct Prepared {
+    /// The first choice: it computed the prompt.
     dispatched: Dispatched,
+    /// Choices 1..n (`n > 1`), started once the first had computed the prompt.
+    more: Vec<Dispatched>,
     worker_header: HeaderMap,
+    /// The request asked for log-probabilities.
+    want_logprobs: bool,
 }
 
 /// Validates sampling, hashes the prompt's cacheable part (all of it unless
@@ -267,10 +272,16 @@ async fn prepare(
     cacheable_len: Option<usize>,
     sampling: &SamplingFields,
 ) -> Result<Prepared, ApiError> {
-    let mut params = sampling_params(sampling, ids.len(), meta.context)?;
+    let api = match meta.endpoint {
+        "completions" => Api::Completions,
+        _ => Api::Chat,
+    };
+    let n = choices(sampling)?;
+    let mut params = sampling_params(sampling, api, ids.len(), meta.context)?;
+    let want_logprobs = params.logprobs.is_some();
     meta.admitted.cap_completion(sampling, &mut params)?;
     meta.admitted
-        .charge(ids.len(), ids.len() + params.max_tokens.max(0) as usize)?;
+        .charge(ids.len(), ids.len() + n * params.max_tokens.max(0) as usize)?;
     let t = Instant::now();
     let seed = kvfleet_core::namespace_seed(&meta.model_id, &meta.cache_salt);
     let cacheable = cacheable_len.unwrap_or(ids.len()).min(ids.len());
@@ -313,9 +324,24 @@ async fn prepare(
         .outcome(dispatched.guard.decision_seq, cached, None);
     let mut worker_header = HeaderMap::new();
     insert_header(&mut worker_header, WORKER_HEADER, &dispatched.worker);
+    // Further choices start once the first has computed the prompt, so that they find
+    // its blocks cached (or reserved) on its worker and compute only what is left.
+    let mut more = Vec::with_capacity(n - 1);
+    for i in 1..n {
+        let mut spec = spec.clone();
+        spec.request_id = request_id();
+        // A choice's seed is the request's plus its index: the same request reproduces
+        // every choice.
+        spec.sampling.seed = spec.sampling.seed.map(|s| s.wrapping_add(i as u64));
+        let mut d = dispatch(fleet, &spec).await?;
+        d.facts.cache_salt = meta.usage_tenant.clone();
+        more.push(d);
+    }
     Ok(Prepared {
         dispatched,
+        more,
         worker_header,
+        want_logprobs,
     })
 }
 

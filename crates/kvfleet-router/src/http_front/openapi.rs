@@ -91,7 +91,16 @@ fn sampling_properties() -> Value {
         }},
         "cache_salt": {"type": "string", "nullable": true,
             "description": "Cache namespace within the tenant's: prefixes are shared only within one salt"},
-        "user": {"type": "string", "nullable": true}
+        "user": {"type": "string", "nullable": true},
+        "logprobs": {"nullable": true,
+            "description": "Chat: true for per-token log-probabilities; completions: alternatives per token (0..=5)",
+            "oneOf": [{"type": "boolean"}, {"type": "integer", "minimum": 0, "maximum": 5}]},
+        "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20, "nullable": true},
+        "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2, "nullable": true},
+        "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2, "nullable": true},
+        "logit_bias": {"type": "object", "nullable": true, "maxProperties": 300,
+            "description": "Token id (as a string) to a bias added to its logit",
+            "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}}
     })
 }
 
@@ -202,7 +211,11 @@ pub fn document(model: Option<&str>) -> Value {
                             "items": {"$ref": "#/components/schemas/ChatMessage"}},
                         "tools": {"type": "array", "nullable": true,
                             "items": {"$ref": "#/components/schemas/Tool"}},
-                        "tool_choice": {"nullable": true}
+                        "tool_choice": {"nullable": true},
+                        "agent_status": {"type": "object", "nullable": true},
+                        "status_mode": {"type": "string", "enum": ["replace", "append"], "nullable": true},
+                        "status_fields": {"type": "array", "nullable": true, "items": {"type": "string"}},
+                        "tool_call_limits": {"type": "object", "nullable": true}
                     }))
                 },
                 "ChatCompletion": {

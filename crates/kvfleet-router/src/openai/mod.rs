@@ -1,7 +1,8 @@
 //! The OpenAI-compatible API surface the router owns: error bodies, sampling
-//! validation and tool-call parsing. The request/response bodies themselves are wire
+//! validation, log-probability shapes and tool-call parsing. The request/response bodies themselves are wire
 //! format and live in `kvfleet_core::openai`.
 
 pub mod error;
+pub mod logprobs;
 pub mod params;
 pub mod tool_call_parser;
