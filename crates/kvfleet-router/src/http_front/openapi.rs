@@ -83,7 +83,7 @@ fn sampling_properties() -> Value {
                 {"type": "string", "maxLength": 64},
                 {"type": "array", "maxItems": 4, "items": {"type": "string", "maxLength": 64}}
             ]},
-        "n": {"type": "integer", "minimum": 1, "maximum": 1, "nullable": true},
+        "n": {"type": "integer", "minimum": 1, "maximum": crate::openai::params::MAX_N, "nullable": true},
         "ignore_eos": {"type": "boolean"},
         "stream": {"type": "boolean"},
         "stream_options": {"type": "object", "nullable": true, "properties": {
