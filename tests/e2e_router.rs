@@ -231,6 +231,79 @@ fn stop_strings_over_the_bounds_are_a_400_on_every_front_end() {
 }
 
 #[test]
+fn unknown_fields_are_a_400_naming_them_and_extensions_are_served() {
+    let c = Cluster::up(&["--workers", "1"]);
+    let messages = json!([{"role": "user", "content": "hi"}]);
+    let bodies = [
+        ("/v1/chat/completions", chat(messages.clone(), 2)),
+        (
+            "/v1/completions",
+            json!({"model": "tiny", "prompt": "hello", "max_tokens": 2}),
+        ),
+        (
+            "/v1/forks",
+            json!({"model": "tiny", "messages": messages, "directives": ["one", "two"],
+                   "max_tokens": 2}),
+        ),
+    ];
+    for (path, body) in &bodies {
+        let mut unknown = body.clone();
+        unknown["frobnicate"] = json!(1);
+        let (s, _, b) = c.post(path, &unknown, &[]);
+        assert_eq!(s, 400, "{path}: {b}");
+        assert_eq!(b["error"]["type"], "invalid_request_error", "{path}: {b}");
+        assert_eq!(b["error"]["param"], "frobnicate", "{path}: {b}");
+        assert_eq!(
+            b["error"]["message"], "Unrecognized request argument supplied: frobnicate",
+            "{path}: {b}"
+        );
+        // kvfleet's own extensions are not unknown.
+        let mut ext = body.clone();
+        ext["cache_salt"] = json!("salt");
+        ext["ignore_eos"] = json!(true);
+        ext["top_k"] = json!(5);
+        ext["user"] = json!("u1");
+        ext["stream_options"] = json!({"include_usage": false});
+        let (s, _, b) = c.post(path, &ext, &[]);
+        assert_eq!(s, 200, "{path} with extensions: {b}");
+    }
+    let mut status = chat(messages.clone(), 2);
+    status["agent_status"] = json!({"step": 1});
+    status["status_mode"] = json!("replace");
+    let (s, _, b) = c.post("/v1/chat/completions", &status, &[]);
+    assert_eq!(s, 200, "status-bar extension: {b}");
+}
+
+#[test]
+fn logit_bias_and_penalties_reach_the_sampler_and_bad_values_are_a_400() {
+    let c = Cluster::up(&["--workers", "1"]);
+    // The tiny model's tokens are bytes: +100 on `A` (65) makes greedy write only `A`.
+    let mut body = json!({"model": "tiny", "prompt": "hello", "max_tokens": 6,
+                          "temperature": 0, "ignore_eos": true, "logit_bias": {"65": 100}});
+    let (s, _, b) = c.post("/v1/completions", &body, &[]);
+    assert_eq!(s, 200, "{b}");
+    assert_eq!(b["choices"][0]["text"], "AAAAAA", "{b}");
+    // Penalties at their bounds are served.
+    body["frequency_penalty"] = json!(2);
+    body["presence_penalty"] = json!(-2);
+    let (s, _, b) = c.post("/v1/completions", &body, &[]);
+    assert_eq!(s, 200, "{b}");
+    for (field, value) in [
+        ("presence_penalty", json!(2.5)),
+        ("frequency_penalty", json!(-3)),
+        ("logit_bias", json!({"65": 101})),
+        ("logit_bias", json!({"not-a-token": 1})),
+        ("logit_bias", json!({"99999999": 1})),
+    ] {
+        let mut bad = body.clone();
+        bad[field] = value;
+        let (s, _, b) = c.post("/v1/completions", &bad, &[]);
+        assert_eq!(s, 400, "{field}: {b}");
+        assert_eq!(b["error"]["type"], "invalid_request_error", "{b}");
+    }
+}
+
+#[test]
 fn completions_accept_text_and_token_ids() {
     let c = Cluster::up(&["--workers", "1"]);
     let text = "The quick brown fox jumps over the lazy dog";

@@ -5,7 +5,10 @@ Exits non-zero (with a message) on the first thing that is not as an OpenAI clie
 expects. Run by tests/e2e_openai_client.rs.
 """
 import sys
+import time
+import urllib.request
 
+import openai
 from openai import OpenAI
 
 
@@ -87,6 +90,104 @@ def main(url: str, model: str) -> None:
         assert type(e).__name__ == "NotFoundError", repr(e)
     else:
         raise AssertionError("unknown model accepted")
+
+    # Log-probabilities: 3 alternatives per token, sorted; greedy samples the top one.
+    lp = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=8, temperature=0, logprobs=True, top_logprobs=3,
+    )
+    content = lp.choices[0].logprobs.content
+    assert len(content) == lp.usage.completion_tokens >= 1, (len(content), lp.usage)
+    for entry in content:
+        assert entry.logprob <= 0, entry
+        assert len(entry.top_logprobs) == 3, entry
+        tops = [t.logprob for t in entry.top_logprobs]
+        assert tops == sorted(tops, reverse=True), entry
+        assert entry.top_logprobs[0].token == entry.token, entry
+        assert abs(entry.top_logprobs[0].logprob - entry.logprob) < 1e-6, entry
+        assert bytes(entry.bytes) == entry.token.encode(), entry
+    assert "".join(e.token for e in content) == lp.choices[0].message.content, content
+    # Streamed: every chunk carries its tokens' entries; together the same as above.
+    stream = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=8, temperature=0, logprobs=True, top_logprobs=3,
+        stream=True,
+    )
+    streamed = []
+    for chunk in stream:
+        for choice in chunk.choices:
+            if choice.logprobs is not None and choice.logprobs.content:
+                streamed.extend(choice.logprobs.content)
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    try:
+        client.chat.completions.create(
+            model=model, messages=messages, max_tokens=1, logprobs=True, top_logprobs=21,
+        )
+    except openai.BadRequestError as e:
+        assert e.body.get("param") == "top_logprobs", e.body
+    else:
+        raise AssertionError("top_logprobs=21 accepted")
+    legacy = client.completions.create(
+        model=model, prompt="Once upon a time", max_tokens=4, temperature=0, logprobs=2,
+    )
+    lpc = legacy.choices[0].logprobs
+    assert len(lpc.tokens) == len(lpc.token_logprobs) == len(lpc.top_logprobs) == legacy.usage.completion_tokens
+    assert all(len(t) <= 2 for t in lpc.top_logprobs) and all(v <= 0 for v in lpc.token_logprobs), lpc
+
+    # n=3: the prompt is computed once (the workers' computed-token counter rises by
+    # about one prompt, not three) and seeded choices reproduce.
+    def computed() -> float:
+        last = None
+        while True:  # the engine publishes its totals after each step: wait until still
+            text = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
+            now = sum(float(line.split()[-1]) for line in text.splitlines()
+                      if line.startswith("kvfleet_worker_prompt_tokens_computed_total"))
+            if now == last:
+                return now
+            last = now
+            time.sleep(0.3)
+
+    fresh = [{"role": "system", "content": "You answer in French. " * 50},
+             {"role": "user", "content": "Name a colour."}]
+    before = computed()
+    three = client.chat.completions.create(
+        model=model, messages=fresh, max_tokens=6, temperature=1.0, seed=7, n=3,
+    )
+    grew = computed() - before
+    prompt = three.usage.prompt_tokens
+    assert [c.index for c in three.choices] == [0, 1, 2], three
+    assert prompt > 200 and prompt * 0.5 <= grew < prompt * 1.5, (prompt, grew)
+    assert three.usage.completion_tokens >= 3, three.usage
+    again = [client.chat.completions.create(
+        model=model, messages=fresh, max_tokens=6, temperature=1.0, seed=7, n=3,
+    ) for _ in range(2)]
+    texts = [[c.message.content for c in r.choices] for r in again]
+    assert texts[0] == texts[1], texts
+    stream = client.chat.completions.create(
+        model=model, messages=fresh, max_tokens=6, temperature=1.0, seed=7, n=3, stream=True,
+        stream_options={"include_usage": True},
+    )
+    streamed, usage = ["", "", ""], None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.delta.content or ""
+    assert streamed == texts[0], (streamed, texts[0])
+    assert usage.prompt_tokens == prompt and usage.completion_tokens >= 3, usage
+    legacy3 = client.completions.create(model=model, prompt="Once upon a time", max_tokens=3, n=3, seed=1)
+    assert [c.index for c in legacy3.choices] == [0, 1, 2], legacy3
+
+    # An unknown parameter is a 400 naming it, as OpenAI answers; extensions are served.
+    for create, kwargs in [
+        (client.chat.completions.create, {"messages": messages}),
+        (client.completions.create, {"prompt": "Once upon a time"}),
+    ]:
+        try:
+            create(model=model, max_tokens=1, extra_body={"frobnicate": 1}, **kwargs)
+        except openai.BadRequestError as e:
+            assert "frobnicate" in str(e), repr(e)
+            assert e.body.get("param") == "frobnicate", e.body
+        else:
+            raise AssertionError("unknown field accepted")
+        create(model=model, max_tokens=1, extra_body={"top_k": 5, "cache_salt": "x"}, **kwargs)
 
     completion = client.completions.create(model=model, prompt="Once upon a time", max_tokens=4, temperature=0)
     assert completion.choices[0].finish_reason in ("stop", "length"), completion

@@ -1,9 +1,12 @@
 //! Request and response bodies of the OpenAI API subset kvfleet serves:
 //! `/v1/chat/completions`, `/v1/completions`, `/v1/models`.
 //!
-//! Unknown request fields are ignored, as OpenAI-compatible servers do. Numbers that
-//! must be positive are parsed as signed so a negative value gets a clear 400 instead
-//! of a generic parse error.
+//! An unknown top-level request field is collected into [`UnknownFields`] and answered
+//! with a 400 naming it, as OpenAI does: a silently ignored parameter is a client bug
+//! waiting to happen. Fields inside messages are not checked (clients echo response
+//! messages back with fields such as `refusal`). Numbers that must be positive are
+//! parsed as signed so a negative value gets a clear 400 instead of a generic parse
+//! error.
 
 use crate::chat::{ChatMessage, ToolCall, ToolDefinition};
 use serde::{Deserialize, Serialize};
@@ -75,6 +78,45 @@ pub fn check_stop_token_ids(ids: &[crate::TokenId]) -> Result<(), String> {
     Ok(())
 }
 
+/// The names of a body's top-level fields that no other field of its struct took.
+///
+/// Declared last among a struct's `#[serde(flatten)]` fields, it receives exactly the
+/// keys the others left (serde hands flattened structs only their own keys); values
+/// are skipped, not kept.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct UnknownFields(pub Vec<String>);
+
+impl UnknownFields {
+    /// The first unknown field, if any.
+    pub fn first(&self) -> Option<&str> {
+        self.0.first().map(String::as_str)
+    }
+}
+
+impl<'de> Deserialize<'de> for UnknownFields {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Names;
+        impl<'de> serde::de::Visitor<'de> for Names {
+            type Value = UnknownFields;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("an object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<UnknownFields, A::Error> {
+                let mut names = Vec::new();
+                while let Some(k) = map.next_key::<String>()? {
+                    map.next_value::<serde::de::IgnoredAny>()?;
+                    names.push(k);
+                }
+                Ok(UnknownFields(names))
+            }
+        }
+        d.deserialize_map(Names)
+    }
+}
+
 /// `stream_options`.
 #[derive(Clone, Debug, Default, Deserialize)]
 pub struct StreamOptions {
@@ -116,6 +158,17 @@ pub struct SamplingFields {
     pub user: Option<String>,
     /// Structured output: free text, any JSON object, or JSON valid against a schema.
     pub response_format: Option<ResponseFormat>,
+    /// Chat: `true` asks for each token's log-probability; completions: how many
+    /// alternatives to list per token (0..=5).
+    pub logprobs: Option<LogprobsSpec>,
+    /// Chat: alternatives listed per token (0..=20), with `logprobs: true`.
+    pub top_logprobs: Option<i64>,
+    /// Lowers the logit of every token already generated (-2..=2).
+    pub presence_penalty: Option<f32>,
+    /// Lowers a token's logit by this times its count so far (-2..=2).
+    pub frequency_penalty: Option<f32>,
+    /// Token id (as a string) to a bias added to its logit (-100..=100), at most 300.
+    pub logit_bias: Option<std::collections::BTreeMap<String, f32>>,
 }
 
 /// `response_format`, served by constrained decoding (see
@@ -149,6 +202,62 @@ pub struct JsonSchemaFormat {
     /// changes nothing; accepted for compatibility.
     #[serde(default)]
     pub strict: Option<bool>,
+}
+
+/// `logprobs`: a flag (chat) or a count of alternatives (legacy completions).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(untagged)]
+pub enum LogprobsSpec {
+    /// Chat completions.
+    Flag(bool),
+    /// Legacy completions.
+    Count(i64),
+}
+
+/// One alternative token at a step of a chat answer.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct TopLogprob {
+    /// The token's text.
+    pub token: String,
+    /// Its log-probability.
+    pub logprob: f32,
+    /// The UTF-8 bytes of `token`.
+    pub bytes: Vec<u8>,
+}
+
+/// One generated token of a chat answer with its log-probability.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct TokenLogprob {
+    /// The token's text.
+    pub token: String,
+    /// Its log-probability: the log-softmax of the model's raw logits.
+    pub logprob: f32,
+    /// The UTF-8 bytes of `token`.
+    pub bytes: Vec<u8>,
+    /// The step's most likely tokens, most likely first.
+    pub top_logprobs: Vec<TopLogprob>,
+}
+
+/// `choices[].logprobs` of a chat answer or chunk.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct ChatLogprobs {
+    /// One entry per generated token.
+    pub content: Vec<TokenLogprob>,
+    /// Always null.
+    pub refusal: Option<()>,
+}
+
+/// `choices[].logprobs` of a legacy completion.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct CompletionLogprobs {
+    /// Each generated token's text.
+    pub tokens: Vec<String>,
+    /// Each token's log-probability.
+    pub token_logprobs: Vec<f32>,
+    /// Per token, its step's most likely tokens (text to log-probability).
+    pub top_logprobs: Vec<serde_json::Map<String, serde_json::Value>>,
+    /// Each token's byte offset in the generated text.
+    pub text_offset: Vec<usize>,
 }
 
 impl SamplingFields {
@@ -186,6 +295,9 @@ pub struct ChatCompletionRequest {
     /// Sampling and streaming.
     #[serde(flatten)]
     pub sampling: SamplingFields,
+    /// Top-level fields nothing above accepts (a 400). Must stay the last field.
+    #[serde(flatten)]
+    pub unknown: UnknownFields,
 }
 
 /// The prompt of `/v1/completions`: text or token ids, one or a batch of one.
@@ -215,6 +327,9 @@ pub struct CompletionRequest {
     /// Sampling and streaming.
     #[serde(flatten)]
     pub sampling: SamplingFields,
+    /// Top-level fields nothing above accepts (a 400). Must stay the last field.
+    #[serde(flatten)]
+    pub unknown: UnknownFields,
 }
 
 /// `usage.prompt_tokens_details`.
@@ -258,8 +373,8 @@ pub struct ChatChoice {
     pub message: AssistantMessage,
     /// `stop`, `length` or `tool_calls`.
     pub finish_reason: Option<&'static str>,
-    /// Not served: always null.
-    pub logprobs: Option<()>,
+    /// Log-probabilities, when asked for.
+    pub logprobs: Option<ChatLogprobs>,
 }
 
 /// A non-streamed chat completion.
@@ -330,8 +445,8 @@ pub struct ChunkChoice {
     pub delta: ChunkDelta,
     /// Set on the last content chunk.
     pub finish_reason: Option<&'static str>,
-    /// Not served: always null.
-    pub logprobs: Option<()>,
+    /// The log-probabilities of this chunk's tokens, when asked for.
+    pub logprobs: Option<ChatLogprobs>,
 }
 
 /// A streamed chat chunk.
@@ -361,8 +476,8 @@ pub struct CompletionChoice {
     pub text: String,
     /// `stop` or `length`; null on intermediate stream chunks.
     pub finish_reason: Option<&'static str>,
-    /// Not served: always null.
-    pub logprobs: Option<()>,
+    /// Log-probabilities (of this chunk's tokens, when streamed), when asked for.
+    pub logprobs: Option<CompletionLogprobs>,
 }
 
 /// A text completion (or one streamed chunk of it).
@@ -405,4 +520,27 @@ pub struct ModelList {
     pub object: &'static str,
     /// The models.
     pub data: Vec<ModelCard>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unknown_fields_are_exactly_those_no_struct_takes() {
+        let req: ChatCompletionRequest = serde_json::from_str(
+            r#"{"model": "m", "messages": [], "frobnicate": {"deep": [1]}, "top_k": 3,
+                "cache_salt": "s", "agent_status": {"a": 1}, "zzz": null}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            req.unknown.0,
+            vec!["frobnicate".to_string(), "zzz".to_string()]
+        );
+        assert_eq!(req.sampling.top_k, Some(3));
+        assert!(req.status.agent_status.is_some());
+        let req: CompletionRequest =
+            serde_json::from_str(r#"{"model": "m", "prompt": "p", "echo": false}"#).unwrap();
+        assert_eq!(req.unknown.first(), None);
+    }
 }

@@ -120,6 +120,8 @@ pub struct StepOutput {
     pub cached_tokens: usize,
     /// The logits the token was sampled from, when logits capture is on.
     pub logits: Option<Vec<f32>>,
+    /// The reported token's log-probabilities, when its request asked for them.
+    pub logprobs: Option<crate::sampling::TokenLogprobs>,
 }
 
 /// Everything a request produced, gathered by [`Engine::run_to_completion`].
@@ -543,6 +545,16 @@ impl Engine {
                 cfg.vocab_size
             )));
         }
+        if let Some((bad, _)) = params
+            .logit_bias
+            .iter()
+            .find(|(t, _)| *t as usize >= cfg.vocab_size)
+        {
+            return Err(EngineError::InvalidRequest(format!(
+                "logit_bias token id {bad} is outside the vocabulary (size {})",
+                cfg.vocab_size
+            )));
+        }
         let need = (prompt.len() + 1).div_ceil(self.config.block_size);
         if need > self.scheduler.pool.num_blocks() {
             return Err(EngineError::InvalidRequest(format!(
@@ -625,6 +637,7 @@ impl Engine {
                 prompt_tokens: seq.prompt_len,
                 cached_tokens,
                 logits: None,
+                logprobs: None,
             });
             return;
         }
@@ -646,6 +659,7 @@ impl Engine {
             prompt_tokens: seq.prompt_len,
             cached_tokens,
             logits: self.capture_logits.then(|| logits.to_vec()),
+            logprobs: None,
         };
         let grammar_eos = seq.constraint.as_ref().map(|c| c.eos());
         let is_stop_token = seq.params.stop_token_ids.contains(&token)
@@ -662,6 +676,11 @@ impl Engine {
             seq.extend_hashes();
             self.stats.generated_tokens += 1;
             out.token = Some(token);
+            // Only requests that ask pay for the log-softmax.
+            out.logprobs = seq
+                .params
+                .logprobs
+                .map(|k| crate::sampling::token_logprobs(logits, token, k));
             if let Some(t) = &self.tokenizer {
                 let delta = seq.decoder.push(t.as_ref(), token).unwrap_or_default();
                 let check = seq.stop.push(&delta);
@@ -719,6 +738,7 @@ impl Engine {
                     prompt_tokens: prefix_len + c.suffix.len(),
                     cached_tokens: 0,
                     logits: None,
+                    logprobs: None,
                 }));
             }
         } else {
@@ -738,6 +758,7 @@ impl Engine {
                 prompt_tokens: seq.prompt_len,
                 cached_tokens: seq.cached_tokens.unwrap_or(0),
                 logits: None,
+                logprobs: None,
             });
         }
         self.scheduler.remove(id);

@@ -54,5 +54,5 @@ pub use kv_sizing::{KvPool, KvSizing};
 pub use model::{ForwardItem, LlamaModel, LogitsRequest};
 pub use model_config::ModelConfig;
 pub use model_source::{load_model, load_prompt_model, LoadedModel, PromptSide};
-pub use sampling::{Sampler, SamplingParams};
+pub use sampling::{token_logprobs, Sampler, SamplingParams, TokenLogprobs};
 pub use sequence::{FinishReason, RequestId};

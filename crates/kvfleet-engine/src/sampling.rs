@@ -1,5 +1,7 @@
 //! Turning logits into the next token: greedy, temperature, top-k and top-p sampling,
-//! reproducible from a seed.
+//! reproducible from a seed; OpenAI's `logit_bias`, `presence_penalty` and
+//! `frequency_penalty` applied first when a request asks for them; and the
+//! log-probabilities of what was sampled ([`token_logprobs`]), computed only on request.
 
 use serde::{Deserialize, Serialize};
 
@@ -27,7 +29,26 @@ pub struct SamplingParams {
     pub ignore_eos: bool,
     /// The grammar the output must follow (structured outputs); `None` decodes freely.
     pub grammar: Option<kvfleet_core::structured_output::OutputGrammar>,
+    /// Report each generated token's log-probability and this many most likely
+    /// alternatives (at most [`MAX_TOP_LOGPROBS`]); `None`: no log-probabilities.
+    pub logprobs: Option<usize>,
+    /// Subtracted once from the logit of every token generated so far (-2..=2).
+    pub presence_penalty: f32,
+    /// Subtracted from a token's logit once per time it was generated (-2..=2).
+    pub frequency_penalty: f32,
+    /// Added to a token's logit before sampling: (token id, -100..=100), at most
+    /// [`MAX_LOGIT_BIAS`] entries.
+    pub logit_bias: Vec<(u32, f32)>,
 }
+
+/// Most alternatives one token's log-probabilities may list (OpenAI's bound).
+pub const MAX_TOP_LOGPROBS: usize = 20;
+/// Most `logit_bias` entries one request may give (OpenAI's bound).
+pub const MAX_LOGIT_BIAS: usize = 300;
+/// Largest magnitude of a presence or frequency penalty (OpenAI's bound).
+pub const MAX_PENALTY: f32 = 2.0;
+/// Largest magnitude of a logit bias (OpenAI's bound).
+pub const MAX_BIAS: f32 = 100.0;
 
 impl Default for SamplingParams {
     fn default() -> Self {
@@ -41,6 +62,10 @@ impl Default for SamplingParams {
             stop_token_ids: Vec::new(),
             ignore_eos: false,
             grammar: None,
+            logprobs: None,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            logit_bias: Vec::new(),
         }
     }
 }
@@ -68,6 +93,35 @@ impl SamplingParams {
         if self.stop.iter().any(String::is_empty) {
             // An empty stop string would match before the first token.
             return bad("stop strings must not be empty".into());
+        }
+        if self.logprobs.is_some_and(|k| k > MAX_TOP_LOGPROBS) {
+            return bad(format!(
+                "top_logprobs must be at most {MAX_TOP_LOGPROBS}, got {:?}",
+                self.logprobs
+            ));
+        }
+        for (name, v) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
+            if !(v.is_finite() && v.abs() <= MAX_PENALTY) {
+                return bad(format!("{name} must be between -2 and 2, got {v}"));
+            }
+        }
+        if self.logit_bias.len() > MAX_LOGIT_BIAS {
+            return bad(format!(
+                "logit_bias may hold at most {MAX_LOGIT_BIAS} entries, got {}",
+                self.logit_bias.len()
+            ));
+        }
+        if let Some((t, b)) = self
+            .logit_bias
+            .iter()
+            .find(|(_, b)| !(b.is_finite() && b.abs() <= MAX_BIAS))
+        {
+            return bad(format!(
+                "logit_bias of token {t} must be between -100 and 100, got {b}"
+            ));
         }
         Ok(())
     }
@@ -134,6 +188,63 @@ pub struct Sampler {
     rng: Rng,
     /// Scratch for candidate (id, weight) pairs, kept to avoid an allocation per token.
     scratch: Vec<(u32, f64)>,
+    /// Bias and penalties, only for requests that ask for them: others sample the
+    /// model's logits as they are, with no copy.
+    adjust: Option<Box<Adjust>>,
+}
+
+/// `logit_bias` and the presence and frequency penalties of one request, with the
+/// counts of the tokens it generated.
+#[derive(Debug, Clone)]
+struct Adjust {
+    bias: Vec<(u32, f32)>,
+    presence: f32,
+    frequency: f32,
+    /// How often each token was sampled so far (only kept with a penalty).
+    counts: std::collections::HashMap<u32, u32>,
+    /// The adjusted row, reused from token to token.
+    row: Vec<f32>,
+}
+
+impl Adjust {
+    fn new(params: &SamplingParams) -> Option<Box<Self>> {
+        let on = !params.logit_bias.is_empty()
+            || params.presence_penalty != 0.0
+            || params.frequency_penalty != 0.0;
+        on.then(|| {
+            Box::new(Adjust {
+                bias: params.logit_bias.clone(),
+                presence: params.presence_penalty,
+                frequency: params.frequency_penalty,
+                counts: Default::default(),
+                row: Vec::new(),
+            })
+        })
+    }
+
+    /// Copies `logits` into `row` with bias and penalties applied (OpenAI's definition:
+    /// `logit - count * frequency - (count > 0) * presence + bias`). Ids outside the
+    /// row are ignored.
+    fn apply(&mut self, logits: &[f32]) {
+        self.row.clear();
+        self.row.extend_from_slice(logits);
+        for &(t, b) in &self.bias {
+            if let Some(l) = self.row.get_mut(t as usize) {
+                *l += b;
+            }
+        }
+        for (&t, &c) in &self.counts {
+            if let Some(l) = self.row.get_mut(t as usize) {
+                *l -= c as f32 * self.frequency + self.presence;
+            }
+        }
+    }
+
+    fn record(&mut self, token: u32) {
+        if self.presence != 0.0 || self.frequency != 0.0 {
+            *self.counts.entry(token).or_insert(0) += 1;
+        }
+    }
 }
 
 impl Sampler {
@@ -146,12 +257,26 @@ impl Sampler {
             top_p: params.top_p,
             rng: Rng::new(params.seed.unwrap_or(fallback_seed)),
             scratch: Vec::new(),
+            adjust: Adjust::new(params),
         }
     }
 
-    /// Draws the next token from one row of logits (length = vocabulary size).
-    /// NaN logits are treated as minus infinity. An empty row yields token 0.
+    /// Draws the next token from one row of logits (length = vocabulary size), after
+    /// the request's bias and penalties if it has any. NaN logits are treated as minus
+    /// infinity. An empty row yields token 0.
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
+        let Some(mut adjust) = self.adjust.take() else {
+            return self.draw(logits);
+        };
+        adjust.apply(logits);
+        let token = self.draw(&adjust.row);
+        adjust.record(token);
+        self.adjust = Some(adjust);
+        token
+    }
+
+    /// Draws from `logits` as they are.
+    fn draw(&mut self, logits: &[f32]) -> u32 {
         if self.temperature == 0.0 || self.top_k == 1 || logits.len() <= 1 {
             return argmax(logits);
         }
@@ -196,6 +321,60 @@ impl Sampler {
         }
         // Rounding left a sliver of mass past the last candidate.
         cands.last().map_or(0, |c| c.0)
+    }
+}
+
+/// One generated token's log-probability and the most likely alternatives at its
+/// step: the log-softmax of the model's raw logits (before temperature, bias and
+/// penalties, as vLLM reports by default).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TokenLogprobs {
+    /// The sampled token.
+    pub token: u32,
+    /// Its log-probability.
+    pub logprob: f32,
+    /// The most likely tokens, most likely first (lower id first among equals).
+    pub top: Vec<(u32, f32)>,
+}
+
+/// The log-softmax of `logits` at `token`, with the `top` most likely tokens. NaN
+/// logits count as minus infinity. Sums in f64.
+pub fn token_logprobs(logits: &[f32], token: u32, top: usize) -> TokenLogprobs {
+    let finite = |l: f32| if l.is_nan() { f32::NEG_INFINITY } else { l };
+    let max = logits
+        .iter()
+        .map(|&l| finite(l))
+        .fold(f32::NEG_INFINITY, f32::max);
+    let lse = if max == f32::NEG_INFINITY {
+        0.0
+    } else {
+        let m = f64::from(max);
+        let sum: f64 = logits
+            .iter()
+            .map(|&l| (f64::from(finite(l)) - m).exp())
+            .sum();
+        m + sum.ln()
+    };
+    let lp = |l: f32| (f64::from(finite(l)) - lse) as f32;
+    let logprob = logits
+        .get(token as usize)
+        .map_or(f32::NEG_INFINITY, |&l| lp(l));
+    let mut ids: Vec<(u32, f32)> = logits
+        .iter()
+        .enumerate()
+        .map(|(i, &l)| (i as u32, finite(l)))
+        .collect();
+    let order = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+    let k = top.min(ids.len());
+    if k > 0 && k < ids.len() {
+        ids.select_nth_unstable_by(k - 1, order);
+    }
+    ids.truncate(k);
+    ids.sort_unstable_by(order);
+    TokenLogprobs {
+        token,
+        logprob,
+        top: ids.into_iter().map(|(i, l)| (i, lp(l))).collect(),
     }
 }
 
@@ -443,6 +622,66 @@ mod tests {
     }
 
     #[test]
+    fn a_logit_bias_of_100_makes_greedy_pick_its_token() {
+        let l = logits();
+        let low = (0..l.len() as u32)
+            .min_by(|&a, &b| l[a as usize].total_cmp(&l[b as usize]))
+            .unwrap();
+        assert_ne!(argmax(&l), low);
+        let p = SamplingParams {
+            logit_bias: vec![(low, 100.0)],
+            ..SamplingParams::default()
+        };
+        let mut s = Sampler::new(&p, 0);
+        assert_eq!(s.sample(&l), low);
+        // -100 bans the argmax; ids outside the vocabulary are ignored.
+        let best = argmax(&l);
+        let p = SamplingParams {
+            logit_bias: vec![(best, -100.0), (u32::MAX, 100.0)],
+            ..SamplingParams::default()
+        };
+        assert_ne!(Sampler::new(&p, 0).sample(&l), best);
+    }
+
+    #[test]
+    fn frequency_penalty_lowers_a_repeated_token_by_count_times_penalty() {
+        // Token 0 leads by 1.0; each pick of it costs 0.3 (frequency) and, once,
+        // 0.05 (presence): picked at 1.0 and 0.65, then 0.35, then below token 1.
+        let l = [1.0f32, 0.0, -5.0];
+        let p = SamplingParams {
+            frequency_penalty: 0.3,
+            presence_penalty: 0.05,
+            ..SamplingParams::default()
+        };
+        let mut s = Sampler::new(&p, 0);
+        let picks: Vec<u32> = (0..5).map(|_| s.sample(&l)).collect();
+        assert_eq!(picks, vec![0, 0, 0, 0, 1]);
+        let adjust = s.adjust.as_ref().unwrap();
+        assert_eq!(adjust.counts[&0], 4);
+        // The adjusted row the last pick saw: 1.0 - 4 * 0.3 - 0.05 for token 0.
+        assert!((adjust.row[0] - (1.0 - 4.0 * 0.3 - 0.05)).abs() < 1e-6);
+        assert_eq!(adjust.row[1], 0.0);
+        // Without options there is nothing to adjust.
+        assert!(Sampler::new(&SamplingParams::default(), 0).adjust.is_none());
+    }
+
+    #[test]
+    fn token_logprobs_are_the_log_softmax_with_sorted_alternatives() {
+        let l = logits();
+        let max = l.iter().cloned().fold(f32::MIN, f32::max) as f64;
+        let lse = max + l.iter().map(|&x| (x as f64 - max).exp()).sum::<f64>().ln();
+        let t = token_logprobs(&l, 7, 5);
+        assert!((f64::from(t.logprob) - (l[7] as f64 - lse)).abs() < 1e-6);
+        assert_eq!(t.top.len(), 5);
+        assert_eq!(t.top[0].0, argmax(&l));
+        assert!(t.top.windows(2).all(|w| w[0].1 >= w[1].1));
+        let mass: f64 = l.iter().map(|&x| (x as f64 - lse).exp()).sum();
+        assert!((mass - 1.0).abs() < 1e-9);
+        assert!(token_logprobs(&l, 7, 0).top.is_empty());
+        assert_eq!(token_logprobs(&[0.0, 0.0], 1, 20).top.len(), 2);
+    }
+
+    #[test]
     fn validate_rejects_bad_params() {
         for p in [
             params(-0.1, 0, 1.0, None),
@@ -457,6 +696,26 @@ mod tests {
             },
             SamplingParams {
                 stop: vec![String::new()],
+                ..SamplingParams::default()
+            },
+            SamplingParams {
+                logprobs: Some(21),
+                ..SamplingParams::default()
+            },
+            SamplingParams {
+                presence_penalty: 2.5,
+                ..SamplingParams::default()
+            },
+            SamplingParams {
+                frequency_penalty: f32::NAN,
+                ..SamplingParams::default()
+            },
+            SamplingParams {
+                logit_bias: vec![(1, 101.0)],
+                ..SamplingParams::default()
+            },
+            SamplingParams {
+                logit_bias: vec![(1, 1.0); 301],
                 ..SamplingParams::default()
             },
         ] {

@@ -442,3 +442,56 @@ fn a_request_that_outgrows_the_whole_pool_finishes_with_length() {
     assert_eq!(done.len(), 1);
     assert_eq!(done[0].tokens.len(), 4);
 }
+
+#[test]
+fn reported_logprobs_are_the_log_softmax_of_the_step_logits() {
+    let m = model();
+    let mut e = engine_with(&m, 64, 256, 4);
+    e.set_logits_capture(true);
+    let asked = SamplingParams {
+        temperature: 0.9,
+        seed: Some(5),
+        logprobs: Some(3),
+        ..greedy(8)
+    };
+    e.add_request(Request::new(1, prompt(1, 40), asked))
+        .unwrap();
+    e.add_request(Request::new(2, prompt(2, 40), greedy(8)))
+        .unwrap();
+    let outs = step_until_done(&mut e, 100);
+    let mut checked = 0;
+    for o in &outs {
+        let Some(token) = o.token else { continue };
+        if o.id == 2 {
+            assert!(o.logprobs.is_none(), "not asked for: {o:?}");
+            continue;
+        }
+        let logits = o.logits.as_ref().expect("captured logits");
+        let lp = o.logprobs.as_ref().expect("asked for logprobs");
+        // The engine's own log-softmax of this step's logits, in f64.
+        let max = logits.iter().cloned().fold(f32::MIN, f32::max) as f64;
+        let lse = max
+            + logits
+                .iter()
+                .map(|&l| (l as f64 - max).exp())
+                .sum::<f64>()
+                .ln();
+        let own = |t: u32| logits[t as usize] as f64 - lse;
+        assert_eq!(lp.token, token);
+        assert!((lp.logprob as f64 - own(token)).abs() < 1e-4, "{lp:?}");
+        assert!(lp.logprob <= 0.0);
+        assert_eq!(lp.top.len(), 3);
+        let mut best: Vec<u32> = (0..logits.len() as u32).collect();
+        best.sort_by(|&a, &b| {
+            logits[b as usize]
+                .total_cmp(&logits[a as usize])
+                .then(a.cmp(&b))
+        });
+        for (k, (t, l)) in lp.top.iter().enumerate() {
+            assert_eq!(*t, best[k]);
+            assert!((*l as f64 - own(*t)).abs() < 1e-4);
+        }
+        checked += 1;
+    }
+    assert_eq!(checked, 8);
+}

@@ -33,6 +33,10 @@ pub fn sampling_params(p: Option<&pb::SamplingParams>) -> Result<SamplingParams,
         stop_token_ids: p.stop_token_ids.clone(),
         ignore_eos: p.ignore_eos,
         grammar: p.grammar.as_ref().map(output_grammar).transpose()?,
+        logprobs: p.logprobs.map(|k| k as usize),
+        presence_penalty: p.presence_penalty,
+        frequency_penalty: p.frequency_penalty,
+        logit_bias: p.logit_bias.iter().map(|b| (b.token_id, b.bias)).collect(),
     })
 }
 
@@ -47,6 +51,19 @@ pub fn output_grammar(
         Some(Kind::JsonSchema(s)) => Ok(OutputGrammar::JsonSchema(s.clone())),
         Some(Kind::Lark(s)) => Ok(OutputGrammar::Lark(s.clone())),
         None => Err(Status::invalid_argument("grammar has no kind")),
+    }
+}
+
+/// The wire form of one token's log-probabilities.
+pub fn token_logprob(l: kvfleet_engine::TokenLogprobs) -> pb::TokenLogprob {
+    pb::TokenLogprob {
+        token_id: l.token,
+        logprob: l.logprob,
+        top: l
+            .top
+            .into_iter()
+            .map(|(token_id, logprob)| pb::TopLogprob { token_id, logprob })
+            .collect(),
     }
 }
 
@@ -126,6 +143,7 @@ pub fn load_response(
 /// and the later usage, timings and finish reason win.
 pub fn merge_response(into: &mut pb::GenerateResponse, next: pb::GenerateResponse) {
     into.token_ids.extend(next.token_ids);
+    into.logprobs.extend(next.logprobs);
     into.text.push_str(&next.text);
     if next.finish_reason != pb::FinishReason::Unspecified as i32 {
         into.finish_reason = next.finish_reason;

@@ -838,6 +838,7 @@ impl EngineLoop {
         let mut msg = pb::GenerateResponse {
             token_ids: o.token.into_iter().collect(),
             text: o.text,
+            logprobs: o.logprobs.map(convert::token_logprob).into_iter().collect(),
             ..Default::default()
         };
         if o.token.is_some() {

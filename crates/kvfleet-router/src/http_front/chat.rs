@@ -1,8 +1,10 @@
 //! `POST /v1/chat/completions`.
 
-use super::relay::{collect, relay_sse, ChunkWriter};
+use super::relay::{choices_usage, collect, relay_sse, relay_sse_choices, ChunkWriter, Collected};
 use super::turn::{start_turn, StartedTurn, TurnInput};
-use super::{off_runtime, parse_body, session_id, sse_response, unix_now, RequestMeta};
+use super::{
+    off_runtime, parse_body, reject_unknown, session_id, sse_response, unix_now, RequestMeta,
+};
 use crate::fleet::Fleet;
 use crate::openai::error::ApiError;
 use crate::openai::tool_call_parser::{has_open, parse_tool_calls, partial_open_len};
@@ -13,8 +15,9 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use kvfleet_core::openai::{
     AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest,
-    ChunkChoice, ChunkDelta, ToolCallDelta, Usage,
+    ChatLogprobs, ChunkChoice, ChunkDelta, TokenLogprob, ToolCallDelta, Usage,
 };
+use kvfleet_proto::v1 as pb;
 use std::sync::Arc;
 
 /// Handles a chat completion, streamed or not.
@@ -26,6 +29,7 @@ pub async fn chat_completions(
 ) -> Result<Response, ApiError> {
     let body_bytes = body.len();
     let req: ChatCompletionRequest = off_runtime(body_bytes, move || parse_body(&body)).await?;
+    reject_unknown(&req.unknown)?;
     if req.messages.is_empty() {
         return Err(ApiError::invalid_param(
             "messages",
@@ -62,8 +66,10 @@ pub async fn chat_completions(
     };
     let StartedTurn {
         dispatched,
+        more,
         worker_header,
         rendered_status,
+        want_logprobs,
         ..
     } = start_turn(&fleet, &meta, body_bytes, input, &req.sampling).await?;
     // The router's request id, so a response can be found in the decision log.
@@ -76,21 +82,70 @@ pub async fn chat_completions(
             .stream_options
             .as_ref()
             .is_some_and(|o| o.include_usage);
-        let writer = ChatChunks {
-            id,
+        let writer = |index| ChatChunks {
+            index,
+            id: id.clone(),
             created,
-            model,
+            model: model.clone(),
             want_tools,
             held: String::new(),
             in_tool_call: false,
+            tokenizer: want_logprobs.then(|| fleet.prompt.tokenizer.clone()),
+            pending_logprobs: Vec::new(),
         };
+        if more.is_empty() {
+            let writer = writer(0);
+            return Ok(sse_response(worker_header, move |tx| {
+                relay_sse(fleet, dispatched, writer, include_usage, tx)
+            }));
+        }
+        let ds: Vec<_> = std::iter::once(dispatched).chain(more).collect();
+        let writers = (0..ds.len()).map(writer).collect();
         return Ok(sse_response(worker_header, move |tx| {
-            relay_sse(fleet, dispatched, writer, include_usage, tx)
+            relay_sse_choices(fleet, ds, writers, include_usage, tx)
         }));
     }
-    let (out, _) = collect(&fleet, dispatched).await?;
+    let ds = std::iter::once(dispatched).chain(more);
+    let outs = futures::future::join_all(ds.map(|d| collect(&fleet, d))).await;
+    let mut choices = Vec::with_capacity(outs.len());
+    let mut usages = Vec::with_capacity(outs.len());
+    for (index, r) in outs.into_iter().enumerate() {
+        let (out, _) = r?;
+        usages.push(out.usage.clone());
+        choices.push(chat_choice(
+            &fleet,
+            index,
+            out,
+            &id,
+            want_tools,
+            want_logprobs,
+        ));
+    }
+    let body = ChatCompletion {
+        id,
+        object: "chat.completion",
+        created,
+        model,
+        choices,
+        usage: choices_usage(&usages),
+        agent_status: rendered_status,
+    };
+    Ok((worker_header, Json(body)).into_response())
+}
+
+/// One choice of a chat answer from what its worker produced.
+fn chat_choice(
+    fleet: &Fleet,
+    index: usize,
+    out: Collected,
+    id: &str,
+    want_tools: bool,
+    want_logprobs: bool,
+) -> ChatChoice {
+    let logprobs = want_logprobs
+        .then(|| crate::openai::logprobs::chat(&*fleet.prompt.tokenizer, &out.logprobs));
     let (content, tool_calls) = if want_tools {
-        parse_tool_calls(&out.text, &id)
+        parse_tool_calls(&out.text, id)
     } else {
         (out.text, Vec::new())
     };
@@ -99,50 +154,52 @@ pub async fn chat_completions(
     } else {
         Some("tool_calls")
     };
-    let body = ChatCompletion {
-        id,
-        object: "chat.completion",
-        created,
-        model,
-        choices: vec![ChatChoice {
-            index: 0,
-            message: AssistantMessage {
-                role: "assistant",
-                content: if content.is_empty() && !tool_calls.is_empty() {
-                    None
-                } else {
-                    Some(content)
-                },
-                tool_calls,
+    ChatChoice {
+        index,
+        message: AssistantMessage {
+            role: "assistant",
+            content: if content.is_empty() && !tool_calls.is_empty() {
+                None
+            } else {
+                Some(content)
             },
-            finish_reason: finish,
-            logprobs: None,
-        }],
-        usage: out.usage,
-        agent_status: rendered_status,
-    };
-    Ok((worker_header, Json(body)).into_response())
+            tool_calls,
+        },
+        finish_reason: finish,
+        logprobs,
+    }
 }
 
 /// SSE chunks of a chat completion. With tools, text from a `<tool_call>` tag on is
 /// held back and sent as `tool_calls` once complete.
 struct ChatChunks {
+    /// The choice these chunks belong to.
+    index: usize,
     id: String,
     created: u64,
     model: String,
     want_tools: bool,
     held: String,
     in_tool_call: bool,
+    /// Set when the request asked for logprobs.
+    tokenizer: Option<Arc<dyn kvfleet_core::Tokenizer>>,
+    /// Log-probabilities of tokens whose text is held back: sent with the next chunk.
+    pending_logprobs: Vec<TokenLogprob>,
 }
 
 impl ChatChunks {
     fn chunk(
-        &self,
+        &mut self,
         delta: ChunkDelta,
         finish: Option<&'static str>,
         usage: Option<Usage>,
         choice: bool,
     ) -> String {
+        // Held-back tokens' log-probabilities ride on the next chunk with a choice.
+        let logprobs = (choice && self.tokenizer.is_some()).then(|| ChatLogprobs {
+            content: std::mem::take(&mut self.pending_logprobs),
+            refusal: None,
+        });
         let c = ChatCompletionChunk {
             id: self.id.clone(),
             object: "chat.completion.chunk",
@@ -150,10 +207,10 @@ impl ChatChunks {
             model: self.model.clone(),
             choices: if choice {
                 vec![ChunkChoice {
-                    index: 0,
+                    index: self.index,
                     delta,
                     finish_reason: finish,
-                    logprobs: None,
+                    logprobs,
                 }]
             } else {
                 Vec::new()
@@ -163,7 +220,7 @@ impl ChatChunks {
         serde_json::to_string(&c).unwrap_or_default()
     }
 
-    fn content(&self, text: String) -> String {
+    fn content(&mut self, text: String) -> String {
         self.chunk(
             ChunkDelta {
                 content: Some(text),
@@ -190,7 +247,11 @@ impl ChunkWriter for ChatChunks {
         )]
     }
 
-    fn text(&mut self, delta: &str) -> Vec<String> {
+    fn text(&mut self, delta: &str, logprobs: &[pb::TokenLogprob]) -> Vec<String> {
+        if let Some(t) = &self.tokenizer {
+            let entries = crate::openai::logprobs::chat_entries(&**t, logprobs);
+            self.pending_logprobs.extend(entries);
+        }
         if !self.want_tools {
             return vec![self.content(delta.to_string())];
         }
@@ -242,8 +303,12 @@ impl ChunkWriter for ChatChunks {
         }
         out.push(self.chunk(ChunkDelta::default(), Some(reason), None, true));
         if let Some(u) = usage {
-            out.push(self.chunk(ChunkDelta::default(), None, Some(u.clone()), false));
+            out.push(self.usage_chunk(u));
         }
         out
+    }
+
+    fn usage_chunk(&mut self, usage: &Usage) -> String {
+        self.chunk(ChunkDelta::default(), None, Some(usage.clone()), false)
     }
 }

@@ -1,7 +1,9 @@
 //! `POST /v1/completions`: a prompt given as text or as token ids.
 
-use super::relay::{collect, relay_sse, ChunkWriter};
-use super::{off_runtime, parse_body, prepare, sse_response, unix_now, Prepared, RequestMeta};
+use super::relay::{choices_usage, collect, relay_sse, relay_sse_choices, ChunkWriter};
+use super::{
+    off_runtime, parse_body, prepare, reject_unknown, sse_response, unix_now, Prepared, RequestMeta,
+};
 use crate::fleet::Fleet;
 use crate::openai::error::ApiError;
 use axum::body::Bytes;
@@ -10,6 +12,7 @@ use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use kvfleet_core::openai::{Completion, CompletionChoice, CompletionRequest, PromptInput, Usage};
+use kvfleet_proto::v1 as pb;
 use std::sync::Arc;
 
 /// Handles a text completion, streamed or not.
@@ -20,6 +23,7 @@ pub async fn completions(
     body: Bytes,
 ) -> Result<Response, ApiError> {
     let req: CompletionRequest = off_runtime(body.len(), move || parse_body(&body)).await?;
+    reject_unknown(&req.unknown)?;
     if req.echo {
         return Err(ApiError::invalid_param("echo", "echo is not supported"));
     }
@@ -50,7 +54,9 @@ pub async fn completions(
     }
     let Prepared {
         dispatched,
+        more,
         worker_header,
+        want_logprobs,
     } = prepare(&fleet, &meta, ids, None, &req.sampling, grammar).await?;
     // The router's request id, so a response can be found in the decision log.
     let id = format!("cmpl-{}", dispatched.request_id);
@@ -62,24 +68,50 @@ pub async fn completions(
             .stream_options
             .as_ref()
             .is_some_and(|o| o.include_usage);
-        let writer = TextChunks { id, created, model };
+        let writer = |index| TextChunks {
+            index,
+            id: id.clone(),
+            created,
+            model: model.clone(),
+            tokenizer: want_logprobs.then(|| fleet.prompt.tokenizer.clone()),
+            sent: 0,
+        };
+        if more.is_empty() {
+            let writer = writer(0);
+            return Ok(sse_response(worker_header, move |tx| {
+                relay_sse(fleet, dispatched, writer, include_usage, tx)
+            }));
+        }
+        let ds: Vec<_> = std::iter::once(dispatched).chain(more).collect();
+        let writers = (0..ds.len()).map(writer).collect();
         return Ok(sse_response(worker_header, move |tx| {
-            relay_sse(fleet, dispatched, writer, include_usage, tx)
+            relay_sse_choices(fleet, ds, writers, include_usage, tx)
         }));
     }
-    let (out, _) = collect(&fleet, dispatched).await?;
+    let ds = std::iter::once(dispatched).chain(more);
+    let outs = futures::future::join_all(ds.map(|d| collect(&fleet, d))).await;
+    let mut choices = Vec::with_capacity(outs.len());
+    let mut usages = Vec::with_capacity(outs.len());
+    for (index, r) in outs.into_iter().enumerate() {
+        let (out, _) = r?;
+        let logprobs = want_logprobs.then(|| {
+            crate::openai::logprobs::completion(&*fleet.prompt.tokenizer, &out.logprobs, 0)
+        });
+        usages.push(out.usage);
+        choices.push(CompletionChoice {
+            index,
+            text: out.text,
+            finish_reason: out.finish,
+            logprobs,
+        });
+    }
     let body = Completion {
         id,
         object: "text_completion",
         created,
         model,
-        choices: vec![CompletionChoice {
-            index: 0,
-            text: out.text,
-            finish_reason: out.finish,
-            logprobs: None,
-        }],
-        usage: Some(out.usage),
+        choices,
+        usage: Some(choices_usage(&usages)),
     };
     Ok((worker_header, Json(body)).into_response())
 }
@@ -112,15 +144,32 @@ fn token_ids(ids: &[i64], vocab: usize) -> Result<Vec<u32>, ApiError> {
 }
 
 struct TextChunks {
+    /// The choice these chunks belong to.
+    index: usize,
     id: String,
     created: u64,
     model: String,
+    /// Set when the request asked for logprobs.
+    tokenizer: Option<Arc<dyn kvfleet_core::Tokenizer>>,
+    /// Bytes of text sent so far (the next token's `text_offset`).
+    sent: usize,
 }
 
 impl TextChunks {
     fn chunk(
         &self,
         text: String,
+        finish: Option<&'static str>,
+        usage: Option<Usage>,
+        choice: bool,
+    ) -> String {
+        self.chunk_with(text, None, finish, usage, choice)
+    }
+
+    fn chunk_with(
+        &self,
+        text: String,
+        logprobs: Option<kvfleet_core::openai::CompletionLogprobs>,
         finish: Option<&'static str>,
         usage: Option<Usage>,
         choice: bool,
@@ -132,10 +181,10 @@ impl TextChunks {
             model: self.model.clone(),
             choices: if choice {
                 vec![CompletionChoice {
-                    index: 0,
+                    index: self.index,
                     text,
                     finish_reason: finish,
-                    logprobs: None,
+                    logprobs,
                 }]
             } else {
                 Vec::new()
@@ -150,14 +199,25 @@ impl ChunkWriter for TextChunks {
     fn start(&mut self) -> Vec<String> {
         Vec::new()
     }
-    fn text(&mut self, delta: &str) -> Vec<String> {
-        vec![self.chunk(delta.to_string(), None, None, true)]
+    fn text(&mut self, delta: &str, logprobs: &[pb::TokenLogprob]) -> Vec<String> {
+        let lps = self
+            .tokenizer
+            .as_ref()
+            .map(|t| crate::openai::logprobs::completion(&**t, logprobs, self.sent));
+        if let Some(l) = &lps {
+            self.sent = l.text_offset.last().copied().unwrap_or(self.sent)
+                + l.tokens.last().map_or(0, String::len);
+        }
+        vec![self.chunk_with(delta.to_string(), lps, None, None, true)]
     }
     fn finish(&mut self, reason: &'static str, usage: Option<&Usage>) -> Vec<String> {
         let mut out = vec![self.chunk(String::new(), Some(reason), None, true)];
         if let Some(u) = usage {
-            out.push(self.chunk(String::new(), None, Some(u.clone()), false));
+            out.push(self.usage_chunk(u));
         }
         out
+    }
+    fn usage_chunk(&mut self, usage: &Usage) -> String {
+        self.chunk(String::new(), None, Some(usage.clone()), false)
     }
 }

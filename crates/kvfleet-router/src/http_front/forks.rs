@@ -12,15 +12,15 @@
 
 use super::relay::{next_message, Tally};
 use super::{
-    insert_header, off_runtime, parse_body, prompt_error, request_id, unix_now, RequestMeta,
-    FORK_GROUP_HEADER,
+    insert_header, off_runtime, parse_body, prompt_error, reject_unknown, request_id, unix_now,
+    RequestMeta, FORK_GROUP_HEADER,
 };
 use crate::dispatch::{
     dispatch_with, finish_reason_name, report_usage, Dispatched, GenerationSpec,
 };
 use crate::fleet::Fleet;
 use crate::openai::error::ApiError;
-use crate::openai::params::sampling_params;
+use crate::openai::params::{sampling_params, Api};
 use crate::openai::tool_call_parser::parse_tool_calls;
 use axum::body::Bytes;
 use axum::extract::State;
@@ -30,7 +30,7 @@ use axum::Json;
 use futures::future::join_all;
 use kvfleet_core::chat::fork_message::{fork_child_message, DEFAULT_PLACEHOLDER};
 use kvfleet_core::chat::{ChatMessage, Role, ToolDefinition};
-use kvfleet_core::openai::{AssistantMessage, SamplingFields, Usage};
+use kvfleet_core::openai::{AssistantMessage, SamplingFields, UnknownFields, Usage};
 use kvfleet_proto::v1 as pb;
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
@@ -56,6 +56,9 @@ pub struct ForkRequestBody {
     /// Sampling, shared by every child.
     #[serde(flatten)]
     pub sampling: SamplingFields,
+    /// Top-level fields nothing above accepts (a 400). Must stay the last field.
+    #[serde(flatten)]
+    pub unknown: UnknownFields,
 }
 
 /// One child's answer.
@@ -117,6 +120,7 @@ pub async fn forks(
 ) -> Result<Response, ApiError> {
     let body_bytes = body.len();
     let mut req: ForkRequestBody = off_runtime(body_bytes, move || parse_body(&body)).await?;
+    reject_unknown(&req.unknown)?;
     if req.messages.is_empty() {
         return Err(ApiError::invalid_param(
             "messages",
@@ -133,6 +137,12 @@ pub async fn forks(
         return Err(ApiError::invalid_param(
             "stream",
             "/v1/forks answers with one JSON body; streaming is not supported",
+        ));
+    }
+    if crate::openai::params::choices(&req.sampling)? != 1 {
+        return Err(ApiError::invalid_param(
+            "n",
+            "/v1/forks serves one answer per directive: n must be 1",
         ));
     }
     let meta = RequestMeta::from_headers(
@@ -172,7 +182,7 @@ pub async fn forks(
     .await?;
     let shared = shared_prefix_len(&children);
     let longest = children.iter().map(Vec::len).max().unwrap_or(0);
-    let mut sampling = sampling_params(&req.sampling, longest, meta.context)?;
+    let mut sampling = sampling_params(&req.sampling, Api::Forks, longest, meta.context)?;
     meta.admitted.cap_completion(&req.sampling, &mut sampling)?;
     // The shared prefix is prefilled once; every child adds its tail and budget.
     let cost = shared

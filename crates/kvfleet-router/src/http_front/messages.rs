@@ -28,6 +28,7 @@ use kvfleet_core::anthropic::{
 };
 use kvfleet_core::chat::ToolCall;
 use kvfleet_core::openai::Usage;
+use kvfleet_proto::v1 as pb;
 use std::sync::Arc;
 
 /// Handles a Messages request, streamed or not; every error has Anthropic's shape.
@@ -301,7 +302,8 @@ impl ChunkWriter for MessageEvents {
         ]
     }
 
-    fn text(&mut self, delta: &str) -> Vec<String> {
+    // Anthropic's Messages API has no log-probabilities.
+    fn text(&mut self, delta: &str, _logprobs: &[pb::TokenLogprob]) -> Vec<String> {
         let mut out = Vec::new();
         if !self.want_tools {
             self.text_events(delta.to_string(), &mut out);
@@ -386,6 +388,18 @@ impl ChunkWriter for MessageEvents {
         None
     }
 
+    /// Messages never streams several choices; should it, the usage goes out as a
+    /// `message_delta`.
+    fn usage_chunk(&mut self, usage: &Usage) -> String {
+        Self::json(&StreamEvent::MessageDelta {
+            delta: MessageDelta {
+                stop_reason: None,
+                stop_sequence: None,
+            },
+            usage: split(usage, self.cache_end, self.block_size),
+        })
+    }
+
     /// Anthropic names each event (`event:` line) after its `type`, which serde
     /// writes first in every [`StreamEvent`]: `{"type":"NAME",...`.
     fn event(&self, chunk: String) -> Event {
@@ -429,7 +443,7 @@ mod tests {
     fn run(w: &mut MessageEvents, deltas: &[&str], reason: &'static str) -> Vec<Value> {
         let mut out = w.start();
         for d in deltas {
-            out.extend(w.text(d));
+            out.extend(w.text(d, &[]));
         }
         let usage = Usage {
             prompt_tokens: 40,

@@ -23,7 +23,7 @@ use crate::dispatch::{dispatch, Dispatched, GenerationSpec};
 use crate::fleet::Fleet;
 use crate::fleet_metrics as m;
 use crate::openai::error::ApiError;
-use crate::openai::params::sampling_params;
+use crate::openai::params::{choices, sampling_params, Api};
 use crate::wall_clock::{unix_ms as unix_now_ms, unix_secs as unix_now};
 use axum::extract::DefaultBodyLimit;
 use axum::http::{HeaderMap, HeaderName, HeaderValue};
@@ -126,6 +126,17 @@ fn admitted(ext: Option<axum::Extension<Admitted>>) -> Admitted {
 /// Parses a JSON body into `T`, as a 400 with serde's message on failure.
 fn parse_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
     serde_json::from_slice(body).map_err(|e| ApiError::invalid(format!("invalid JSON body: {e}")))
+}
+
+/// A 400 naming the body's first unknown top-level field, worded as OpenAI words it.
+fn reject_unknown(unknown: &kvfleet_core::openai::UnknownFields) -> Result<(), ApiError> {
+    match unknown.first() {
+        None => Ok(()),
+        Some(field) => Err(ApiError::invalid_param(
+            field,
+            format!("Unrecognized request argument supplied: {field}"),
+        )),
+    }
 }
 
 /// Request facts every endpoint needs.
@@ -271,8 +282,13 @@ fn prompt_error(e: PromptError) -> ApiError {
 }
 
 struct Prepared {
+    /// The first choice: it computed the prompt.
     dispatched: Dispatched,
+    /// Choices 1..n (`n > 1`), started once the first had computed the prompt.
+    more: Vec<Dispatched>,
     worker_header: HeaderMap,
+    /// The request asked for log-probabilities.
+    want_logprobs: bool,
 }
 
 /// Validates sampling, hashes the prompt's cacheable part (all of it unless
@@ -285,11 +301,17 @@ async fn prepare(
     sampling: &SamplingFields,
     grammar: Option<OutputGrammar>,
 ) -> Result<Prepared, ApiError> {
-    let mut params = sampling_params(sampling, ids.len(), meta.context)?;
+    let api = match meta.endpoint {
+        "completions" => Api::Completions,
+        _ => Api::Chat,
+    };
+    let n = choices(sampling)?;
+    let mut params = sampling_params(sampling, api, ids.len(), meta.context)?;
+    let want_logprobs = params.logprobs.is_some();
     params.grammar = grammar.map(crate::openai::structured::to_proto);
     meta.admitted.cap_completion(sampling, &mut params)?;
     meta.admitted
-        .charge(ids.len(), ids.len() + params.max_tokens.max(0) as usize)?;
+        .charge(ids.len(), ids.len() + n * params.max_tokens.max(0) as usize)?;
     let t = Instant::now();
     let seed = kvfleet_core::namespace_seed(&meta.model_id, &meta.cache_salt);
     let cacheable = cacheable_len.unwrap_or(ids.len()).min(ids.len());
@@ -332,9 +354,24 @@ async fn prepare(
         .outcome(dispatched.guard.decision_seq, cached, None);
     let mut worker_header = HeaderMap::new();
     insert_header(&mut worker_header, WORKER_HEADER, &dispatched.worker);
+    // Further choices start once the first has computed the prompt, so that they find
+    // its blocks cached (or reserved) on its worker and compute only what is left.
+    let mut more = Vec::with_capacity(n - 1);
+    for i in 1..n {
+        let mut spec = spec.clone();
+        spec.request_id = request_id();
+        // A choice's seed is the request's plus its index: the same request reproduces
+        // every choice.
+        spec.sampling.seed = spec.sampling.seed.map(|s| s.wrapping_add(i as u64));
+        let mut d = dispatch(fleet, &spec).await?;
+        d.facts.cache_salt = meta.usage_tenant.clone();
+        more.push(d);
+    }
     Ok(Prepared {
         dispatched,
+        more,
         worker_header,
+        want_logprobs,
     })
 }
 

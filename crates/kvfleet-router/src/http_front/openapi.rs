@@ -169,7 +169,7 @@ fn sampling_properties() -> Value {
                 {"type": "string", "maxLength": 64},
                 {"type": "array", "maxItems": 4, "items": {"type": "string", "maxLength": 64}}
             ]},
-        "n": {"type": "integer", "minimum": 1, "maximum": 1, "nullable": true},
+        "n": {"type": "integer", "minimum": 1, "maximum": crate::openai::params::MAX_N, "nullable": true},
         "ignore_eos": {"type": "boolean"},
         "stream": {"type": "boolean"},
         "stream_options": {"type": "object", "nullable": true, "properties": {
@@ -188,7 +188,16 @@ fn sampling_properties() -> Value {
                     "schema": {"type": "object"},
                     "strict": {"type": "boolean", "nullable": true}
                 }}
-            }}
+            }},
+        "logprobs": {"nullable": true,
+            "description": "Chat: true for per-token log-probabilities; completions: alternatives per token (0..=5)",
+            "oneOf": [{"type": "boolean"}, {"type": "integer", "minimum": 0, "maximum": 5}]},
+        "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20, "nullable": true},
+        "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2, "nullable": true},
+        "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2, "nullable": true},
+        "logit_bias": {"type": "object", "nullable": true, "maxProperties": 300,
+            "description": "Token id (as a string) to a bias added to its logit",
+            "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}}
     })
 }
 
@@ -290,6 +299,8 @@ pub fn document(model: Option<&str>) -> Value {
                 "Usage": usage,
                 "ChatCompletionRequest": {
                     "type": "object",
+                    // An unknown top-level field is a 400 naming it.
+                    "additionalProperties": false,
                     "required": ["model", "messages"],
                     "properties": merged(sampling_properties(), json!({
                         "model": model_schema.clone(),
@@ -298,7 +309,11 @@ pub fn document(model: Option<&str>) -> Value {
                         "tools": {"type": "array", "nullable": true,
                             "items": {"$ref": "#/components/schemas/Tool"}},
                         "tool_choice": {"nullable": true,
-                            "description": "\"none\", \"auto\", \"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}; the last two constrain the output to a tool call"}
+                            "description": "\"none\", \"auto\", \"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}; the last two constrain the output to a tool call"},
+                        "agent_status": {"type": "object", "nullable": true},
+                        "status_mode": {"type": "string", "enum": ["replace", "append"], "nullable": true},
+                        "status_fields": {"type": "array", "nullable": true, "items": {"type": "string"}},
+                        "tool_call_limits": {"type": "object", "nullable": true}
                     }))
                 },
                 "ChatCompletion": {
@@ -318,6 +333,8 @@ pub fn document(model: Option<&str>) -> Value {
                 },
                 "CompletionRequest": {
                     "type": "object",
+                    // An unknown top-level field is a 400 naming it.
+                    "additionalProperties": false,
                     "required": ["model", "prompt"],
                     "properties": merged(sampling_properties(), json!({
                         "model": model_schema.clone(),
@@ -348,6 +365,8 @@ pub fn document(model: Option<&str>) -> Value {
                 },
                 "ForkRequest": {
                     "type": "object",
+                    // An unknown top-level field is a 400 naming it.
+                    "additionalProperties": false,
                     "required": ["model", "messages", "directives"],
                     "properties": merged(sampling_properties(), json!({
                         "model": model_schema,

@@ -22,14 +22,17 @@ pub struct Collected {
     pub finish: Option<&'static str>,
     /// Token accounting.
     pub usage: Usage,
+    /// Each generated token's log-probabilities, when the request asked for them.
+    pub logprobs: Vec<pb::TokenLogprob>,
 }
 
 /// Builds the SSE chunks of one endpoint's response format.
 pub trait ChunkWriter: Send + 'static {
     /// Chunks sent before any text (the chat role chunk).
     fn start(&mut self) -> Vec<String>;
-    /// Chunks for newly generated text.
-    fn text(&mut self, delta: &str) -> Vec<String>;
+    /// Chunks for newly generated text and its tokens' log-probabilities (empty
+    /// unless the request asked for them).
+    fn text(&mut self, delta: &str, logprobs: &[pb::TokenLogprob]) -> Vec<String>;
     /// Chunks closing the answer; `usage` is set when the client asked for it.
     fn finish(&mut self, reason: &'static str, usage: Option<&Usage>) -> Vec<String>;
     /// The chunk that reports a failure after the stream began.
@@ -44,6 +47,17 @@ pub trait ChunkWriter: Send + 'static {
     fn event(&self, chunk: String) -> Event {
         Event::default().data(chunk)
     }
+    /// The usage-only chunk that closes a stream of several choices.
+    fn usage_chunk(&mut self, usage: &Usage) -> String;
+}
+
+/// The usage of `n` choices sampled from one prompt: the prompt (and its cached part)
+/// counted once, from the first choice, which computed it; completions summed.
+pub fn choices_usage(usages: &[Usage]) -> Usage {
+    let mut total = usages.first().cloned().unwrap_or_default();
+    total.completion_tokens = usages.iter().map(|u| u.completion_tokens).sum();
+    total.total_tokens = total.prompt_tokens + total.completion_tokens;
+    total
 }
 
 pub(super) fn usage_of(u: Option<&pb::Usage>, completion: usize) -> Usage {
@@ -192,6 +206,7 @@ pub async fn collect(fleet: &Fleet, mut d: Dispatched) -> Result<(Collected, Str
     while let Some(cur) = msg.take() {
         tally.message(&cur);
         out.text.push_str(&cur.text);
+        out.logprobs.extend(cur.logprobs);
         if let Some(f) = finish_reason_name(cur.finish_reason) {
             out.finish = Some(f);
             break;
@@ -254,8 +269,8 @@ pub async fn relay_sse(
             return;
         };
         tally.message(&cur);
-        if !cur.text.is_empty() {
-            let chunks = writer.text(&cur.text);
+        if !cur.text.is_empty() || !cur.logprobs.is_empty() {
+            let chunks = writer.text(&cur.text, &cur.logprobs);
             if !send(events(&writer, chunks)).await {
                 tally.close(&fleet, &d, "client_gone");
                 return;
@@ -283,6 +298,92 @@ pub async fn relay_sse(
 /// Chunks as the writer's SSE events.
 fn events(w: &impl ChunkWriter, chunks: Vec<String>) -> Vec<Event> {
     chunks.into_iter().map(|c| w.event(c)).collect()
+}
+
+/// Relays several choices of one request (`n > 1`) as SSE events into `tx`: each
+/// choice's chunks as they come (tagged with its index by its writer), then one usage
+/// chunk over all of them when asked, then `[DONE]`.
+pub async fn relay_sse_choices<W: ChunkWriter>(
+    fleet: Arc<Fleet>,
+    ds: Vec<Dispatched>,
+    writers: Vec<W>,
+    include_usage: bool,
+    tx: mpsc::Sender<Result<Event, Infallible>>,
+) {
+    let runs = ds
+        .into_iter()
+        .zip(writers)
+        .map(|(d, w)| relay_choice(fleet.clone(), d, w, tx.clone()));
+    let mut done = Vec::new();
+    for r in futures::future::join_all(runs).await {
+        match r {
+            Some(r) => done.push(r),
+            // That choice already sent its error (or the client left).
+            None => return,
+        }
+    }
+    let mut chunks = Vec::new();
+    if include_usage {
+        let usages: Vec<Usage> = done.iter().map(|(u, _)| u.clone()).collect();
+        if let Some((_, w)) = done.first_mut() {
+            chunks.push(w.usage_chunk(&choices_usage(&usages)));
+        }
+    }
+    chunks.push("[DONE]".to_string());
+    send_all(&tx, chunks).await;
+}
+
+/// One choice of [`relay_sse_choices`]: its usage and writer once it finished.
+async fn relay_choice<W: ChunkWriter>(
+    fleet: Arc<Fleet>,
+    mut d: Dispatched,
+    mut writer: W,
+    tx: mpsc::Sender<Result<Event, Infallible>>,
+) -> Option<(Usage, W)> {
+    let mut tally = Tally::new(d.started);
+    if !send_all(&tx, writer.start()).await {
+        tally.close(&fleet, &d, "client_gone");
+        return None;
+    }
+    let mut msg = Some(std::mem::take(&mut d.first));
+    loop {
+        let Some(cur) = msg.take() else {
+            tally.close(&fleet, &d, "worker_error");
+            let _ = send_all(&tx, vec![error_chunk("the worker ended the stream early")]).await;
+            return None;
+        };
+        tally.message(&cur);
+        let fresh = !cur.text.is_empty() || !cur.logprobs.is_empty();
+        if fresh && !send_all(&tx, writer.text(&cur.text, &cur.logprobs)).await {
+            tally.close(&fleet, &d, "client_gone");
+            return None;
+        }
+        if let Some(reason) = finish_reason_name(cur.finish_reason) {
+            let usage = tally.close(&fleet, &d, "ok");
+            if !send_all(&tx, writer.finish(reason, None)).await {
+                return None;
+            }
+            return Some((usage, writer));
+        }
+        match next_message(&fleet, &mut d).await {
+            Ok(next) => msg = next,
+            Err(e) => {
+                tally.close(&fleet, &d, "worker_error");
+                let _ = send_all(&tx, vec![error_chunk(&e.message(&d.worker))]).await;
+                return None;
+            }
+        }
+    }
+}
+
+/// Sends `chunks` as SSE events; false once the client is gone.
+async fn send_all(tx: &mpsc::Sender<Result<Event, Infallible>>, chunks: Vec<String>) -> bool {
+    for c in chunks {
+        if tx.send(Ok(Event::default().data(c))).await.is_err() {
+            return false;
+        }
+    }
+    true
 }
 
 /// An OpenAI-style error object sent as an SSE event (what OpenAI clients raise on).

@@ -44,8 +44,12 @@ pub(super) struct TurnInput {
 
 /// A started turn.
 pub(super) struct StartedTurn {
-    /// The generation, its first message already in.
+    /// The generation (the first choice), its first message already in.
     pub dispatched: Dispatched,
+    /// Choices 1..n (`n > 1`), started once the first had computed the prompt.
+    pub more: Vec<Dispatched>,
+    /// The request asked for log-probabilities.
+    pub want_logprobs: bool,
     /// Response headers so far (worker, session turn, prefix break).
     pub worker_header: HeaderMap,
     /// The status the model saw, when one was asked for.
@@ -145,7 +149,9 @@ pub(super) async fn start_turn(
     let prompt_len = prompt.ids.len();
     let Prepared {
         dispatched,
+        more,
         mut worker_header,
+        want_logprobs,
     } = prepare(fleet, meta, prompt.ids, cacheable_len, sampling, grammar).await?;
     if let (Some(s), Some(turn)) = (session.as_deref(), turn.as_ref()) {
         let cached = dispatched
@@ -168,6 +174,8 @@ pub(super) async fn start_turn(
     }
     Ok(StartedTurn {
         dispatched,
+        more,
+        want_logprobs,
         worker_header,
         rendered_status,
         cache_end,
