@@ -1,10 +1,8 @@
 //! `POST /v1/chat/completions`.
 
-use super::relay::{choices_usage, collect, relay_sse, relay_sse_choices, ChunkWriter, Collected};
+use super::relay::{choices_usage, collect, stream_choices, ChunkWriter, Collected};
 use super::turn::{start_turn, StartedTurn, TurnInput};
-use super::{
-    off_runtime, parse_body, reject_unknown, session_id, sse_response, unix_now, RequestMeta,
-};
+use super::{off_runtime, parse_body, reject_unknown, session_id, unix_now, RequestMeta};
 use crate::fleet::Fleet;
 use crate::openai::error::ApiError;
 use crate::openai::tool_call_parser::{has_open, parse_tool_calls, partial_open_len};
@@ -93,17 +91,14 @@ pub async fn chat_completions(
             tokenizer: want_logprobs.then(|| fleet.prompt.tokenizer.clone()),
             pending_logprobs: Vec::new(),
         };
-        if more.is_empty() {
-            let writer = writer(0);
-            return Ok(sse_response(worker_header, move |tx| {
-                relay_sse(fleet, dispatched, writer, include_usage, tx)
-            }));
-        }
-        let ds: Vec<_> = std::iter::once(dispatched).chain(more).collect();
-        let writers = (0..ds.len()).map(writer).collect();
-        return Ok(sse_response(worker_header, move |tx| {
-            relay_sse_choices(fleet, ds, writers, include_usage, tx)
-        }));
+        return Ok(stream_choices(
+            fleet.clone(),
+            worker_header,
+            dispatched,
+            more,
+            writer,
+            include_usage,
+        ));
     }
     let ds = std::iter::once(dispatched).chain(more);
     let outs = futures::future::join_all(ds.map(|d| collect(&fleet, d))).await;

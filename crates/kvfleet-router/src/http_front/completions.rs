@@ -1,9 +1,7 @@
 //! `POST /v1/completions`: a prompt given as text or as token ids.
 
-use super::relay::{choices_usage, collect, relay_sse, relay_sse_choices, ChunkWriter};
-use super::{
-    off_runtime, parse_body, prepare, reject_unknown, sse_response, unix_now, Prepared, RequestMeta,
-};
+use super::relay::{choices_usage, collect, stream_choices, ChunkWriter};
+use super::{off_runtime, parse_body, prepare, reject_unknown, unix_now, Prepared, RequestMeta};
 use crate::fleet::Fleet;
 use crate::openai::error::ApiError;
 use axum::body::Bytes;
@@ -76,17 +74,14 @@ pub async fn completions(
             tokenizer: want_logprobs.then(|| fleet.prompt.tokenizer.clone()),
             sent: 0,
         };
-        if more.is_empty() {
-            let writer = writer(0);
-            return Ok(sse_response(worker_header, move |tx| {
-                relay_sse(fleet, dispatched, writer, include_usage, tx)
-            }));
-        }
-        let ds: Vec<_> = std::iter::once(dispatched).chain(more).collect();
-        let writers = (0..ds.len()).map(writer).collect();
-        return Ok(sse_response(worker_header, move |tx| {
-            relay_sse_choices(fleet, ds, writers, include_usage, tx)
-        }));
+        return Ok(stream_choices(
+            fleet.clone(),
+            worker_header,
+            dispatched,
+            more,
+            writer,
+            include_usage,
+        ));
     }
     let ds = std::iter::once(dispatched).chain(more);
     let outs = futures::future::join_all(ds.map(|d| collect(&fleet, d))).await;

@@ -158,7 +158,7 @@ pub async fn gate(State(adm): State<Arc<Admission>>, req: Request, next: Next) -
     let anthropic = req.uri().path() == "/v1/messages";
     match admit(adm, req, next).await {
         Ok(r) => r,
-        Err(e) if anthropic => super::messages::error_response(&e),
+        Err(e) if anthropic => super::anthropic_error::error_response(&e),
         Err(e) => e.into_response(),
     }
 }

@@ -10,6 +10,7 @@
 //! this request computed and wrote, and `input_tokens` the rest. With breakpoints, the
 //! prompt past the last one is kept out of the cache, as Anthropic does.
 
+use super::anthropic_error::error_response;
 use super::relay::{collect, relay_sse, usage_of, ChunkWriter};
 use super::turn::{start_turn, CacheEnd, StartedTurn, TurnInput};
 use super::{off_runtime, parse_body, session_id, sse_response, RequestMeta};
@@ -18,7 +19,7 @@ use crate::openai::error::ApiError;
 use crate::openai::tool_call_parser::{has_open, parse_tool_calls, partial_open_len};
 use axum::body::Bytes;
 use axum::extract::State;
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::HeaderMap;
 use axum::response::sse::Event;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -205,36 +206,6 @@ fn answer_blocks(
     let reason = stop_reason(finish, !uses.is_empty());
     blocks.extend(uses);
     (blocks, reason)
-}
-
-/// Anthropic's error type for an HTTP status.
-fn error_type(status: StatusCode) -> &'static str {
-    match status.as_u16() {
-        401 => "authentication_error",
-        403 => "permission_error",
-        404 => "not_found_error",
-        413 => "request_too_large",
-        429 => "rate_limit_error",
-        503 | 529 => "overloaded_error",
-        504 => "timeout_error",
-        s if (400..500).contains(&s) => "invalid_request_error",
-        _ => "api_error",
-    }
-}
-
-/// An error as Anthropic answers it: `{"type": "error", "error": {"type", "message"}}`,
-/// same status (and `Retry-After`) as the OpenAI front ends.
-pub(super) fn error_response(e: &ApiError) -> Response {
-    let body = serde_json::json!({
-        "type": "error",
-        "error": ErrorDetail { kind: error_type(e.status), message: e.message.clone() },
-    });
-    let mut r = (e.status, Json(body)).into_response();
-    if let Some(s) = e.retry_after {
-        r.headers_mut()
-            .insert(axum::http::header::RETRY_AFTER, s.into());
-    }
-    r
 }
 
 /// The SSE events of a streamed answer. With tools, text from a `<tool_call>` tag on
@@ -540,9 +511,5 @@ mod tests {
         let v: Value = serde_json::from_str(&e).unwrap();
         assert_eq!(v["error"]["type"], "api_error");
         assert_eq!(w.done(), None);
-        let r = error_response(&ApiError::unavailable("busy"));
-        assert_eq!(r.status(), 503);
-        assert_eq!(error_type(StatusCode::UNAUTHORIZED), "authentication_error");
-        assert_eq!(error_type(StatusCode::BAD_GATEWAY), "api_error");
     }
 }

@@ -8,6 +8,7 @@
 //! body; nothing on a request path panics.
 
 mod admin;
+mod anthropic_error;
 mod chat;
 mod completions;
 mod dashboard;

@@ -300,6 +300,29 @@ fn events(w: &impl ChunkWriter, chunks: Vec<String>) -> Vec<Event> {
     chunks.into_iter().map(|c| w.event(c)).collect()
 }
 
+/// Streams a request's choices as one SSE response: [`relay_sse`] for a single choice,
+/// else [`relay_sse_choices`]; `writer(i)` builds choice `i`'s writer.
+pub(super) fn stream_choices<W: ChunkWriter>(
+    fleet: Arc<Fleet>,
+    headers: axum::http::HeaderMap,
+    first: Dispatched,
+    more: Vec<Dispatched>,
+    writer: impl Fn(usize) -> W,
+    include_usage: bool,
+) -> axum::response::Response {
+    if more.is_empty() {
+        let w = writer(0);
+        return super::sse_response(headers, move |tx| {
+            relay_sse(fleet, first, w, include_usage, tx)
+        });
+    }
+    let ds: Vec<_> = std::iter::once(first).chain(more).collect();
+    let writers = (0..ds.len()).map(writer).collect();
+    super::sse_response(headers, move |tx| {
+        relay_sse_choices(fleet, ds, writers, include_usage, tx)
+    })
+}
+
 /// Relays several choices of one request (`n > 1`) as SSE events into `tx`: each
 /// choice's chunks as they come (tagged with its index by its writer), then one usage
 /// chunk over all of them when asked, then `[DONE]`.
