@@ -1,6 +1,6 @@
 //! `POST /v1/chat/completions`.
 
-use super::relay::{choices_usage, collect, stream_choices, ChunkWriter, Collected};
+use super::relay::{collect_choices, stream_choices, ChunkWriter, Collected};
 use super::turn::{start_turn, StartedTurn, TurnInput};
 use super::{off_runtime, parse_body, reject_unknown, session_id, unix_now, RequestMeta};
 use crate::fleet::Fleet;
@@ -100,29 +100,19 @@ pub async fn chat_completions(
             include_usage,
         ));
     }
-    let ds = std::iter::once(dispatched).chain(more);
-    let outs = futures::future::join_all(ds.map(|d| collect(&fleet, d))).await;
-    let mut choices = Vec::with_capacity(outs.len());
-    let mut usages = Vec::with_capacity(outs.len());
-    for (index, r) in outs.into_iter().enumerate() {
-        let (out, _) = r?;
-        usages.push(out.usage.clone());
-        choices.push(chat_choice(
-            &fleet,
-            index,
-            out,
-            &id,
-            want_tools,
-            want_logprobs,
-        ));
-    }
+    let (outs, usage) = collect_choices(&fleet, dispatched, more).await?;
+    let choices = outs
+        .into_iter()
+        .enumerate()
+        .map(|(index, out)| chat_choice(&fleet, index, out, &id, want_tools, want_logprobs))
+        .collect();
     let body = ChatCompletion {
         id,
         object: "chat.completion",
         created,
         model,
         choices,
-        usage: choices_usage(&usages),
+        usage,
         agent_status: rendered_status,
     };
     Ok((worker_header, Json(body)).into_response())

@@ -1,6 +1,6 @@
 //! `POST /v1/completions`: a prompt given as text or as token ids.
 
-use super::relay::{choices_usage, collect, stream_choices, ChunkWriter};
+use super::relay::{collect_choices, stream_choices, ChunkWriter};
 use super::{off_runtime, parse_body, prepare, reject_unknown, unix_now, Prepared, RequestMeta};
 use crate::fleet::Fleet;
 use crate::openai::error::ApiError;
@@ -83,30 +83,26 @@ pub async fn completions(
             include_usage,
         ));
     }
-    let ds = std::iter::once(dispatched).chain(more);
-    let outs = futures::future::join_all(ds.map(|d| collect(&fleet, d))).await;
-    let mut choices = Vec::with_capacity(outs.len());
-    let mut usages = Vec::with_capacity(outs.len());
-    for (index, r) in outs.into_iter().enumerate() {
-        let (out, _) = r?;
-        let logprobs = want_logprobs.then(|| {
-            crate::openai::logprobs::completion(&*fleet.prompt.tokenizer, &out.logprobs, 0)
-        });
-        usages.push(out.usage);
-        choices.push(CompletionChoice {
+    let (outs, usage) = collect_choices(&fleet, dispatched, more).await?;
+    let choices = outs
+        .into_iter()
+        .enumerate()
+        .map(|(index, out)| CompletionChoice {
             index,
+            logprobs: want_logprobs.then(|| {
+                crate::openai::logprobs::completion(&*fleet.prompt.tokenizer, &out.logprobs, 0)
+            }),
             text: out.text,
             finish_reason: out.finish,
-            logprobs,
-        });
-    }
+        })
+        .collect();
     let body = Completion {
         id,
         object: "text_completion",
         created,
         model,
         choices,
-        usage: Some(choices_usage(&usages)),
+        usage: Some(usage),
     };
     Ok((worker_header, Json(body)).into_response())
 }

@@ -300,6 +300,24 @@ fn events(w: &impl ChunkWriter, chunks: Vec<String>) -> Vec<Event> {
     chunks.into_iter().map(|c| w.event(c)).collect()
 }
 
+/// Collects every choice of a request (`first`, then `more` for `n > 1`), in order,
+/// with their usage combined by [`choices_usage`]; the first failed choice's error
+/// fails the request.
+pub(super) async fn collect_choices(
+    fleet: &Fleet,
+    first: Dispatched,
+    more: Vec<Dispatched>,
+) -> Result<(Vec<Collected>, Usage), ApiError> {
+    let ds = std::iter::once(first).chain(more);
+    let outs = futures::future::join_all(ds.map(|d| collect(fleet, d))).await;
+    let mut collected = Vec::with_capacity(outs.len());
+    for r in outs {
+        collected.push(r?.0);
+    }
+    let usages: Vec<Usage> = collected.iter().map(|c| c.usage.clone()).collect();
+    Ok((collected, choices_usage(&usages)))
+}
+
 /// Streams a request's choices as one SSE response: [`relay_sse`] for a single choice,
 /// else [`relay_sse_choices`]; `writer(i)` builds choice `i`'s writer.
 pub(super) fn stream_choices<W: ChunkWriter>(

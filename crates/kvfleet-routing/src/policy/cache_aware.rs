@@ -98,6 +98,8 @@ pub struct CacheAware {
     last_chosen: Vec<u64>,
     /// Selections made so far.
     clock: u64,
+    /// Keys of the candidates within their bounds, reused across selections.
+    within: Vec<Key>,
 }
 
 impl CacheAware {
@@ -107,6 +109,7 @@ impl CacheAware {
             config,
             last_chosen: Vec::new(),
             clock: 0,
+            within: Vec::new(),
         }
     }
 
@@ -166,6 +169,8 @@ impl RoutingPolicy for CacheAware {
 
     fn select(&mut self, ctx: &RouteContext<'_>) -> Option<Selection> {
         let n = ctx.candidates.len();
+        let mut within = std::mem::take(&mut self.within);
+        within.clear();
         // Pass 1: the fleet's load and how many prefill lanes are busy.
         let (mut total, mut busy) = (0usize, 0usize);
         for c in ctx.candidates {
@@ -186,7 +191,8 @@ impl RoutingPolicy for CacheAware {
                     > cap
         };
 
-        // Pass 2: the cheapest worker, and the cheapest within its bounds.
+        // Pass 2: the cheapest worker, and the cheapest within its bounds; the keys of
+        // those within bounds are kept for the tie pass.
         let mut best: Option<Key> = None;
         let mut best_ok: Option<Key> = None;
         for c in ctx.candidates {
@@ -194,10 +200,28 @@ impl RoutingPolicy for CacheAware {
             if best.as_ref().is_none_or(|b| lt(&k, b)) {
                 best = Some(k);
             }
-            if !overloaded(&k, c) && best_ok.as_ref().is_none_or(|b| lt(&k, b)) {
-                best_ok = Some(k);
+            if !overloaded(&k, c) {
+                within.push(k);
+                if best_ok.as_ref().is_none_or(|b| lt(&k, b)) {
+                    best_ok = Some(k);
+                }
             }
         }
+        let picked = self.pick(best, best_ok, &within);
+        self.within = within;
+        picked
+    }
+}
+
+impl CacheAware {
+    /// The end of [`RoutingPolicy::select`]: `best` overall, `best_ok` within bounds,
+    /// `within` every candidate within bounds.
+    fn pick(
+        &mut self,
+        best: Option<Key>,
+        best_ok: Option<Key>,
+        within: &[Key],
+    ) -> Option<Selection> {
         let best = best?;
         // Every worker over its bound: the cheapest takes it.
         let Some(target) = best_ok else {
@@ -213,9 +237,8 @@ impl RoutingPolicy for CacheAware {
             .max(self.config.near_tie_ratio * target.0);
         let mut pick = target;
         let mut pick_last = self.last_chosen(target.2);
-        for c in ctx.candidates {
-            let k = key(c);
-            if k.0 > target.0 + band || overloaded(&k, c) {
+        for &k in within {
+            if k.0 > target.0 + band {
                 continue;
             }
             let last = self.last_chosen(k.2);
