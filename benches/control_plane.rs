@@ -15,7 +15,7 @@ use kvfleet_control::{decode_kv_events, encode_kv_events, EventStream, StartAt, 
 use kvfleet_core::BlockHash;
 use kvfleet_proto::kv_events::from_wire as router_event;
 use kvfleet_proto::v1 as pb;
-use kvfleet_routing::{KvRouter, RouterConfig};
+use kvfleet_routing::{DumpedBlock, KvRouter, RouterConfig};
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
@@ -49,14 +49,14 @@ fn worker_id(w: usize) -> String {
     format!("worker-{w}")
 }
 
-fn dumps() -> Vec<Vec<(BlockHash, Option<BlockHash>)>> {
+fn dumps() -> Vec<Vec<DumpedBlock>> {
     (0..WORKERS)
         .map(|w| {
             let mut d = Vec::with_capacity(BLOCKS_PER_WORKER);
             for chain in chains(w) {
                 let mut parent = None;
                 for h in chain {
-                    d.push((BlockHash(h), parent));
+                    d.push(DumpedBlock::device(BlockHash(h), parent));
                     parent = Some(BlockHash(h));
                 }
             }
@@ -77,6 +77,7 @@ fn records() -> Vec<(String, Vec<u8>)> {
                 pb::KvEvent {
                     seq,
                     kind: Some(pb::kv_event::Kind::Stored(pb::kv_event::Stored {
+                        medium: Default::default(),
                         parent_hash: None,
                         block_hashes: chain,
                     })),

@@ -33,7 +33,7 @@ fn router_blocks(fleet: &Fleet, worker: &str) -> BTreeSet<u64> {
         .worker_blocks(worker)
         .expect("worker registered")
         .into_iter()
-        .map(|(h, _)| h.0)
+        .map(|b| b.hash.0)
         .collect()
 }
 

@@ -13,7 +13,7 @@
 //! Every operation is O(1): the free list is an intrusive doubly linked list over the
 //! block array, and the hash map is keyed by the hash itself.
 
-use crate::kv_events::{push_coalesced, KvEventKind};
+use crate::kv_events::{push_coalesced, KvEventKind, Medium};
 use kvfleet_core::{BlockHash, BlockHashMap};
 
 /// Index of a KV block in the pool (and in the KV memory).
@@ -110,6 +110,7 @@ impl BlockPool {
                 &mut self.events,
                 KvEventKind::Removed {
                     block_hashes: vec![h],
+                    medium: Medium::Device,
                 },
             );
         }
@@ -191,6 +192,7 @@ impl BlockPool {
                 KvEventKind::Stored {
                     parent_hash: parent,
                     block_hashes: vec![h],
+                    medium: Medium::Device,
                 },
             );
         }
@@ -448,10 +450,12 @@ mod tests {
             vec![
                 KvEventKind::Stored {
                     parent_hash: None,
-                    block_hashes: vec![h(1)]
+                    block_hashes: vec![h(1)],
+                    medium: Medium::Device,
                 },
                 KvEventKind::Removed {
-                    block_hashes: vec![h(1)]
+                    block_hashes: vec![h(1)],
+                    medium: Medium::Device,
                 },
             ]
         );
@@ -520,7 +524,8 @@ mod tests {
             p.drain_events(),
             vec![KvEventKind::Stored {
                 parent_hash: None,
-                block_hashes: vec![h(1), h(2), h(3)]
+                block_hashes: vec![h(1), h(2), h(3)],
+                medium: Medium::Device,
             }]
         );
     }

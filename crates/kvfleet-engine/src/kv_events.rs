@@ -2,7 +2,7 @@
 //! sink trait, an in-memory recorder, and the coalescing that turns one step's block
 //! changes into few events.
 
-pub use kvfleet_core::kv_events::{KvEvent, KvEventKind};
+pub use kvfleet_core::kv_events::{DumpedBlock, KvEvent, KvEventKind, Medium};
 use std::sync::{Arc, Mutex};
 
 /// Receives the engine's KV events in order. Implementations must not block for long:
@@ -48,16 +48,27 @@ impl KvEventSink for RecordingSink {
 pub(crate) fn push_coalesced(log: &mut Vec<KvEventKind>, kind: KvEventKind) {
     match (log.last_mut(), kind) {
         (
-            Some(KvEventKind::Stored { block_hashes, .. }),
+            Some(KvEventKind::Stored {
+                block_hashes,
+                medium,
+                ..
+            }),
             KvEventKind::Stored {
                 parent_hash: Some(p),
                 block_hashes: new,
+                medium: m,
             },
-        ) if block_hashes.last() == Some(&p) => block_hashes.extend(new),
+        ) if block_hashes.last() == Some(&p) && *medium == m => block_hashes.extend(new),
         (
-            Some(KvEventKind::Removed { block_hashes }),
-            KvEventKind::Removed { block_hashes: new },
-        ) => block_hashes.extend(new),
+            Some(KvEventKind::Removed {
+                block_hashes,
+                medium,
+            }),
+            KvEventKind::Removed {
+                block_hashes: new,
+                medium: m,
+            },
+        ) if *medium == m => block_hashes.extend(new),
         (_, kind) => log.push(kind),
     }
 }

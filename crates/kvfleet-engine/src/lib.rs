@@ -49,7 +49,7 @@ pub use engine::{
 };
 pub use error::{EngineError, Result};
 pub use gguf::{GgufFile, GgufLoadOptions};
-pub use kv_events::{KvEvent, KvEventKind, KvEventSink, RecordingSink};
+pub use kv_events::{DumpedBlock, KvEvent, KvEventKind, KvEventSink, Medium, RecordingSink};
 pub use kv_sizing::{KvPool, KvSizing};
 pub use model::{ForwardItem, LlamaModel, LogitsRequest};
 pub use model_config::ModelConfig;

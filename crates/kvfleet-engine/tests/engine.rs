@@ -4,7 +4,7 @@
 
 use kvfleet_engine::{
     CpuBackend, Engine, EngineConfig, FinishReason, ForkChild, ForkRequest, KvEventKind,
-    LlamaModel, ModelConfig, RecordingSink, Request, SamplingParams,
+    LlamaModel, Medium, ModelConfig, RecordingSink, Request, SamplingParams,
 };
 use std::sync::Arc;
 
@@ -277,7 +277,8 @@ fn kv_events_describe_the_cache() {
         ev[0].kind,
         KvEventKind::Stored {
             parent_hash: None,
-            block_hashes: hashes.clone()
+            block_hashes: hashes.clone(),
+            medium: Medium::Device,
         }
     );
     let dump: Vec<_> = {
@@ -300,7 +301,7 @@ fn kv_events_describe_the_cache() {
         .events()
         .into_iter()
         .filter_map(|x| match x.kind {
-            KvEventKind::Removed { block_hashes } => Some(block_hashes),
+            KvEventKind::Removed { block_hashes, .. } => Some(block_hashes),
             _ => None,
         })
         .flatten()

@@ -163,8 +163,12 @@ pub fn event_apply(data: &[u8]) {
         }
         let blocks = index.worker_blocks(worker);
         assert_eq!(blocks.len(), index.worker_block_count(worker));
-        for (h, _) in &blocks {
-            assert!(index.holds(worker, *h), "listed block {h} not held");
+        for b in &blocks {
+            assert!(
+                index.holds(worker, b.hash),
+                "listed block {} not held",
+                b.hash
+            );
         }
     }
     let dump = index.worker_blocks(worker);
@@ -176,7 +180,7 @@ pub fn event_apply(data: &[u8]) {
         count,
         "rebuild from own dump"
     );
-    let chain: Vec<BlockHash> = dump.iter().map(|(h, _)| *h).collect();
+    let chain: Vec<BlockHash> = dump.iter().map(|b| b.hash).collect();
     let m = index.find_matches(&chain);
     assert!(m.deepest() <= chain.len());
 }

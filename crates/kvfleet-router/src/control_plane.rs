@@ -562,6 +562,7 @@ mod tests {
             events: vec![pb::KvEvent {
                 seq,
                 kind: Some(Kind::Stored(Stored {
+                    medium: Default::default(),
                     parent_hash: None,
                     block_hashes: hashes.to_vec(),
                 })),

@@ -132,9 +132,8 @@ impl RoutingState {
         lock(&self.kv).last_seq(id)
     }
 
-    /// Worker `id`'s blocks as the index has them (hash, parent), or `None` if it is
-    /// not in routing.
-    pub fn worker_blocks(&self, id: &str) -> Option<Vec<(BlockHash, Option<BlockHash>)>> {
+    /// Worker `id`'s blocks as the index has them, or `None` if it is not in routing.
+    pub fn worker_blocks(&self, id: &str) -> Option<Vec<kvfleet_routing::DumpedBlock>> {
         let kv = lock(&self.kv);
         let idx = kv.worker_index(id)?;
         Some(kv.index().worker_blocks(idx))
@@ -205,6 +204,7 @@ mod tests {
         let stored = RouterKvEvent {
             seq: 1,
             kind: RouterKvEventKind::Stored {
+                medium: Default::default(),
                 parent_hash: None,
                 block_hashes: chain[..3].to_vec(),
             },

@@ -12,7 +12,7 @@ use crate::routing_state::RoutingState;
 use crate::worker_conn::{ConnError, ConnTimeouts, WorkerConn};
 use futures::StreamExt;
 use kvfleet_core::sync::lock;
-use kvfleet_core::BlockHash;
+
 use kvfleet_proto::kv_events::from_wire;
 use kvfleet_proto::v1 as pb;
 use kvfleet_routing::{IndexError, RouterKvEvent, WorkerLoad};
@@ -377,10 +377,10 @@ impl WorkerSupervision {
     /// Rebuilds a worker's part of the index from its dump; returns the dump's seq.
     async fn resync(&self, conn: &WorkerConn) -> Result<u64, ConnError> {
         let dump = conn.cache_dump().await?;
-        let blocks: Vec<(BlockHash, Option<BlockHash>)> = dump
+        let blocks: Vec<_> = dump
             .blocks
             .iter()
-            .map(|b| (BlockHash(b.hash), b.parent_hash.map(BlockHash)))
+            .map(kvfleet_proto::kv_events::dumped_block_from_wire)
             .collect();
         m::resync(conn.id());
         if let Err(e) = self.routing.rebuild_worker(conn.id(), &blocks, dump.seq) {

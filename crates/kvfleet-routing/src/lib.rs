@@ -29,7 +29,7 @@ pub mod registry;
 pub mod reservations;
 pub mod seams;
 
-pub use events::{CacheDump, RouterKvEvent, RouterKvEventKind};
+pub use events::{CacheDump, DumpedBlock, Medium, RouterKvEvent, RouterKvEventKind};
 pub use kv_router::{
     KvRouter, PredictionStats, RegisterError, RouteDecision, RouteError, RouteTimings,
     RouterConfig, RouterSnapshot, UnknownWorker, WorkerSnapshot,

@@ -36,7 +36,7 @@
 //! [`PrefixIndex::rebuild_worker`] cost time proportional to that worker's blocks, not
 //! to the whole index.
 
-use crate::events::{CacheDump, RouterKvEvent, RouterKvEventKind};
+use crate::events::{CacheDump, DumpedBlock, RouterKvEvent, RouterKvEventKind};
 use crate::registry::WorkerIdx;
 use kvfleet_core::BlockHash;
 use table::BlockTable;
@@ -264,9 +264,9 @@ impl PrefixIndex {
             .is_some_and(|e| self.has_bit(e.slot, worker))
     }
 
-    /// Every block `worker` holds as `(hash, parent)`, in no particular order; the
-    /// same shape as a worker's cache dump.
-    pub fn worker_blocks(&self, worker: WorkerIdx) -> Vec<(BlockHash, Option<BlockHash>)> {
+    /// Every block `worker` holds, in no particular order; the same shape as a
+    /// worker's cache dump.
+    pub fn worker_blocks(&self, worker: WorkerIdx) -> Vec<DumpedBlock> {
         let Some(state) = self.workers.get(worker.index()) else {
             return Vec::new();
         };
@@ -282,7 +282,7 @@ impl PrefixIndex {
             .into_iter()
             .map(|s| {
                 let slot = &self.slots[s as usize];
-                (slot.hash, slot.parent)
+                DumpedBlock::device(slot.hash, slot.parent)
             })
             .collect()
     }
@@ -313,8 +313,9 @@ impl PrefixIndex {
     pub fn rebuild_worker(&mut self, worker: WorkerIdx, dump: &CacheDump, seq: u64) {
         self.ensure_worker(worker);
         self.clear_worker(worker);
-        for &(hash, parent) in dump {
-            self.insert_block(worker, hash, parent);
+        // Only the device tier is indexed for now; lower tiers are listed but unused.
+        for b in dump.iter().filter(|b| b.medium.is_device()) {
+            self.insert_block(worker, b.hash, b.parent);
         }
         self.workers[worker.index()].last_seq = seq;
     }
@@ -508,9 +509,14 @@ impl PrefixIndex {
 
     fn apply_kind(&mut self, worker: WorkerIdx, kind: &RouterKvEventKind) {
         match kind {
+            // Only the device tier is indexed for now; host and disk events are skipped.
+            RouterKvEventKind::Stored { medium, .. }
+            | RouterKvEventKind::Removed { medium, .. }
+                if !medium.is_device() => {}
             RouterKvEventKind::Stored {
                 parent_hash,
                 block_hashes,
+                ..
             } => {
                 let mut parent = *parent_hash;
                 for &h in block_hashes {
@@ -518,7 +524,7 @@ impl PrefixIndex {
                     parent = Some(h);
                 }
             }
-            RouterKvEventKind::Removed { block_hashes } => {
+            RouterKvEventKind::Removed { block_hashes, .. } => {
                 for &h in block_hashes {
                     self.remove_block(worker, h);
                 }
@@ -723,8 +729,8 @@ mod tests {
             .unwrap();
         let dump = idx.worker_blocks(w(1));
         assert_eq!(dump.len(), 5);
-        assert!(dump.contains(&(a[0], None)));
-        assert!(dump.contains(&(a[3], Some(a[2]))));
+        assert!(dump.contains(&DumpedBlock::device(a[0], None)));
+        assert!(dump.contains(&DumpedBlock::device(a[3], Some(a[2]))));
         idx.apply(w(0), &RouterKvEvent::cleared(2)).unwrap();
         assert_eq!(idx.worker_block_count(w(0)), 0);
         assert_eq!(idx.num_blocks(), 5);
@@ -780,7 +786,10 @@ mod tests {
                 .unwrap();
         }
         assert_eq!(idx.worker_block_count(w(0)), 1);
-        assert_eq!(idx.worker_blocks(w(0)), vec![(a[0], None)]);
+        assert_eq!(
+            idx.worker_blocks(w(0)),
+            vec![DumpedBlock::device(a[0], None)]
+        );
         idx.remove_worker(w(0));
         assert_eq!(idx.num_blocks(), 0);
     }
@@ -957,7 +966,7 @@ mod tests {
                     let seq = seqs.entry(worker).or_default();
                     *seq += 100;
                     idx.rebuild_worker(WorkerIdx(worker), &dump, *seq);
-                    let set: BTreeSet<BlockHash> = dump.iter().map(|d| d.0).collect();
+                    let set: BTreeSet<BlockHash> = dump.iter().map(|d| d.hash).collect();
                     prop_assert_eq!(&set, &model.sets.get(&worker).cloned().unwrap_or_default());
                 }
             }

@@ -83,6 +83,7 @@ mod tests {
         RouterKvEvent {
             seq,
             kind: RouterKvEventKind::Stored {
+                medium: Default::default(),
                 parent_hash: parent.map(BlockHash),
                 block_hashes: hashes.iter().map(|h| BlockHash(*h)).collect(),
             },

@@ -174,6 +174,7 @@ mod tests {
             log.publish(&KvEvent {
                 seq,
                 kind: KvEventKind::Stored {
+                    medium: Default::default(),
                     parent_hash: (seq > 1).then(|| BlockHash(seq - 1)),
                     block_hashes: vec![BlockHash(seq)],
                 },

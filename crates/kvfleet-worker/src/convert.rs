@@ -2,6 +2,7 @@
 //! with the checks only the wire format needs (signed counts, unset fields).
 
 use kvfleet_engine::{EngineLoad, EngineStats, FinishReason, KvEvent, KvEventKind, SamplingParams};
+use kvfleet_proto::kv_events::medium_to_wire;
 use kvfleet_proto::v1 as pb;
 use tonic::Status;
 
@@ -94,12 +95,18 @@ pub fn kv_event(e: &KvEvent) -> pb::KvEvent {
         KvEventKind::Stored {
             parent_hash,
             block_hashes,
+            medium,
         } => Kind::Stored(Stored {
             parent_hash: parent_hash.map(|h| h.0),
             block_hashes: block_hashes.iter().map(|h| h.0).collect(),
+            medium: medium_to_wire(*medium),
         }),
-        KvEventKind::Removed { block_hashes } => Kind::Removed(Removed {
+        KvEventKind::Removed {
+            block_hashes,
+            medium,
+        } => Kind::Removed(Removed {
             block_hashes: block_hashes.iter().map(|h| h.0).collect(),
+            medium: medium_to_wire(*medium),
         }),
         KvEventKind::Cleared => Kind::Cleared(Cleared {}),
     };
@@ -184,6 +191,7 @@ mod tests {
         let e = kv_event(&KvEvent {
             seq: 7,
             kind: KvEventKind::Stored {
+                medium: Default::default(),
                 parent_hash: Some(BlockHash(1)),
                 block_hashes: vec![BlockHash(2), BlockHash(3)],
             },

@@ -12,7 +12,7 @@
 use crate::convert;
 use futures::Stream;
 use kvfleet_core::BlockHash;
-use kvfleet_engine::{KvEvent, KvEventKind, KvEventSink};
+use kvfleet_engine::{DumpedBlock, KvEvent, KvEventKind, KvEventSink, Medium};
 use kvfleet_proto::v1::KvEventBatch;
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -69,9 +69,9 @@ struct Ring {
     events: VecDeque<Arc<KvEvent>>,
     capacity: usize,
     last_seq: u64,
-    /// Every cached block (hash → parent) as the events up to `cached_seq` describe it:
-    /// `CacheDump` answers from here instead of waiting for the engine thread.
-    cached: HashMap<BlockHash, Option<BlockHash>>,
+    /// Every cached block ((hash, tier) → parent) as the events up to `cached_seq`
+    /// describe it: `CacheDump` answers from here instead of waiting for the engine thread.
+    cached: HashMap<(BlockHash, Medium), Option<BlockHash>>,
     /// The last event applied to `cached`. The engine numbers its events 1, 2, 3...;
     /// an event out of that sequence is forwarded but not applied, so the dump (what a
     /// router resyncs from after a gap) stays the engine's own state.
@@ -84,16 +84,20 @@ impl Ring {
             KvEventKind::Stored {
                 parent_hash,
                 block_hashes,
+                medium,
             } => {
                 let mut parent = *parent_hash;
                 for &h in block_hashes {
-                    self.cached.insert(h, parent);
+                    self.cached.insert((h, *medium), parent);
                     parent = Some(h);
                 }
             }
-            KvEventKind::Removed { block_hashes } => {
+            KvEventKind::Removed {
+                block_hashes,
+                medium,
+            } => {
                 for h in block_hashes {
-                    self.cached.remove(h);
+                    self.cached.remove(&(*h, *medium));
                 }
             }
             KvEventKind::Cleared => self.cached.clear(),
@@ -144,13 +148,20 @@ impl EventLog {
         ring.events.front().map_or(ring.last_seq + 1, |e| e.seq)
     }
 
-    /// Every cached block (hash, parent) and the last event sequence number the list
-    /// reflects, taken together.
-    pub fn cache_dump(&self) -> (u64, Vec<(BlockHash, Option<BlockHash>)>) {
+    /// Every cached block (hash, parent, tier) and the last event sequence number the
+    /// list reflects, taken together.
+    pub fn cache_dump(&self) -> (u64, Vec<DumpedBlock>) {
         let ring = self.lock();
         (
             ring.cached_seq,
-            ring.cached.iter().map(|(h, p)| (*h, *p)).collect(),
+            ring.cached
+                .iter()
+                .map(|(&(hash, medium), &parent)| DumpedBlock {
+                    hash,
+                    parent,
+                    medium,
+                })
+                .collect(),
         )
     }
 
@@ -362,6 +373,7 @@ mod tests {
         KvEvent {
             seq,
             kind: KvEventKind::Removed {
+                medium: Default::default(),
                 block_hashes: vec![BlockHash(seq)],
             },
         }

@@ -13,6 +13,7 @@ use crate::engine_state::EngineState;
 use crate::error::WorkerError;
 use crate::event_log::EventLog;
 use futures::Stream;
+use kvfleet_proto::kv_events::medium_to_wire;
 use kvfleet_proto::v1 as pb;
 use kvfleet_proto::v1::worker_server::{Worker, WorkerServer};
 use std::future::Future;
@@ -330,9 +331,10 @@ impl Worker for WorkerService {
             seq,
             blocks: blocks
                 .into_iter()
-                .map(|(hash, parent)| pb::CachedBlock {
-                    hash: hash.0,
-                    parent_hash: parent.map(|p| p.0),
+                .map(|b| pb::CachedBlock {
+                    hash: b.hash.0,
+                    parent_hash: b.parent.map(|p| p.0),
+                    medium: medium_to_wire(b.medium),
                 })
                 .collect(),
         }))

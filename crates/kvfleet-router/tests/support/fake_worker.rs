@@ -103,7 +103,11 @@ impl FakeWorker {
             cached: Arc::new(
                 cached
                     .iter()
-                    .map(|&(hash, parent_hash)| pb::CachedBlock { hash, parent_hash })
+                    .map(|&(hash, parent_hash)| pb::CachedBlock {
+                        medium: Default::default(),
+                        hash,
+                        parent_hash,
+                    })
                     .collect(),
             ),
             script: Arc::new(Mutex::new(script)),

@@ -1,6 +1,7 @@
 //! Behaviour of the routing facade: fork siblings, spills, balance, policies.
 
 use super::*;
+use crate::events::DumpedBlock;
 use kvfleet_core::{hash_blocks, namespace_seed};
 
 const BS: usize = 16;
@@ -451,7 +452,7 @@ fn errors_for_no_workers_unknown_workers_and_gaps() {
     ));
     // Resync from a dump, then the stream continues after the dump's seq.
     let dump: Vec<_> = (0..4)
-        .map(|i| (h[i], i.checked_sub(1).map(|p| h[p])))
+        .map(|i| DumpedBlock::device(h[i], i.checked_sub(1).map(|p| h[p])))
         .collect();
     r.rebuild_worker("w0", &dump, 3).unwrap();
     assert_eq!(r.last_seq("w0"), Some(3));
