@@ -25,6 +25,33 @@ pub trait ModelBackend: Send {
     fn kv_sizing(&self) -> Option<KvSizing> {
         None
     }
+    /// The byte format of [`ModelBackend::read_block`]'s output ("f32le", "bf16le"):
+    /// tiers and peers only exchange blocks of the same format and size.
+    fn block_format(&self) -> &'static str {
+        "none"
+    }
+    /// Bytes of one block's K/V across every layer, in [`ModelBackend::block_format`].
+    fn block_bytes(&self) -> usize {
+        0
+    }
+    /// Copies one block's K/V (all layers) out, for a lower tier or a peer. Backends
+    /// that cannot read their KV memory back return an error (tiers stay off).
+    fn read_block(&mut self, id: u32) -> Result<Vec<u8>> {
+        let _ = id;
+        Err(crate::error::EngineError::Config(format!(
+            "the {} backend cannot copy KV blocks out (no host/disk tier, no peer transfer)",
+            self.device_name()
+        )))
+    }
+    /// Overwrites one block's K/V with bytes [`ModelBackend::read_block`] produced
+    /// (same format and length, checked by the caller).
+    fn write_block(&mut self, id: u32, bytes: &[u8]) -> Result<()> {
+        let _ = (id, bytes);
+        Err(crate::error::EngineError::Config(format!(
+            "the {} backend cannot copy KV blocks in",
+            self.device_name()
+        )))
+    }
 }
 
 /// The model on the CPU, with its KV cache in host memory.
@@ -61,5 +88,17 @@ impl ModelBackend for CpuBackend {
     }
     fn device_name(&self) -> String {
         "cpu".to_string()
+    }
+    fn block_format(&self) -> &'static str {
+        "f32le"
+    }
+    fn block_bytes(&self) -> usize {
+        self.kv.bytes_per_block()
+    }
+    fn read_block(&mut self, id: u32) -> Result<Vec<u8>> {
+        self.kv.read_block(id)
+    }
+    fn write_block(&mut self, id: u32, bytes: &[u8]) -> Result<()> {
+        self.kv.write_block(id, bytes)
     }
 }

@@ -119,6 +119,58 @@ impl KvCache {
         2 * self.layers.len() * self.block_stride() * std::mem::size_of::<f32>()
     }
 
+    /// One block's keys and values, every layer, as little-endian f32 bytes in the
+    /// order layer 0 K, layer 0 V, layer 1 K, …: what a lower tier or a peer stores.
+    pub fn read_block(&self, id: u32) -> crate::error::Result<Vec<u8>> {
+        let id = self.check_block(id)?;
+        let stride = self.block_stride();
+        let mut out = Vec::with_capacity(self.bytes_per_block());
+        for layer in &self.layers {
+            for plane in [&layer.k, &layer.v] {
+                for x in &plane[id * stride..(id + 1) * stride] {
+                    out.extend_from_slice(&x.to_le_bytes());
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Overwrites one block with bytes [`KvCache::read_block`] produced.
+    pub fn write_block(&mut self, id: u32, bytes: &[u8]) -> crate::error::Result<()> {
+        let id = self.check_block(id)?;
+        if bytes.len() != self.bytes_per_block() {
+            return Err(crate::error::EngineError::InvalidRequest(format!(
+                "a KV block is {} bytes here, got {}",
+                self.bytes_per_block(),
+                bytes.len()
+            )));
+        }
+        let stride = self.block_stride();
+        let mut src = bytes.chunks_exact(4);
+        for layer in &mut self.layers {
+            for plane in [&mut layer.k, &mut layer.v] {
+                for (x, b) in plane[id * stride..(id + 1) * stride]
+                    .iter_mut()
+                    .zip(&mut src)
+                {
+                    *x = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn check_block(&self, id: u32) -> crate::error::Result<usize> {
+        let id = id as usize;
+        if id >= self.num_blocks {
+            return Err(crate::error::EngineError::InvalidRequest(format!(
+                "block {id} outside a cache of {} blocks",
+                self.num_blocks
+            )));
+        }
+        Ok(id)
+    }
+
     pub(crate) fn layer(&self, layer: usize) -> &LayerKv {
         &self.layers[layer]
     }
@@ -139,6 +191,30 @@ mod tests {
         assert_eq!(kv.block_size(), 16);
         assert_eq!(kv.bytes(), 2 * 3 * 10 * 16 * 2 * 8 * 4);
         assert_eq!(kv.bytes_per_block() * 10, kv.bytes());
+    }
+
+    #[test]
+    fn a_block_read_out_and_written_elsewhere_is_bit_identical() {
+        let mut kv = KvCache::new(2, 3, 2, 1, 2);
+        for (l, layer) in kv.layers.iter_mut().enumerate() {
+            for (i, x) in layer.k.iter_mut().enumerate() {
+                *x = (l * 100 + i) as f32 + 0.25;
+            }
+            for (i, x) in layer.v.iter_mut().enumerate() {
+                *x = -((l * 100 + i) as f32) - 0.5;
+            }
+        }
+        let bytes = kv.read_block(1).unwrap();
+        assert_eq!(bytes.len(), kv.bytes_per_block());
+        kv.write_block(2, &bytes).unwrap();
+        let stride = kv.block_stride();
+        for l in 0..2 {
+            let layer = kv.layer(l);
+            assert_eq!(layer.k[2 * stride..3 * stride], layer.k[stride..2 * stride]);
+            assert_eq!(layer.v[2 * stride..3 * stride], layer.v[stride..2 * stride]);
+        }
+        assert!(kv.write_block(2, &bytes[1..]).is_err(), "short block refused");
+        assert!(kv.read_block(3).is_err(), "out of range refused");
     }
 
     #[test]
