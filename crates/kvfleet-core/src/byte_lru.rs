@@ -127,6 +127,13 @@ impl<K: Hash + Eq + Clone, V> ByteLru<K, V> {
         true
     }
 
+    /// Every entry, in no particular order.
+    pub fn iter(&self) -> impl Iterator<Item = (&K, &V)> + '_ {
+        self.nodes
+            .iter()
+            .filter_map(|n| n.as_ref().map(|n| (&n.key, &n.value)))
+    }
+
     /// Removes `key`, returning its value.
     pub fn remove(&mut self, key: &K) -> Option<V> {
         let i = self.index.remove(key)?;

@@ -115,7 +115,7 @@ impl KvEvent {
 }
 
 /// One block of a worker's cache dump.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct DumpedBlock {
     /// The block's chained hash.
     pub hash: BlockHash,

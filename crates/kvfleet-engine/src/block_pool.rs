@@ -229,6 +229,11 @@ impl BlockPool {
         self.blocks[id as usize].hash
     }
 
+    /// The parent hash a block is published with, if any.
+    pub fn parent_of(&self, id: BlockId) -> Option<BlockHash> {
+        self.blocks[id as usize].parent
+    }
+
     /// Current reference count of a block.
     pub fn ref_count(&self, id: BlockId) -> u32 {
         self.blocks[id as usize].ref_count
@@ -284,6 +289,25 @@ impl BlockPool {
             .filter(|b| b.ready)
             .filter_map(|b| b.hash.map(|h| (h, b.parent)))
             .collect()
+    }
+
+    /// The cached (hashed, ready) blocks among the next `n` blocks [`BlockPool::allocate`]
+    /// would hand out, in that order: what a lower tier must have copied before the
+    /// next `n` allocations, or lose.
+    pub fn next_evictions(&self, n: usize) -> Vec<(BlockId, BlockHash, Option<BlockHash>)> {
+        let mut out = Vec::new();
+        let mut cur = self.head;
+        for _ in 0..n {
+            if cur == NIL {
+                break;
+            }
+            let b = &self.blocks[cur as usize];
+            if let (Some(h), true) = (b.hash, b.ready) {
+                out.push((cur, h, b.parent));
+            }
+            cur = b.next;
+        }
+        out
     }
 
     /// Takes the events recorded since the last call, in order.

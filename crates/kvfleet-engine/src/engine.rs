@@ -9,17 +9,21 @@ use crate::backend::ModelBackend;
 use crate::block_pool::BlockId;
 use crate::constrained::SeqConstraint;
 use crate::error::{EngineError, Result};
-use crate::kv_events::{KvEvent, KvEventSink};
+use crate::kv_events::{DumpedBlock, KvEvent, KvEventSink};
+use crate::kv_tiers::KvTiers;
 use crate::model::{ForwardItem, LogitsRequest};
 use crate::sampling::{Sampler, SamplingParams};
 use crate::scheduler::{ScheduledChunk, Scheduler, SchedulerConfig};
-use crate::sequence::{FinishReason, RequestId, SeqStatus, Sequence};
+use crate::sequence::{FinishReason, PromotedTokens, RequestId, SeqStatus, Sequence};
 use crate::stop_matcher::StopMatcher;
 use kvfleet_core::structured_output::GrammarCompiler;
 use kvfleet_core::tokenizer::{StreamDecoder, Tokenizer};
 use kvfleet_core::{namespace_seed, BlockHash, TokenId};
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+mod tiering;
 
 /// How an engine is sized.
 #[derive(Clone, Debug)]
@@ -118,6 +122,8 @@ pub struct StepOutput {
     /// Prompt tokens served from the prefix cache (set from the step the prompt
     /// was first fully computed on).
     pub cached_tokens: usize,
+    /// The part of `cached_tokens` promoted from a lower tier or a peer, by source.
+    pub promoted: PromotedTokens,
     /// The logits the token was sampled from, when logits capture is on.
     pub logits: Option<Vec<f32>>,
     /// The reported token's log-probabilities, when its request asked for them.
@@ -173,6 +179,8 @@ pub struct EngineStats {
     pub generated_tokens: u64,
     /// Preemptions (recompute) so far.
     pub preemptions: u64,
+    /// Disk reads of promoted prefix blocks that landed (progress without a step).
+    pub tier_loads: u64,
 }
 
 /// A continuous-batching engine over one backend.
@@ -193,6 +201,10 @@ pub struct Engine {
     grammars: OnceLock<std::result::Result<Arc<GrammarCompiler>, String>>,
     /// Compiled grammars of fork children not spawned yet.
     fork_constraints: HashMap<RequestId, Box<SeqConstraint>>,
+    /// Host and disk tiers below the pool, when configured (see `tiering`).
+    tiers: Option<KvTiers>,
+    /// Requests waiting on each block being read from disk.
+    awaiting: HashMap<BlockHash, Vec<RequestId>>,
 }
 
 impl Engine {
@@ -240,6 +252,8 @@ impl Engine {
             capture_logits: false,
             grammars: OnceLock::new(),
             fork_constraints: HashMap::new(),
+            tiers: None,
+            awaiting: HashMap::new(),
         })
     }
 
@@ -410,14 +424,31 @@ impl Engine {
         &self.stats
     }
 
-    /// Every cached block hash with its parent, for a router's resync.
-    pub fn cache_dump(&self) -> Vec<(BlockHash, Option<BlockHash>)> {
-        self.scheduler.pool.cached_blocks()
+    /// Every cached block with its parent and tier, for a router's resync.
+    pub fn cache_dump(&self) -> Vec<DumpedBlock> {
+        let mut out: Vec<DumpedBlock> = self
+            .scheduler
+            .pool
+            .cached_blocks()
+            .into_iter()
+            .map(|(hash, parent)| DumpedBlock::device(hash, parent))
+            .collect();
+        out.extend(
+            self.tier_blocks()
+                .into_iter()
+                .map(|(hash, parent, medium)| DumpedBlock {
+                    hash,
+                    parent,
+                    medium,
+                }),
+        );
+        out
     }
 
-    /// Drops the whole prefix cache (a `Cleared` event follows).
+    /// Drops the whole prefix cache, tiers included (a `Cleared` event follows).
     pub fn clear_cache(&mut self) {
         self.scheduler.pool.clear();
+        self.clear_tiers();
         self.publish_events();
     }
 
@@ -428,7 +459,14 @@ impl Engine {
 
     /// Runs one step and returns what each request produced.
     pub fn step(&mut self) -> Result<Vec<StepOutput>> {
-        let chunks = self.scheduler.schedule();
+        self.stats.tier_loads += self.promote(Duration::ZERO) as u64;
+        let mut chunks = self.scheduler.schedule();
+        if chunks.is_empty() && self.disk_reads_pending() {
+            // Nothing runnable but a prefix on its way from disk: wait for it here
+            // rather than spin, then try again.
+            self.stats.tier_loads += self.promote(Self::disk_wait()) as u64;
+            chunks = self.scheduler.schedule();
+        }
         self.stats.preemptions += self.scheduler.preempted_last_step.len() as u64;
         let mut outputs = Vec::new();
         for id in std::mem::take(&mut self.scheduler.exhausted) {
@@ -476,6 +514,7 @@ impl Engine {
                 self.scheduler.remove(o.id);
             }
         }
+        self.write_behind();
         self.publish_events();
         Ok(outputs)
     }
@@ -597,6 +636,10 @@ impl Engine {
             decoder: StreamDecoder::new(),
             block_size: self.config.block_size,
             constraint: None,
+            staged: Vec::new(),
+            awaiting_loads: 0,
+            tier_staged: false,
+            promoted: Default::default(),
         };
         seq.extend_hashes();
         seq
@@ -636,6 +679,7 @@ impl Engine {
                 finish: Some(FinishReason::Prefilled),
                 prompt_tokens: seq.prompt_len,
                 cached_tokens,
+                promoted: seq.promoted,
                 logits: None,
                 logprobs: None,
             });
@@ -658,6 +702,7 @@ impl Engine {
             finish: None,
             prompt_tokens: seq.prompt_len,
             cached_tokens,
+            promoted: seq.promoted,
             logits: self.capture_logits.then(|| logits.to_vec()),
             logprobs: None,
         };
@@ -737,6 +782,7 @@ impl Engine {
                     finish: Some(FinishReason::Length),
                     prompt_tokens: prefix_len + c.suffix.len(),
                     cached_tokens: 0,
+                    promoted: PromotedTokens::default(),
                     logits: None,
                     logprobs: None,
                 }));
@@ -757,6 +803,7 @@ impl Engine {
                 finish: Some(finish),
                 prompt_tokens: seq.prompt_len,
                 cached_tokens: seq.cached_tokens.unwrap_or(0),
+                promoted: seq.promoted,
                 logits: None,
                 logprobs: None,
             });
@@ -821,7 +868,9 @@ impl Engine {
     }
 
     fn publish_events(&mut self) {
-        let kinds = self.scheduler.pool.drain_events();
+        let mut kinds = self.scheduler.pool.drain_events();
+        let below = self.tier_events(&kinds);
+        kinds.extend(below);
         for kind in kinds {
             self.event_seq += 1;
             if let Some(sink) = &self.sink {
@@ -855,9 +904,9 @@ impl ProgressGuard {
 
     /// Runs one engine step and records whether it made progress.
     pub fn step(&mut self, engine: &mut Engine) -> Result<Vec<StepOutput>> {
-        let before = engine.stats.steps;
+        let before = (engine.stats.steps, engine.stats.tier_loads);
         let out = engine.step();
-        if engine.stats.steps == before {
+        if (engine.stats.steps, engine.stats.tier_loads) == before {
             self.idle_steps += 1;
         } else {
             self.idle_steps = 0;

@@ -213,7 +213,10 @@ mod tests {
             assert_eq!(layer.k[2 * stride..3 * stride], layer.k[stride..2 * stride]);
             assert_eq!(layer.v[2 * stride..3 * stride], layer.v[stride..2 * stride]);
         }
-        assert!(kv.write_block(2, &bytes[1..]).is_err(), "short block refused");
+        assert!(
+            kv.write_block(2, &bytes[1..]).is_err(),
+            "short block refused"
+        );
         assert!(kv.read_block(3).is_err(), "out of range refused");
     }
 

@@ -17,6 +17,8 @@
 //! - [`constrained`]: the structured-output hook, a per-sequence llguidance token
 //!   mask applied to the logits before sampling.
 //! - [`kv_events`]: `Stored` / `Removed` / `Cleared` events with sequence numbers.
+//! - [`kv_tiers`]: host-memory and disk tiers below the pool: evicted blocks are
+//!   demoted there and promoted back on a hit instead of being recomputed.
 
 pub mod backend;
 pub mod block_pool;
@@ -31,6 +33,7 @@ pub mod gguf_tokenizer;
 pub mod kv_cache;
 pub mod kv_events;
 pub mod kv_sizing;
+pub mod kv_tiers;
 pub mod model;
 pub mod model_cache;
 pub mod model_config;
@@ -51,8 +54,9 @@ pub use error::{EngineError, Result};
 pub use gguf::{GgufFile, GgufLoadOptions};
 pub use kv_events::{DumpedBlock, KvEvent, KvEventKind, KvEventSink, Medium, RecordingSink};
 pub use kv_sizing::{KvPool, KvSizing};
+pub use kv_tiers::{DiskTierConfig, KvBlockPayload, TierConfig, TierStats};
 pub use model::{ForwardItem, LlamaModel, LogitsRequest};
 pub use model_config::ModelConfig;
 pub use model_source::{load_model, load_prompt_model, LoadedModel, PromptSide};
 pub use sampling::{token_logprobs, Sampler, SamplingParams, TokenLogprobs};
-pub use sequence::{FinishReason, RequestId};
+pub use sequence::{FinishReason, PromotedTokens, RequestId};

@@ -157,14 +157,21 @@ impl Scheduler {
         }
 
         while budget > 0 && self.running.len() < self.config.max_num_seqs {
-            let Some(&id) = self.waiting.front() else {
+            // A sequence whose prefix is still being read from disk waits for it (it
+            // is not short of blocks, so the next one in line may go first).
+            let Some(pos) = self
+                .waiting
+                .iter()
+                .position(|w| self.seqs.get(w).is_none_or(|s| s.awaiting_loads == 0))
+            else {
                 break;
             };
+            let id = self.waiting[pos];
             self.admit_prefix(id);
             let cap = budget.min(self.config.max_prefill_chunk);
             match self.grow(id, cap) {
                 Grow::Ok(n) => {
-                    self.waiting.pop_front();
+                    self.waiting.remove(pos);
                     if let Some(s) = self.seqs.get_mut(&id) {
                         s.status = SeqStatus::Running;
                     }
@@ -240,6 +247,8 @@ impl Scheduler {
         if let Some(s) = self.seqs.get_mut(&id) {
             s.status = SeqStatus::Waiting;
             s.preemptions += 1;
+            // Its released prefix may move down a tier before it runs again.
+            s.tier_staged = false;
             self.insert_waiting(id);
         }
         self.preempted_last_step.push(id);
@@ -250,6 +259,9 @@ impl Scheduler {
             return;
         };
         for b in seq.block_table.drain(..).rev() {
+            self.pool.release(b, id);
+        }
+        for b in seq.staged.drain(..).rev() {
             self.pool.release(b, id);
         }
         seq.num_computed = 0;
@@ -272,6 +284,10 @@ impl Scheduler {
                 Some(b) => seq.block_table.push(b),
                 None => break,
             }
+        }
+        // The block table holds its own references to promoted blocks now.
+        for b in seq.staged.drain(..).rev() {
+            self.pool.release(b, id);
         }
         seq.num_computed = 0;
     }

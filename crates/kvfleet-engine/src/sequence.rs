@@ -77,6 +77,34 @@ pub struct Sequence {
     pub block_size: usize,
     /// The grammar's state when the request has one (structured outputs).
     pub constraint: Option<Box<crate::constrained::SeqConstraint>>,
+    /// Promoted prefix blocks (from a lower tier or a peer) this sequence holds a
+    /// reference to until it is admitted, so nothing evicts them in between.
+    pub staged: Vec<BlockId>,
+    /// Disk reads of its prefix still in flight: not admitted until they land.
+    pub awaiting_loads: usize,
+    /// Whether its prefix has been looked up in the lower tiers since it last queued.
+    pub tier_staged: bool,
+    /// Prompt tokens of its prefix that came from each tier instead of the model.
+    pub promoted: PromotedTokens,
+}
+
+/// Prompt tokens a request found cached below the device pool, by where they came
+/// from; they are part of its `cached_tokens`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct PromotedTokens {
+    /// From the host-memory tier.
+    pub host: usize,
+    /// From the disk tier.
+    pub disk: usize,
+    /// From a peer worker.
+    pub peer: usize,
+}
+
+impl PromotedTokens {
+    /// All promoted tokens.
+    pub fn total(&self) -> usize {
+        self.host + self.disk + self.peer
+    }
 }
 
 impl Sequence {

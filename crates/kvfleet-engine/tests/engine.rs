@@ -3,8 +3,8 @@
 //! match solo runs, and preemption loses nothing.
 
 use kvfleet_engine::{
-    CpuBackend, Engine, EngineConfig, FinishReason, ForkChild, ForkRequest, KvEventKind,
-    LlamaModel, Medium, ModelConfig, RecordingSink, Request, SamplingParams,
+    CpuBackend, DumpedBlock, Engine, EngineConfig, FinishReason, ForkChild, ForkRequest,
+    KvEventKind, LlamaModel, Medium, ModelConfig, RecordingSink, Request, SamplingParams,
 };
 use std::sync::Arc;
 
@@ -287,9 +287,9 @@ fn kv_events_describe_the_cache() {
         d
     };
     let mut want = vec![
-        (hashes[0], None),
-        (hashes[1], Some(hashes[0])),
-        (hashes[2], Some(hashes[1])),
+        DumpedBlock::device(hashes[0], None),
+        DumpedBlock::device(hashes[1], Some(hashes[0])),
+        DumpedBlock::device(hashes[2], Some(hashes[1])),
     ];
     want.sort();
     assert_eq!(dump, want);

@@ -1,0 +1,341 @@
+//! The host and disk tiers below the block pool, end to end on the seeded `tiny`
+//! model: a prefix evicted from the pool comes back from host memory or disk as cached
+//! tokens with the logits of a cold run; a corrupt or missing block file, or a full
+//! disk, means recompute (and a counter), never wrong K/V.
+
+use kvfleet_engine::kv_tiers::disk_tier::STAGING_FILE;
+use kvfleet_engine::{
+    CpuBackend, DiskTierConfig, Engine, EngineConfig, KvEventKind, LlamaModel, Medium, ModelConfig,
+    RecordingSink, Request, SamplingParams, TierConfig,
+};
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+const BS: usize = 16;
+
+fn model() -> Arc<LlamaModel> {
+    Arc::new(LlamaModel::seeded(ModelConfig::tiny(), 7).expect("seeded model"))
+}
+
+fn engine(model: &Arc<LlamaModel>, num_blocks: usize) -> Engine {
+    let backend = CpuBackend::new(model.clone(), num_blocks, BS);
+    Engine::new(
+        EngineConfig {
+            model_id: "tiny".into(),
+            block_size: BS,
+            max_num_seqs: 4,
+            max_batched_tokens: 256,
+            max_prefill_chunk: 256,
+        },
+        Box::new(backend),
+        None,
+    )
+    .expect("engine")
+}
+
+/// Room for `blocks` blocks in the host tier (payload plus bookkeeping).
+fn host_bytes(e: &Engine, blocks: usize) -> usize {
+    blocks * (e.block_format().1 + 96)
+}
+
+fn prompt(seed: u32, len: usize) -> Vec<u32> {
+    let mut x = seed.wrapping_mul(2_654_435_761).wrapping_add(12345);
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            x % 256
+        })
+        .collect()
+}
+
+struct Run {
+    logits: Vec<f32>,
+    cached: usize,
+    host: usize,
+    disk: usize,
+}
+
+fn run(e: &mut Engine, id: u64, tokens: &[u32]) -> Run {
+    e.set_logits_capture(true);
+    let params = SamplingParams {
+        max_tokens: 1,
+        ignore_eos: true,
+        ..SamplingParams::default()
+    };
+    e.add_request(Request::new(id, tokens.to_vec(), params))
+        .expect("add");
+    let mut out = None;
+    let mut steps = 0;
+    while e.has_unfinished() {
+        steps += 1;
+        assert!(steps < 10_000, "engine made no progress");
+        for o in e.step().expect("step") {
+            if o.id == id && o.logits.is_some() {
+                out = Some(Run {
+                    logits: o.logits.unwrap_or_default(),
+                    cached: o.cached_tokens,
+                    host: o.promoted.host,
+                    disk: o.promoted.disk,
+                });
+            }
+        }
+        e.check_invariants().expect("pool invariants");
+    }
+    out.expect("a sampled token")
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+/// The same prompt on a fresh engine without tiers.
+fn cold(model: &Arc<LlamaModel>, tokens: &[u32]) -> Vec<f32> {
+    run(&mut engine(model, 64), 1, tokens).logits
+}
+
+#[test]
+fn a_prefix_evicted_to_host_memory_comes_back_cached_with_cold_logits() {
+    let m = model();
+    let a = prompt(1, 5 * BS + 3);
+    let b = prompt(2, 7 * BS + 3);
+    let want = cold(&m, &a);
+
+    let mut e = engine(&m, 8);
+    let sink = RecordingSink::new();
+    e.set_event_sink(Arc::new(sink.clone()));
+    let cfg = TierConfig {
+        host_bytes: host_bytes(&e, 32),
+        disk: None,
+    };
+    e.set_kv_tiers(&cfg).expect("tiers");
+    assert_eq!(run(&mut e, 1, &a).cached, 0);
+    // B needs the whole pool: A's blocks leave it, into the host tier.
+    assert_eq!(run(&mut e, 2, &b).cached, 0);
+    let again = run(&mut e, 3, &a);
+    assert_eq!(
+        again.cached,
+        5 * BS,
+        "A's five full blocks are cached again"
+    );
+    assert_eq!(again.host, 5 * BS, "all of them promoted from host memory");
+    let d = max_diff(&again.logits, &want);
+    assert!(d <= 1e-5, "promoted prefix changes the logits by {d}");
+
+    let stats = e.tier_stats().expect("tiers on");
+    assert!(stats.demoted_blocks >= 5, "{stats:?}");
+    assert_eq!(stats.promoted_host, 5);
+    assert_eq!(
+        stats.demotion_misses, 0,
+        "write-behind copied every evicted block"
+    );
+    let events = sink.events();
+    let host_stored: usize = events
+        .iter()
+        .filter_map(|ev| match &ev.kind {
+            KvEventKind::Stored {
+                block_hashes,
+                medium: Medium::Host,
+                ..
+            } => Some(block_hashes.len()),
+            _ => None,
+        })
+        .sum();
+    assert!(host_stored >= 5, "host-tier Stored events: {host_stored}");
+    let dump = e.cache_dump();
+    assert!(dump.iter().any(|d| d.medium == Medium::Host));
+}
+
+/// An engine whose host tier holds one block, over a disk tier in `dir`.
+fn disk_engine(m: &Arc<LlamaModel>, dir: &Path) -> Engine {
+    let mut e = engine(m, 8);
+    let cfg = TierConfig {
+        host_bytes: host_bytes(&e, 1),
+        disk: Some(DiskTierConfig {
+            dir: dir.to_path_buf(),
+            max_bytes: 1 << 30,
+        }),
+    };
+    e.set_kv_tiers(&cfg).expect("tiers");
+    e
+}
+
+/// Runs A, then enough other prompts to push A's blocks through host memory onto
+/// disk, and waits for the writes.
+fn push_to_disk(e: &mut Engine, a: &[u32]) {
+    assert_eq!(run(e, 1, a).cached, 0);
+    for (i, seed) in [2u32, 3, 4].iter().enumerate() {
+        run(e, 10 + i as u64, &prompt(*seed, 7 * BS + 3));
+    }
+    assert!(e.flush_tiers(Duration::from_secs(10)), "disk writes landed");
+}
+
+#[test]
+fn a_prefix_pushed_to_disk_comes_back_cached_with_cold_logits() {
+    let m = model();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let a = prompt(1, 5 * BS + 3);
+    let want = cold(&m, &a);
+    let mut e = disk_engine(&m, dir.path());
+    push_to_disk(&mut e, &a);
+    let files = std::fs::read_dir(dir.path()).expect("dir").count();
+    assert!(files >= 5, "block files written: {files}");
+    let again = run(&mut e, 3, &a);
+    assert_eq!(again.cached, 5 * BS);
+    assert!(again.disk >= 4 * BS, "promoted from disk: {}", again.disk);
+    let d = max_diff(&again.logits, &want);
+    assert!(d <= 1e-5, "disk-promoted prefix changes the logits by {d}");
+    let s = e.tier_stats().expect("tiers");
+    assert!(s.promoted_disk >= 4, "{s:?}");
+    assert!(s.disk.written_blocks >= 5, "{s:?}");
+}
+
+#[test]
+fn a_corrupt_or_missing_block_file_is_recomputed_not_served() {
+    let m = model();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let a = prompt(1, 5 * BS + 3);
+    let want = cold(&m, &a);
+    let mut e = disk_engine(&m, dir.path());
+    push_to_disk(&mut e, &a);
+    // Damage every block file: flip a byte in the middle of each, delete one.
+    let mut files: Vec<_> = std::fs::read_dir(dir.path())
+        .expect("dir")
+        .flatten()
+        .map(|f| f.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "kvb"))
+        .collect();
+    files.sort();
+    let gone = files.pop().expect("a block file");
+    std::fs::remove_file(gone).expect("rm");
+    for f in &files {
+        let mut bytes = std::fs::read(f).expect("read");
+        let mid = bytes.len() / 2;
+        bytes[mid] ^= 0x40;
+        std::fs::write(f, bytes).expect("write");
+    }
+    let again = run(&mut e, 3, &a);
+    assert_eq!(again.disk, 0, "nothing promoted from damaged files");
+    let d = max_diff(&again.logits, &want);
+    assert!(d <= 1e-5, "logits after corrupt files differ by {d}");
+    let s = e.tier_stats().expect("tiers");
+    assert!(s.disk.corrupt >= 1, "corrupt reads counted: {s:?}");
+    // A fourth run finds A in the pool again (recomputed, cached normally).
+    assert_eq!(run(&mut e, 4, &a).cached, 5 * BS);
+}
+
+#[test]
+fn a_full_disk_stops_demotion_and_is_counted() {
+    let m = model();
+    let dir = tempfile::tempdir().expect("tempdir");
+    // Every write goes through the staging file: pointing it at /dev/full makes each
+    // one fail with ENOSPC from the kernel, as on a full disk.
+    std::os::unix::fs::symlink("/dev/full", dir.path().join(STAGING_FILE)).expect("symlink");
+    let a = prompt(1, 5 * BS + 3);
+    let want = cold(&m, &a);
+    let mut e = disk_engine(&m, dir.path());
+    push_to_disk(&mut e, &a);
+    let s = e.tier_stats().expect("tiers");
+    assert!(s.disk.full >= 1, "full disk counted: {s:?}");
+    assert_eq!(s.disk.written_blocks, 0);
+    assert_eq!(s.disk_blocks, 0, "nothing is believed on disk");
+    assert!(e.cache_dump().iter().all(|d| d.medium != Medium::Disk));
+    let again = run(&mut e, 3, &a);
+    assert_eq!(again.disk, 0);
+    assert!(max_diff(&again.logits, &want) <= 1e-5);
+}
+
+mod props {
+    use super::*;
+    use kvfleet_engine::{DumpedBlock, KvEvent};
+    use proptest::prelude::*;
+    use std::collections::{BTreeSet, HashMap};
+
+    /// Prompts from four shared prefixes with short distinct tails, so requests hit,
+    /// miss and evict each other's blocks in every tier.
+    fn prompt_of(family: u32, tail: u32, blocks: usize) -> Vec<u32> {
+        let mut p = prompt(100 + family, blocks * BS);
+        p.extend(prompt(1000 + tail, 3));
+        p
+    }
+
+    /// What the events say each tier holds.
+    fn replay(events: &[KvEvent]) -> BTreeSet<(u64, Medium)> {
+        let mut held = BTreeSet::new();
+        for e in events {
+            match &e.kind {
+                KvEventKind::Stored {
+                    block_hashes,
+                    medium,
+                    ..
+                } => {
+                    for h in block_hashes {
+                        held.insert((h.0, *medium));
+                    }
+                }
+                KvEventKind::Removed {
+                    block_hashes,
+                    medium,
+                } => {
+                    for h in block_hashes {
+                        held.remove(&(h.0, *medium));
+                    }
+                }
+                KvEventKind::Cleared => held.clear(),
+            }
+        }
+        held
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+        /// Whatever the order of requests and however blocks move between the pool,
+        /// host memory and disk: every request's logits equal a cold run's (no block
+        /// is served after it left every tier, none is torn), the pool's invariants
+        /// hold after every step, and the events describe exactly what the cache
+        /// dump lists, tier by tier.
+        #[test]
+        fn tiers_never_serve_a_wrong_block(
+            reqs in proptest::collection::vec((0u32..4, 0u32..3, 1usize..6), 1..8),
+            pool in 8usize..12,
+            host_blocks in 0usize..4,
+        ) {
+            let m = model();
+            let dir = tempfile::tempdir().expect("tempdir");
+            let mut e = engine(&m, pool);
+            let sink = RecordingSink::new();
+            e.set_event_sink(Arc::new(sink.clone()));
+            let cfg = TierConfig {
+                host_bytes: host_bytes(&e, host_blocks.max(1)),
+                disk: Some(DiskTierConfig { dir: dir.path().to_path_buf(), max_bytes: 6 * (e.block_format().1 as u64 + 64) }),
+            };
+            e.set_kv_tiers(&cfg).expect("tiers");
+            let mut reference: HashMap<(u32, u32, usize), Vec<f32>> = HashMap::new();
+            for (i, &(family, tail, blocks)) in reqs.iter().enumerate() {
+                let p = prompt_of(family, tail, blocks);
+                let want = reference
+                    .entry((family, tail, blocks))
+                    .or_insert_with(|| cold(&m, &p))
+                    .clone();
+                let got = run(&mut e, 100 + i as u64, &p);
+                prop_assert!(max_diff(&got.logits, &want) <= 1e-5, "request {i} logits differ");
+                prop_assert!(got.cached <= blocks * BS);
+                prop_assert!(got.host + got.disk <= got.cached);
+            }
+            prop_assert!(e.flush_tiers(Duration::from_secs(10)));
+            let dumped: BTreeSet<(u64, Medium)> = e
+                .cache_dump()
+                .into_iter()
+                .map(|d: DumpedBlock| (d.hash.0, d.medium))
+                .collect();
+            prop_assert_eq!(replay(&sink.events()), dumped);
+        }
+    }
+}
