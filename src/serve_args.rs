@@ -81,7 +81,21 @@ pub struct EngineArgs {
     /// Most prompt tokens one sequence runs per step.
     #[arg(long, default_value_t = 1024)]
     pub max_prefill_chunk: usize,
+    /// Host memory (GiB) per worker for KV blocks evicted from the pool: they are
+    /// demoted there and promoted back on a prefix hit instead of being recomputed.
+    /// 0 turns the tiers off.
+    #[arg(long, default_value_t = 0.0)]
+    pub host_cache_gib: f64,
+    /// Directory for a disk tier below the host tier (each worker uses its own
+    /// subdirectory, emptied at start). Needs --host-cache-gib.
+    #[arg(long)]
+    pub disk_cache_dir: Option<std::path::PathBuf>,
+    /// Most GiB of block files per worker in --disk-cache-dir.
+    #[arg(long, default_value_t = 16.0)]
+    pub disk_cache_gib: f64,
 }
+
+const GIB: f64 = (1u64 << 30) as f64;
 
 impl EngineArgs {
     /// A worker configuration with these sizes.
@@ -97,6 +111,16 @@ impl EngineArgs {
         c.max_num_seqs = self.max_num_seqs;
         c.max_batched_tokens = self.max_batched_tokens;
         c.max_prefill_chunk = self.max_prefill_chunk;
+        c.kv_tiers = kvfleet_engine::TierConfig {
+            host_bytes: (self.host_cache_gib.max(0.0) * GIB) as usize,
+            disk: self
+                .disk_cache_dir
+                .as_ref()
+                .map(|dir| kvfleet_engine::DiskTierConfig {
+                    dir: dir.join(&c.worker_id),
+                    max_bytes: (self.disk_cache_gib.max(0.0) * GIB) as u64,
+                }),
+        };
         c
     }
 }

@@ -2,7 +2,7 @@
 //! batches, and how many KV events it keeps for late subscribers.
 
 use crate::error::WorkerError;
-use kvfleet_engine::{Device, EngineConfig, KvPool, LoadedModel};
+use kvfleet_engine::{Device, EngineConfig, KvPool, LoadedModel, TierConfig};
 use std::time::Duration;
 
 /// Faults the engine thread injects on purpose, for fault tests only (set directly, or
@@ -93,6 +93,8 @@ pub struct WorkerConfig {
     pub stream_buffer: usize,
     /// Faults to inject (tests only; none by default).
     pub faults: EngineFaults,
+    /// Host and disk tiers below the KV pool (none by default).
+    pub kv_tiers: TierConfig,
 }
 
 impl WorkerConfig {
@@ -115,6 +117,7 @@ impl WorkerConfig {
             command_queue_capacity: 1024,
             stream_buffer: 64,
             faults: EngineFaults::default(),
+            kv_tiers: TierConfig::default(),
         }
     }
 

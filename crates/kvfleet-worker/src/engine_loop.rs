@@ -27,6 +27,7 @@ use crate::engine_state::EngineState;
 use crate::error::WorkerError;
 use crate::event_log::EventLog;
 use crate::outbox::{Delivery, Outbox};
+use crate::tier_metrics::TierMetrics;
 use kvfleet_core::{hash_blocks, TokenId};
 use kvfleet_engine::{
     load_model, new_backend, Engine, EngineError, FinishReason, ForkChild, ForkRequest,
@@ -143,6 +144,7 @@ fn build_engine(
         Some(Arc::clone(&model.tokenizer)),
     )?;
     engine.set_event_sink(events);
+    engine.set_kv_tiers(&config.kv_tiers)?;
     let mc = engine.model_config();
     let info = pb::InfoResponse {
         worker_id: config.worker_id.clone(),
@@ -237,6 +239,7 @@ struct EngineLoop {
     /// (the guard `Engine::run_to_completion` uses too).
     progress: ProgressGuard,
     metrics: EngineMetrics,
+    tier_metrics: TierMetrics,
     faults: EngineFaults,
     /// Engine steps run so far (for `EngineFaults::panic_after_steps`).
     steps: u64,
@@ -280,6 +283,7 @@ impl EngineLoop {
             next_id: 1,
             progress: ProgressGuard::new(),
             metrics: EngineMetrics::new(worker_id),
+            tier_metrics: TierMetrics::new(worker_id),
             faults,
             steps: 0,
             state,
@@ -374,6 +378,9 @@ impl EngineLoop {
     fn publish_load(&mut self) {
         let load = self.engine.load();
         self.metrics.update(&load, self.engine.stats());
+        if let Some(t) = self.engine.tier_stats() {
+            self.tier_metrics.update(&t);
+        }
         self.state.publish_load(LoadSnapshot {
             load,
             stats: self.engine.stats().clone(),

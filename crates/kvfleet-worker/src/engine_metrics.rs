@@ -9,6 +9,7 @@ use metrics::{Counter, Gauge, Histogram};
 /// Registers help texts for the worker-side metrics with the installed recorder.
 /// Call after installing an exporter; without one it does nothing.
 pub fn describe_metrics() {
+    crate::tier_metrics::describe_tier_metrics();
     describe_gauge!("kvfleet_worker_running", "Sequences running on a worker.");
     describe_gauge!("kvfleet_worker_waiting", "Sequences queued on a worker.");
     describe_gauge!("kvfleet_worker_free_blocks", "Free KV blocks on a worker.");

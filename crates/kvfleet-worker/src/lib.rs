@@ -34,6 +34,7 @@ pub mod event_log;
 mod outbox;
 pub mod server;
 pub mod service;
+mod tier_metrics;
 
 pub use config::{EngineFaults, WorkerConfig, WorkerModel};
 pub use engine_health::{EngineHealth, EngineStatus};
@@ -46,3 +47,4 @@ pub use server::{
 pub use service::{
     EventStreamCloser, ForkStream, GenerateStream, KvEventStream, WorkerService, MAX_FORK_CHILDREN,
 };
+pub use tier_metrics::describe_tier_metrics;

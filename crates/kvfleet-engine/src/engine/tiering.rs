@@ -19,6 +19,11 @@ impl Engine {
     /// backend cannot copy blocks out, or the disk directory cannot be used.
     pub fn set_kv_tiers(&mut self, cfg: &TierConfig) -> Result<()> {
         if !cfg.enabled() {
+            if cfg.disk.is_some() {
+                return Err(EngineError::Config(
+                    "a disk KV tier needs a host tier above it (--host-cache-gib)".into(),
+                ));
+            }
             self.tiers = None;
             return Ok(());
         }
