@@ -166,6 +166,11 @@ pub struct RoutingArgs {
     /// turn tokenizes only its tail); past it the least recently used goes.
     #[arg(long, default_value_t = kvfleet_router::fleet::DEFAULT_TOKENIZER_MEMO_BYTES)]
     pub tokenizer_memo_bytes: usize,
+    /// Hint the chosen worker to pull a prompt's prefix blocks from the worker that
+    /// holds them (gRPC FetchBlocks) when that one holds at least this many more
+    /// blocks; 0 (the default) recomputes them instead.
+    #[arg(long, default_value_t = 0)]
+    pub peer_pull_min_blocks: usize,
     /// On SIGTERM, how long (s) streams in flight may take to finish before exit.
     #[arg(long, default_value_t = 30)]
     pub drain_timeout: u64,
@@ -198,6 +203,7 @@ impl RoutingArgs {
             },
             session_memory_bytes: self.session_memory_bytes,
             tokenizer_memo_bytes: self.tokenizer_memo_bytes,
+            peer_pull_min_blocks: self.peer_pull_min_blocks,
             ..FleetConfig::default()
         }
     }

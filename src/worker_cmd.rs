@@ -42,6 +42,14 @@ pub struct WorkerArgs {
     /// run (the worker must then leave routing and exit non-zero).
     #[arg(long, hide = true)]
     fault_panic_after_steps: Option<u64>,
+    /// Fault test hook: exit (as if killed) after sending this many blocks of a
+    /// FetchBlocks stream to a peer.
+    #[arg(long, hide = true)]
+    fault_exit_mid_fetch: Option<usize>,
+    /// TLS for pulling blocks from peer workers that serve TLS (--worker-tls-ca, and a
+    /// client certificate where peers require one).
+    #[command(flatten)]
+    peer_tls: crate::tls_args::WorkerClientTlsArgs,
 }
 
 /// After the engine has failed, how long the gRPC server may take to deliver the
@@ -80,6 +88,8 @@ pub fn run(args: WorkerArgs) -> Result<()> {
             .engine
             .worker_config(id.clone(), WorkerModel::Loaded(model));
         config.faults.panic_after_steps = args.fault_panic_after_steps;
+        config.faults.exit_mid_fetch_after = args.fault_exit_mid_fetch;
+        config.peer_tls = args.peer_tls.client_config()?;
         // Load the model before announcing the address, so whoever reads it can connect.
         let service = WorkerService::start(config)
             .await

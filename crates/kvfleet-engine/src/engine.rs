@@ -181,6 +181,8 @@ pub struct EngineStats {
     pub preemptions: u64,
     /// Disk reads of promoted prefix blocks that landed (progress without a step).
     pub tier_loads: u64,
+    /// Prefix blocks imported from peer workers for requests.
+    pub peer_blocks: u64,
 }
 
 /// A continuous-batching engine over one backend.

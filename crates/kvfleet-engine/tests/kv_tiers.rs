@@ -339,3 +339,49 @@ mod props {
         }
     }
 }
+
+#[test]
+fn blocks_exported_by_one_engine_and_imported_by_another_give_the_cold_logits() {
+    let m = model();
+    let a = prompt(1, 5 * BS + 3);
+    let want = cold(&m, &a);
+    let mut holder = engine(&m, 16);
+    run(&mut holder, 1, &a);
+    let hashes = kvfleet_core::hash_blocks(holder.namespace_seed(""), &a, BS);
+    let blocks = holder.export_blocks(&hashes).expect("export");
+    assert_eq!(blocks.len(), 5, "every full block of A is exported");
+    assert_eq!(blocks[1].parent, Some(hashes[0]));
+
+    let mut puller = engine(&m, 16);
+    puller.set_logits_capture(true);
+    let params = SamplingParams {
+        max_tokens: 1,
+        ignore_eos: true,
+        ..SamplingParams::default()
+    };
+    puller
+        .add_request(Request::new(7, a.clone(), params))
+        .expect("add");
+    assert_eq!(puller.stage_peer_blocks(7, &blocks), 5);
+    let mut got = None;
+    while puller.has_unfinished() {
+        for o in puller.step().expect("step") {
+            if o.logits.is_some() {
+                got = Some(o);
+            }
+        }
+    }
+    let o = got.expect("a sampled token");
+    assert_eq!(o.cached_tokens, 5 * BS);
+    assert_eq!(o.promoted.peer, 5 * BS);
+    let d = max_diff(o.logits.as_deref().unwrap_or_default(), &want);
+    assert!(d <= 1e-5, "peer-imported prefix changes the logits by {d}");
+    // A block of the wrong size is refused, not imported.
+    let mut bad = blocks[0].clone();
+    bad.bytes = std::sync::Arc::from(&bad.bytes[1..]);
+    let mut other = engine(&m, 16);
+    other
+        .add_request(Request::new(8, a.clone(), SamplingParams::default()))
+        .expect("add");
+    assert_eq!(other.stage_peer_blocks(8, &[bad]), 0);
+}

@@ -114,8 +114,9 @@ impl Drop for InflightGuard {
 /// Routes and starts `spec`, retrying elsewhere while no worker has started it.
 pub async fn dispatch(fleet: &Arc<Fleet>, spec: &GenerationSpec) -> Result<Dispatched, ApiError> {
     let block_size = fleet.config.router.block_size as u32;
-    dispatch_with(fleet, spec, |conn| {
+    dispatch_with(fleet, spec, |conn, pull| {
         let req = pb::GenerateRequest {
+            pull,
             request_id: spec.request_id.clone(),
             model: String::new(),
             token_ids: spec.token_ids.clone(),
@@ -130,6 +131,37 @@ pub async fn dispatch(fleet: &Arc<Fleet>, spec: &GenerationSpec) -> Result<Dispa
         async move { conn.generate(req).await }
     })
     .await
+}
+
+/// The pull hint for `decision`: when another worker holds at least
+/// `peer_pull_min_blocks` more of the prompt's reusable blocks than the chosen one
+/// (the policy preferred the chosen one for its load), the chosen one fetches those
+/// blocks from it instead of recomputing them.
+fn peer_pull(
+    fleet: &Fleet,
+    spec: &GenerationSpec,
+    decision: &RouteDecision,
+) -> Option<pb::PeerPull> {
+    let min = fleet.config.peer_pull_min_blocks;
+    if min == 0 {
+        return None;
+    }
+    let bs = fleet.routing.block_size().max(1);
+    // The block of the last prompt token is always computed.
+    let reusable = (spec.token_ids.len().saturating_sub(1) / bs).min(spec.hashes.len());
+    let (holder, depth) = fleet.routing.deepest_holder(&spec.hashes)?;
+    let depth = depth.min(reusable);
+    let have = decision.matched_blocks.min(depth);
+    if *holder == *decision.worker || depth < have + min {
+        return None;
+    }
+    let conn = fleet.conn(&holder)?;
+    m::peer_pull(&decision.worker, &holder, depth - have);
+    Some(pb::PeerPull {
+        peer_endpoint: conn.endpoint.clone(),
+        first_block: u32::try_from(have).ok()?,
+        end_block: u32::try_from(depth).ok()?,
+    })
 }
 
 /// A message of a worker's response stream, which may be its acknowledgement.
@@ -160,7 +192,7 @@ pub async fn dispatch_with<T, F, Fut>(
 ) -> Result<Dispatched<T>, ApiError>
 where
     T: prost::Message + Default + WorkerMessage + 'static,
-    F: Fn(WorkerConn) -> Fut,
+    F: Fn(WorkerConn, Option<pb::PeerPull>) -> Fut,
     Fut: Future<Output = Result<tonic::Streaming<T>, tonic::Status>>,
 {
     let started = Instant::now();
@@ -251,8 +283,9 @@ where
             last_error = format!("worker {worker} is not connected");
             continue;
         };
+        let pull = peer_pull(fleet, spec, &decision);
         let call = async {
-            let mut stream = start(conn.clone()).await?;
+            let mut stream = start(conn.clone(), pull).await?;
             let first = stream.message().await?;
             Ok::<_, tonic::Status>((stream, first))
         };

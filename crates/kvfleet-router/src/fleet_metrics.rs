@@ -101,6 +101,14 @@ fn describe() {
         "Whole request latency, seen by the router."
     );
     describe_counter!(
+        "kvfleet_peer_pulls_total",
+        "Requests sent with a hint to pull prefix blocks from the worker holding them."
+    );
+    describe_counter!(
+        "kvfleet_peer_pull_hinted_blocks_total",
+        "Prefix blocks requests were hinted to pull from a peer instead of recomputing."
+    );
+    describe_counter!(
         "kvfleet_retries_total",
         "Requests retried on another worker before they started."
     );
@@ -236,6 +244,14 @@ pub fn prefix_break(reason: &'static str) {
 pub fn agent_status(mode: &'static str, tokens: usize) {
     counter!("kvfleet_agent_status_requests_total", "mode" => mode).increment(1);
     counter!("kvfleet_agent_status_tokens_total", "mode" => mode).increment(tokens as u64);
+}
+
+/// A request sent to `worker` with a hint to pull `blocks` prefix blocks from `holder`.
+pub fn peer_pull(worker: &str, holder: &str, blocks: usize) {
+    counter!("kvfleet_peer_pulls_total", "worker" => worker.to_string(), "holder" => holder.to_string())
+        .increment(1);
+    counter!("kvfleet_peer_pull_hinted_blocks_total", "worker" => worker.to_string())
+        .increment(blocks as u64);
 }
 
 /// A request retried elsewhere before it started.

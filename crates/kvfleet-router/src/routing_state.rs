@@ -12,7 +12,7 @@ use kvfleet_routing::{
     RouteDecision, RouteError, RouterConfig, RouterKvEvent, RouterSnapshot, UnknownWorker,
     WorkerIdx, WorkerLoad,
 };
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 /// The routing core, shared by request handlers, worker supervisors and the
@@ -130,6 +130,15 @@ impl RoutingState {
     /// The last event seq applied for worker `id`.
     pub fn last_seq(&self, id: &str) -> Option<u64> {
         lock(&self.kv).last_seq(id)
+    }
+
+    /// The worker holding the longest prefix of `hashes` and its depth in blocks, if
+    /// any worker holds the first block.
+    pub fn deepest_holder(&self, hashes: &[BlockHash]) -> Option<(Arc<str>, usize)> {
+        let kv = lock(&self.kv);
+        let m = kv.index().find_matches(hashes);
+        let best = m.iter().max_by_key(|w| w.depth)?;
+        Some((kv.worker_name(best.worker)?.clone(), best.depth))
     }
 
     /// Worker `id`'s blocks as the index has them, or `None` if it is not in routing.

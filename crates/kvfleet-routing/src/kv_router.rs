@@ -261,6 +261,11 @@ impl KvRouter {
         self.registry.get(id)
     }
 
+    /// The id of the worker at `idx`, if one is registered there.
+    pub fn worker_name(&self, idx: WorkerIdx) -> Option<&Arc<str>> {
+        self.registry.name(idx)
+    }
+
     /// The prefix index (read-only).
     pub fn index(&self) -> &PrefixIndex {
         &self.index

@@ -36,6 +36,8 @@ pub(crate) struct GenerateCommand {
     pub report_acceptance: bool,
     /// Told whether the engine accepted the request.
     pub accepted: oneshot::Sender<Result<(), Status>>,
+    /// Prefix blocks pulled from a peer, to import for this request.
+    pub pulled: Vec<kvfleet_engine::KvBlockPayload>,
 }
 
 /// A validated `Fork` call, on its way to the engine.
@@ -89,6 +91,11 @@ pub(crate) enum Command {
     /// Abort a request (or a fork) by its gRPC id. Nobody waits for it: the handler
     /// answers from the engine's published state at once.
     Abort { request_id: String },
+    /// Copy out the leading run of these blocks the engine holds, for a peer.
+    Export {
+        hashes: Vec<u64>,
+        reply: oneshot::Sender<Vec<kvfleet_engine::KvBlockPayload>>,
+    },
 }
 
 /// The gRPC side's end of the command queue.

@@ -14,6 +14,9 @@ pub struct EngineFaults {
     /// Panic on the engine thread once this many engine steps have run (an engine
     /// bug), before the next step: the worker must leave routing and exit.
     pub panic_after_steps: Option<u64>,
+    /// Exit the process (as if killed) after sending this many blocks of a
+    /// `FetchBlocks` stream: a peer dying mid-transfer.
+    pub exit_mid_fetch_after: Option<usize>,
 }
 
 /// The model a worker serves.
@@ -95,6 +98,8 @@ pub struct WorkerConfig {
     pub faults: EngineFaults,
     /// Host and disk tiers below the KV pool (none by default).
     pub kv_tiers: TierConfig,
+    /// TLS for pulling blocks from `https://` peers (`FetchBlocks`).
+    pub peer_tls: Option<tonic::transport::ClientTlsConfig>,
 }
 
 impl WorkerConfig {
@@ -118,6 +123,7 @@ impl WorkerConfig {
             stream_buffer: 64,
             faults: EngineFaults::default(),
             kv_tiers: TierConfig::default(),
+            peer_tls: None,
         }
     }
 

@@ -215,6 +215,7 @@ mod tests {
                 prompt_tokens: 3,
                 cached_tokens: 0,
                 completion_tokens: 1,
+                ..Default::default()
             }),
             ..Default::default()
         };

@@ -155,6 +155,8 @@ fn build_engine(
         vocab_size: u32_of(mc.vocab_size),
         device,
         max_num_seqs: u32_of(config.max_num_seqs),
+        kv_block_format: engine.block_format().0.to_string(),
+        kv_block_bytes: engine.block_format().1 as u64,
     };
     Ok((engine, info))
 }
@@ -171,6 +173,8 @@ struct Active {
     first_output_at: Option<Instant>,
     prompt_tokens: usize,
     cached_tokens: usize,
+    /// The part of `cached_tokens` promoted from a lower tier or a peer.
+    promoted: kvfleet_engine::PromotedTokens,
     completion_tokens: usize,
 }
 
@@ -180,6 +184,9 @@ impl Active {
             prompt_tokens: u32_of(self.prompt_tokens),
             cached_tokens: u32_of(self.cached_tokens),
             completion_tokens: u32_of(self.completion_tokens),
+            host_cached_tokens: u32_of(self.promoted.host),
+            disk_cached_tokens: u32_of(self.promoted.disk),
+            peer_cached_tokens: u32_of(self.promoted.peer),
         }
     }
 
@@ -390,6 +397,11 @@ impl EngineLoop {
     fn handle(&mut self, cmd: Command) {
         match cmd {
             Command::Generate(g) => self.start(*g),
+            Command::Export { hashes, reply } => {
+                let hashes: Vec<_> = hashes.into_iter().map(kvfleet_core::BlockHash).collect();
+                // A backend that cannot copy out exports nothing: the peer recomputes.
+                let _ = reply.send(self.engine.export_blocks(&hashes).unwrap_or_default());
+            }
             Command::Fork(f) => self.start_fork(*f),
             Command::Abort { request_id } => {
                 self.abort_by_name(&request_id);
@@ -443,6 +455,7 @@ impl EngineLoop {
             stream,
             report_acceptance,
             accepted,
+            pulled,
         } = cmd;
         if stream.is_closed() {
             let _ = accepted.send(Err(Status::cancelled("the client went away")));
@@ -478,6 +491,9 @@ impl EngineLoop {
             let _ = accepted.send(Err(engine_status(e)));
             return;
         }
+        if !pulled.is_empty() {
+            self.engine.stage_peer_blocks(id, &pulled);
+        }
         // Live before the caller hears of it, so an `Abort` right after finds it.
         self.state.started(&name);
         if accepted.send(Ok(())).is_err() {
@@ -512,6 +528,7 @@ impl EngineLoop {
                 first_output_at: None,
                 prompt_tokens,
                 cached_tokens: 0,
+                promoted: Default::default(),
                 completion_tokens: 0,
             },
         );
@@ -650,6 +667,7 @@ impl EngineLoop {
                     first_output_at: None,
                     prompt_tokens,
                     cached_tokens: 0,
+                    promoted: Default::default(),
                     completion_tokens: 0,
                 },
             );
@@ -842,6 +860,7 @@ impl EngineLoop {
         };
         a.prompt_tokens = o.prompt_tokens;
         a.cached_tokens = o.cached_tokens;
+        a.promoted = o.promoted;
         let mut msg = pb::GenerateResponse {
             token_ids: o.token.into_iter().collect(),
             text: o.text,

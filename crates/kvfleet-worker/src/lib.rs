@@ -32,6 +32,7 @@ mod engine_state;
 pub mod error;
 pub mod event_log;
 mod outbox;
+pub mod peer_pull;
 pub mod server;
 pub mod service;
 mod tier_metrics;

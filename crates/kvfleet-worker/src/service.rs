@@ -12,6 +12,7 @@ use crate::engine_loop;
 use crate::engine_state::EngineState;
 use crate::error::WorkerError;
 use crate::event_log::EventLog;
+use crate::peer_pull::{PeerPuller, MAX_PULL_BLOCKS};
 use futures::Stream;
 use kvfleet_proto::kv_events::medium_to_wire;
 use kvfleet_proto::v1 as pb;
@@ -52,7 +53,12 @@ pub struct WorkerService {
     stopped: watch::Receiver<()>,
     state: Arc<EngineState>,
     health: EngineHealth,
+    peers: Arc<PeerPuller>,
+    exit_mid_fetch_after: Option<usize>,
 }
+
+/// The `FetchBlocks` response stream.
+pub type FetchBlocksStream = ReceiverStream<Result<pb::KvBlockData, Status>>;
 
 /// Ends the live `KvEvents` streams of a worker (with UNAVAILABLE), which would
 /// otherwise keep a graceful shutdown waiting forever. `Generate` streams are left to
@@ -100,6 +106,8 @@ impl WorkerService {
             stopped: thread.stopped,
             state: thread.state,
             health: thread.health,
+            peers: PeerPuller::new(&config.worker_id, config.peer_tls.clone()),
+            exit_mid_fetch_after: config.faults.exit_mid_fetch_after,
         })
     }
 
@@ -215,11 +223,36 @@ impl WorkerService {
     }
 }
 
+impl WorkerService {
+    /// Pulls the blocks a router's hint names from the peer holding them; whatever
+    /// arrives whole is imported, the rest is recomputed.
+    async fn pull(&self, p: &pb::PeerPull, hashes: &[u64]) -> Vec<kvfleet_engine::KvBlockPayload> {
+        let (first, end) = (p.first_block as usize, p.end_block as usize);
+        if first >= end
+            || end > hashes.len()
+            || end - first > MAX_PULL_BLOCKS
+            || self.info.kv_block_bytes == 0
+        {
+            return Vec::new();
+        }
+        self.peers
+            .pull(
+                &p.peer_endpoint,
+                &hashes[first..end],
+                &self.info.kv_block_format,
+                self.info.kv_block_bytes,
+            )
+            .await
+            .blocks
+    }
+}
+
 #[tonic::async_trait]
 impl Worker for WorkerService {
     type GenerateStream = GenerateStream;
     type ForkStream = ForkStream;
     type KvEventsStream = KvEventStream;
+    type FetchBlocksStream = FetchBlocksStream;
 
     async fn generate(
         &self,
@@ -231,10 +264,15 @@ impl Worker for WorkerService {
         let req = request.into_inner();
         self.check_request(&req.model, req.block_size, &req.block_hashes)?;
         let params = convert::sampling_params(req.sampling.as_ref())?;
+        let pulled = match &req.pull {
+            Some(p) => self.pull(p, &req.block_hashes).await,
+            None => Vec::new(),
+        };
         let (tx, rx) = mpsc::channel(self.stream_buffer);
         let (accepted_tx, accepted_rx) = oneshot::channel();
         self.engine
             .send(Command::Generate(Box::new(GenerateCommand {
+                pulled,
                 request_id: req.request_id,
                 prompt: req.token_ids,
                 block_hashes: req.block_hashes,
@@ -254,6 +292,61 @@ impl Worker for WorkerService {
                 "the worker's engine stopped before accepting the request",
             )),
         }
+    }
+
+    async fn fetch_blocks(
+        &self,
+        request: Request<pb::FetchBlocksRequest>,
+    ) -> Result<Response<Self::FetchBlocksStream>, Status> {
+        self.check_engine_running()?;
+        let req = request.into_inner();
+        if req.block_format != self.info.kv_block_format
+            || req.block_bytes != self.info.kv_block_bytes
+            || self.info.kv_block_bytes == 0
+        {
+            return Err(Status::failed_precondition(format!(
+                "this worker's KV blocks are {} bytes of {:?}; asked for {} bytes of {:?}",
+                self.info.kv_block_bytes,
+                self.info.kv_block_format,
+                req.block_bytes,
+                req.block_format
+            )));
+        }
+        if req.block_hashes.len() > MAX_PULL_BLOCKS {
+            return Err(Status::invalid_argument(format!(
+                "at most {MAX_PULL_BLOCKS} blocks per FetchBlocks call"
+            )));
+        }
+        let (reply, blocks) = oneshot::channel();
+        self.engine.send(Command::Export {
+            hashes: req.block_hashes,
+            reply,
+        })?;
+        let blocks = blocks
+            .await
+            .map_err(|_| Status::unavailable("the worker's engine stopped"))?;
+        // A few blocks in flight at a time: the payloads are already in memory, the
+        // channel only paces the sends.
+        let (tx, rx) = mpsc::channel(4);
+        let exit_after = self.exit_mid_fetch_after;
+        tokio::spawn(async move {
+            for (i, b) in blocks.into_iter().enumerate() {
+                if exit_after == Some(i) {
+                    // Fault hook: die mid-transfer, as a killed process would.
+                    std::process::exit(137);
+                }
+                let msg = pb::KvBlockData {
+                    hash: b.hash.0,
+                    parent_hash: b.parent.map(|p| p.0),
+                    checksum: xxhash_rust::xxh3::xxh3_64(&b.bytes),
+                    data: b.bytes.to_vec(),
+                };
+                if tx.send(Ok(msg)).await.is_err() {
+                    return;
+                }
+            }
+        });
+        Ok(Response::new(ReceiverStream::new(rx)))
     }
 
     async fn fork(

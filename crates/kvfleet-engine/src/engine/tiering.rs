@@ -92,22 +92,21 @@ impl Engine {
         Ok(out)
     }
 
-    /// Imports blocks (a peer's, or a test's) as cached blocks of the pool; returns
-    /// how many are cached now. Blocks of the wrong size are refused.
-    pub fn import_blocks(&mut self, blocks: &[KvBlockPayload]) -> usize {
-        const HOLDER: RequestId = RequestId::MAX - 1;
+    /// Imports a peer's blocks of request `id`'s prefix and holds them for it until it
+    /// is admitted, so they count as cached (`promoted.peer`) instead of being
+    /// recomputed. Stops at the first block that cannot be imported; returns how many
+    /// were. The request must have been added.
+    pub fn stage_peer_blocks(&mut self, id: RequestId, blocks: &[KvBlockPayload]) -> usize {
+        if !self.scheduler.seqs.contains_key(&id) {
+            return 0;
+        }
         let mut n = 0;
         for b in blocks {
-            match self.import_block(b, HOLDER) {
-                Some(id) => {
-                    self.scheduler.pool.release(id, HOLDER);
-                    if let Some(t) = self.tiers.as_mut() {
-                        t.count_promotion(Medium::Device, b.bytes.len());
-                    }
-                    n += 1;
-                }
-                None => break,
-            }
+            let Some(blk) = self.import_block(b, id) else {
+                break;
+            };
+            self.stage(id, blk, Medium::Device, b.bytes.len());
+            n += 1;
         }
         self.publish_events();
         n
@@ -210,6 +209,9 @@ impl Engine {
         }
         if let Some(t) = self.tiers.as_mut() {
             t.count_promotion(from, bytes);
+        }
+        if from == Medium::Device {
+            self.stats.peer_blocks += 1;
         }
     }
 

@@ -225,7 +225,8 @@ pub async fn forks(
         let usage_tenant = meta.usage_tenant.clone();
         async move {
             let block_size = fleet.routing.block_size() as u32;
-            let mut d = dispatch_with(&fleet, &spec, |conn| {
+            // A fork computes its prefix where it lands: no peer pull.
+            let mut d = dispatch_with(&fleet, &spec, |conn, _pull| {
                 let req = pb::ForkRequest {
                     request_id: spec.request_id.clone(),
                     model: String::new(),

@@ -167,6 +167,7 @@ fn answer(prompt_tokens: usize) -> pb::GenerateResponse {
             prompt_tokens: prompt_tokens as u32,
             cached_tokens: 0,
             completion_tokens: 1,
+            ..Default::default()
         }),
         ..Default::default()
     }
@@ -191,6 +192,7 @@ impl Worker for Fake {
     type GenerateStream = ReceiverStream<Result<pb::GenerateResponse, Status>>;
     type ForkStream = BoxStream<pb::ForkResponse>;
     type KvEventsStream = BoxStream<pb::KvEventBatch>;
+    type FetchBlocksStream = BoxStream<pb::KvBlockData>;
 
     async fn generate(
         &self,
@@ -286,6 +288,7 @@ impl Worker for Fake {
             vocab_size: 320,
             device: "fake".into(),
             max_num_seqs: 8,
+            ..Default::default()
         }))
     }
 
@@ -295,6 +298,13 @@ impl Worker for Fake {
     ) -> Result<Response<pb::AbortResponse>, Status> {
         self.counters.aborts.fetch_add(1, Ordering::SeqCst);
         Ok(Response::new(pb::AbortResponse { found: true }))
+    }
+
+    async fn fetch_blocks(
+        &self,
+        _request: Request<pb::FetchBlocksRequest>,
+    ) -> Result<Response<Self::FetchBlocksStream>, Status> {
+        Err(Status::failed_precondition("the fake worker holds no K/V"))
     }
 }
 

@@ -1,0 +1,182 @@
+//! Pulling a prompt's prefix blocks from the peer worker that holds them
+//! (`FetchBlocks`), instead of recomputing them: the worker side of a router's pull
+//! hint. Every call has a deadline; a peer that is unreachable, refuses, or dies
+//! mid-transfer yields the complete blocks received so far (a leading run of the
+//! chain), and the request recomputes the rest. Nothing here can lose the request.
+
+use kvfleet_core::BlockHash;
+use kvfleet_engine::KvBlockPayload;
+use kvfleet_proto::v1 as pb;
+use kvfleet_proto::v1::worker_client::WorkerClient;
+use metrics::counter;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tonic::transport::{Channel, ClientTlsConfig, Endpoint};
+use xxhash_rust::xxh3::xxh3_64;
+
+/// Connecting to a peer.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// The whole pull, whatever its size: past it the request recomputes the rest.
+const PULL_TIMEOUT: Duration = Duration::from_secs(10);
+/// Peers whose channel is kept (a fleet rarely has more; past it the cache restarts).
+const MAX_PEERS: usize = 256;
+/// Most blocks one pull asks for.
+pub const MAX_PULL_BLOCKS: usize = 4096;
+
+/// Clients of the peers this worker pulled from, reused across requests.
+pub struct PeerPuller {
+    worker: String,
+    tls: Option<ClientTlsConfig>,
+    clients: Mutex<HashMap<String, WorkerClient<Channel>>>,
+}
+
+/// What a pull brought back.
+pub struct Pulled {
+    /// Complete, checksummed blocks: a leading run of the hashes asked for.
+    pub blocks: Vec<KvBlockPayload>,
+    /// Why it stopped short, if it did.
+    pub error: Option<String>,
+}
+
+impl PeerPuller {
+    /// A puller for worker `worker` (its metrics label), with the TLS client config
+    /// used for `https://` peers.
+    pub fn new(worker: &str, tls: Option<ClientTlsConfig>) -> Arc<Self> {
+        Arc::new(Self {
+            worker: worker.to_string(),
+            tls,
+            clients: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// Pulls `hashes` (a chain) from `endpoint`, expecting blocks of `format` and
+    /// `bytes` each.
+    pub async fn pull(&self, endpoint: &str, hashes: &[u64], format: &str, bytes: u64) -> Pulled {
+        let w = self.worker.clone();
+        let res = tokio::time::timeout(
+            PULL_TIMEOUT,
+            self.pull_inner(endpoint, hashes, format, bytes),
+        )
+        .await;
+        let (blocks, error) = match res {
+            Ok(p) => (p.blocks, p.error),
+            Err(_) => (Vec::new(), Some(format!("pull from {endpoint} timed out"))),
+        };
+        counter!("kvfleet_worker_peer_pull_blocks_total", "worker" => w.clone())
+            .increment(blocks.len() as u64);
+        counter!("kvfleet_worker_peer_pull_bytes_total", "worker" => w.clone())
+            .increment(blocks.iter().map(|b| b.bytes.len() as u64).sum());
+        if let Some(e) = &error {
+            counter!("kvfleet_worker_peer_pull_failures_total", "worker" => w).increment(1);
+            tracing::warn!(worker = %self.worker, peer = %endpoint, got = blocks.len(), want = hashes.len(), "peer pull stopped short: {e}");
+        }
+        Pulled { blocks, error }
+    }
+
+    async fn pull_inner(&self, endpoint: &str, hashes: &[u64], format: &str, bytes: u64) -> Pulled {
+        let mut blocks = Vec::new();
+        let mut client = match self.client(endpoint).await {
+            Ok(c) => c,
+            Err(e) => {
+                return Pulled {
+                    blocks,
+                    error: Some(e),
+                }
+            }
+        };
+        let req = pb::FetchBlocksRequest {
+            block_hashes: hashes.to_vec(),
+            block_format: format.to_string(),
+            block_bytes: bytes,
+        };
+        let mut stream = match client.fetch_blocks(req).await {
+            Ok(s) => s.into_inner(),
+            Err(s) => {
+                self.forget(endpoint);
+                return Pulled {
+                    blocks,
+                    error: Some(format!("FetchBlocks: {}", s.message())),
+                };
+            }
+        };
+        loop {
+            match stream.message().await {
+                Ok(Some(b)) => {
+                    let i = blocks.len();
+                    let ok = hashes.get(i) == Some(&b.hash)
+                        && b.data.len() as u64 == bytes
+                        && xxh3_64(&b.data) == b.checksum;
+                    if !ok {
+                        return Pulled {
+                            blocks,
+                            error: Some(format!(
+                                "block {i} from the peer is not the one asked for, or damaged"
+                            )),
+                        };
+                    }
+                    blocks.push(KvBlockPayload {
+                        hash: BlockHash(b.hash),
+                        parent: b.parent_hash.map(BlockHash),
+                        bytes: Arc::from(b.data),
+                    });
+                }
+                Ok(None) => {
+                    return Pulled {
+                        blocks,
+                        error: None,
+                    }
+                }
+                Err(s) => {
+                    // The peer died or the link broke mid-transfer: keep what is whole.
+                    self.forget(endpoint);
+                    return Pulled {
+                        blocks,
+                        error: Some(format!("transfer broke: {}", s.message())),
+                    };
+                }
+            }
+        }
+    }
+
+    async fn client(&self, endpoint: &str) -> Result<WorkerClient<Channel>, String> {
+        if let Some(c) = kvfleet_core::sync::lock(&self.clients).get(endpoint) {
+            return Ok(c.clone());
+        }
+        let uri = if endpoint.contains("://") {
+            endpoint.to_string()
+        } else if self.tls.is_some() {
+            format!("https://{endpoint}")
+        } else {
+            format!("http://{endpoint}")
+        };
+        let mut ep = Endpoint::from_shared(uri.clone())
+            .map_err(|e| format!("bad peer endpoint {uri}: {e}"))?;
+        if uri.starts_with("https://") {
+            let Some(tls) = &self.tls else {
+                return Err(format!(
+                    "peer {uri} needs TLS and this worker has no --worker-tls-ca"
+                ));
+            };
+            ep = ep
+                .tls_config(tls.clone())
+                .map_err(|e| format!("peer TLS: {e}"))?;
+        }
+        let ep = ep.connect_timeout(CONNECT_TIMEOUT).tcp_nodelay(true);
+        let channel = tokio::time::timeout(CONNECT_TIMEOUT, ep.connect())
+            .await
+            .map_err(|_| format!("connecting to peer {uri} timed out"))?
+            .map_err(|e| format!("cannot connect to peer {uri}: {e}"))?;
+        let client = WorkerClient::new(channel).max_decoding_message_size(64 << 20);
+        let mut map = kvfleet_core::sync::lock(&self.clients);
+        if map.len() >= MAX_PEERS {
+            map.clear();
+        }
+        map.insert(endpoint.to_string(), client.clone());
+        Ok(client)
+    }
+
+    fn forget(&self, endpoint: &str) {
+        kvfleet_core::sync::lock(&self.clients).remove(endpoint);
+    }
+}
