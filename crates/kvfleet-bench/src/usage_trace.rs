@@ -79,6 +79,7 @@ mod tests {
             model: "tiny".into(),
             prompt_tokens: prompt,
             cached_tokens: 0,
+            cached_by_tier: Default::default(),
             output_tokens: 4,
             worker: "w0".into(),
             ttft_ms: 3.5,

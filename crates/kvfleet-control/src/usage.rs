@@ -2,6 +2,7 @@
 //! timing and block hash ids — never prompt or output text.
 
 use crate::error::{ControlError, Result};
+use kvfleet_core::kv_events::PromotedTokens;
 use serde::{Deserialize, Serialize};
 
 /// One served request.
@@ -15,6 +16,10 @@ pub struct UsageRecord {
     pub prompt_tokens: u64,
     /// Prompt tokens served from the worker's cache.
     pub cached_tokens: u64,
+    /// The part of `cached_tokens` promoted from the worker's host or disk tier, or
+    /// pulled from a peer, instead of found in its device pool.
+    #[serde(default, skip_serializing_if = "PromotedTokens::is_empty")]
+    pub cached_by_tier: PromotedTokens,
     /// Generated tokens.
     pub output_tokens: u64,
     /// Serving worker.

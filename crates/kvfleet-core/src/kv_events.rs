@@ -72,6 +72,33 @@ pub enum KvEventKind {
     Cleared,
 }
 
+/// Prompt tokens a request found cached below a worker's device pool, by where they
+/// came from; they are part of its `cached_tokens`. Usage records carry it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PromotedTokens {
+    /// From the host-memory tier.
+    #[serde(default)]
+    pub host: usize,
+    /// From the disk tier.
+    #[serde(default)]
+    pub disk: usize,
+    /// From a peer worker.
+    #[serde(default)]
+    pub peer: usize,
+}
+
+impl PromotedTokens {
+    /// All promoted tokens.
+    pub fn total(&self) -> usize {
+        self.host + self.disk + self.peer
+    }
+
+    /// Whether nothing was promoted (usage records then leave the field out).
+    pub fn is_empty(&self) -> bool {
+        self.total() == 0
+    }
+}
+
 /// One KV event with its per-worker sequence number (1, 2, 3, … without gaps).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct KvEvent {

@@ -337,6 +337,10 @@ pub struct CompletionRequest {
 pub struct PromptTokensDetails {
     /// Prompt tokens served from the prefix cache.
     pub cached_tokens: usize,
+    /// The part of `cached_tokens` promoted from a lower tier or a peer: kept for the
+    /// usage records, not part of the OpenAI body.
+    #[serde(skip)]
+    pub promoted: crate::kv_events::PromotedTokens,
 }
 
 /// Token accounting of a response.

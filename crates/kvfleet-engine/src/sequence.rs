@@ -88,24 +88,7 @@ pub struct Sequence {
     pub promoted: PromotedTokens,
 }
 
-/// Prompt tokens a request found cached below the device pool, by where they came
-/// from; they are part of its `cached_tokens`.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
-pub struct PromotedTokens {
-    /// From the host-memory tier.
-    pub host: usize,
-    /// From the disk tier.
-    pub disk: usize,
-    /// From a peer worker.
-    pub peer: usize,
-}
-
-impl PromotedTokens {
-    /// All promoted tokens.
-    pub fn total(&self) -> usize {
-        self.host + self.disk + self.peer
-    }
-}
+pub use kvfleet_core::kv_events::PromotedTokens;
 
 impl Sequence {
     /// The text still held back when the sequence ends at a length limit: the

@@ -35,6 +35,8 @@ pub struct RequestUsage {
     pub prompt_tokens: u64,
     /// Prompt tokens served from cache.
     pub cached_tokens: u64,
+    /// The part of it promoted from a lower tier or a peer, by tier.
+    pub promoted: kvfleet_core::kv_events::PromotedTokens,
     /// Generated tokens.
     pub output_tokens: u64,
     /// Serving worker.

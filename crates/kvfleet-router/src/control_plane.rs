@@ -486,6 +486,7 @@ impl ControlHooks for RouterControl {
             model: u.model,
             prompt_tokens: u.prompt_tokens,
             cached_tokens: u.cached_tokens,
+            cached_by_tier: u.promoted,
             output_tokens: u.output_tokens,
             worker: u.worker,
             ttft_ms: u.ttft.map_or(0.0, |t| t.as_secs_f64() * 1000.0),
@@ -642,6 +643,10 @@ mod tests {
             model: "m".into(),
             prompt_tokens: 100,
             cached_tokens: 64,
+            promoted: kvfleet_core::kv_events::PromotedTokens {
+                host: 32,
+                ..Default::default()
+            },
             output_tokens: 5,
             worker: "w0".into(),
             ttft: Some(Duration::from_millis(250)),
@@ -657,6 +662,10 @@ mod tests {
             (100, 64, 5)
         );
         assert_eq!(rec.worker, "w0");
+        assert_eq!(
+            rec.cached_by_tier.host, 32,
+            "the tier split reaches the record"
+        );
         assert!((rec.ttft_ms - 250.0).abs() < 1e-9, "{}", rec.ttft_ms);
         assert_eq!(rec.block_hashes, vec![1, 2, 3, 4]);
         assert_eq!(rec.fork_group.as_deref(), Some("g"));

@@ -547,6 +547,7 @@ pub fn report_usage<T>(fleet: &Fleet, d: &Dispatched<T>, usage: &Usage, ttft: Op
         model: fleet.model().map(|m| m.0).unwrap_or_default(),
         prompt_tokens: usage.prompt_tokens as u64,
         cached_tokens: usage.prompt_tokens_details.cached_tokens as u64,
+        promoted: usage.prompt_tokens_details.promoted,
         output_tokens: usage.completion_tokens as u64,
         worker: d.worker.clone(),
         ttft,

@@ -420,7 +420,10 @@ mod tests {
             prompt_tokens: 40,
             completion_tokens: 7,
             total_tokens: 47,
-            prompt_tokens_details: kvfleet_core::openai::PromptTokensDetails { cached_tokens: 16 },
+            prompt_tokens_details: kvfleet_core::openai::PromptTokensDetails {
+                cached_tokens: 16,
+                ..Default::default()
+            },
         };
         out.extend(w.finish(reason, Some(&usage)));
         out.iter()

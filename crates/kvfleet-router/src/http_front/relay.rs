@@ -70,6 +70,11 @@ pub(super) fn usage_of(u: Option<&pb::Usage>, completion: usize) -> Usage {
         total_tokens: prompt + completion,
         prompt_tokens_details: PromptTokensDetails {
             cached_tokens: u.cached_tokens as usize,
+            promoted: kvfleet_core::kv_events::PromotedTokens {
+                host: u.host_cached_tokens as usize,
+                disk: u.disk_cached_tokens as usize,
+                peer: u.peer_cached_tokens as usize,
+            },
         },
     }
 }
