@@ -358,6 +358,8 @@ fn main() {
                     ..WorkerLoad::default()
                 },
                 matched_blocks: if w % 2 == 0 { 1_000 } else { 64 },
+                host_blocks: 0,
+                disk_blocks: 0,
             })
             .collect();
         let ctx = RouteContext {
