@@ -526,7 +526,9 @@ impl PrefixIndex {
             self.tier(Medium::Host).unwrap_or(self),
             self.tier(Medium::Disk).unwrap_or(self),
         ];
-        let present = [true, !self.lower.is_empty(), self.lower.len() > 1];
+        // An empty lower table is never probed.
+        let nonempty = |m| self.tier(m).is_some_and(|t| t.num_blocks() > 0);
+        let present = [true, nonempty(Medium::Host), nonempty(Medium::Disk)];
         // Candidates: every worker holding the first block in some tier.
         let words = tiers.iter().map(|t| t.stride).max().unwrap_or(1);
         out.candidates.clear();
