@@ -1,7 +1,9 @@
 //! Router core costs at fleet scale: 1M cached blocks over 256 workers.
 //!
 //! - `find_matches` for a 2,048-block prompt, fully cached (the worst case for a walk)
-//!   and half cached, against the exact linear walk for comparison;
+//!   and half cached, against the exact linear walk for comparison; and
+//!   `find_tiered_matches` once every chain's holders also keep 1,024 blocks of another
+//!   chain in a host tier;
 //! - KV event apply throughput (blocks/s), `Stored` then `Removed` of 1,024 blocks;
 //! - `KvRouter::route` end to end: a fully cached prompt, and a fork child whose
 //!   2,000-block prefix is cached and whose 48-block tail gets reserved;
@@ -186,6 +188,39 @@ fn report_percentiles(f: &Fleet, idx: &PrefixIndex, router: &mut KvRouter, q: &Q
             black_box(idx.find_matches_exact(black_box(&q.full[i % q.full.len()])));
         }),
     );
+    // Tiers: worker c+1 also holds the first half of chain c's own blocks in host
+    // memory (and the shared prefix on its device, like everyone).
+    let mut tiered = idx.clone();
+    for (c, chain) in f.chains.iter().enumerate() {
+        let w = WorkerIdx(((c + 1) % WORKERS) as u32);
+        let ev = RouterKvEvent {
+            seq: tiered.last_seq(w) + 1,
+            kind: kvfleet_routing::RouterKvEventKind::Stored {
+                parent_hash: Some(chain[SHARED_BLOCKS - 1]),
+                block_hashes: chain[SHARED_BLOCKS..PROMPT_BLOCKS / 2].to_vec(),
+                medium: kvfleet_routing::Medium::Host,
+            },
+        };
+        if let Err(err) = tiered.apply(w, &ev) {
+            panic!("building the tiered index: {err}");
+        }
+    }
+    let mut tm = kvfleet_routing::TieredMatches::new();
+    percentiles(
+        "find_tiered_matches  fully cached, one host holder each",
+        time_each(N, |i| {
+            tiered.find_tiered_matches_into(black_box(&q.full[i % q.full.len()]), &mut tm);
+            black_box(&tm);
+        }),
+    );
+    percentiles(
+        "find_tiered_matches  no lower tier (= find_matches)",
+        time_each(N, |i| {
+            idx.find_tiered_matches_into(black_box(&q.full[i % q.full.len()]), &mut tm);
+            black_box(&tm);
+        }),
+    );
+    drop(tiered);
     // Spread: every lookup takes a random chain cut at a random length (or diverging
     // at a random depth), so probes land all over the 1M-block index instead of on a
     // few hundred hot entries. The prompt's own hashes are in cache, as in the router
@@ -358,6 +393,8 @@ fn main() {
                     ..WorkerLoad::default()
                 },
                 matched_blocks: if w % 2 == 0 { 1_000 } else { 64 },
+                host_blocks: 0,
+                disk_blocks: 0,
             })
             .collect();
         let ctx = RouteContext {

@@ -33,9 +33,123 @@ enum BenchCommand {
     /// Run every policy over a family of generated traces, fleet sizes and loads, and
     /// check `cache-aware` against the best baseline of each (docs/policy-sweep.md).
     Sweep(SweepArgs),
+    /// Host and disk tiers against none, and load-time tier pricing against Dynamo's
+    /// fixed discounts, on the Mooncake trace and a generated conversation trace
+    /// (docs/kv-tiers.md).
+    Tiers(TiersArgs),
     /// Measure one model's engine throughput in process: pp512, pp2048, tg128, and
     /// aggregate decode over 4 and 8 sequences (see scripts/bench/vs-llamacpp.sh).
     Model(ModelArgs),
+}
+
+/// Arguments of `kvfleet bench tiers`.
+#[derive(Args)]
+pub struct TiersArgs {
+    /// The shared Mooncake trace (skipped when the file is absent).
+    #[arg(long, default_value = "traces/mooncake_synthetic_trace.jsonl")]
+    mooncake: PathBuf,
+    /// Sessions of the generated conversation trace (0: skip it).
+    #[arg(long, default_value_t = 1000)]
+    conversation_sessions: usize,
+    /// Sessions started per second in the conversation trace.
+    #[arg(long, default_value_t = 1.5)]
+    conversation_rate: f64,
+    /// Think time between a conversation's turns, ms (long gaps keep many sessions
+    /// alive at once: memory, not compute, is short).
+    #[arg(long, default_value_t = 30_000)]
+    conversation_gap_ms: u64,
+    /// Workers.
+    #[arg(long, default_value_t = 8)]
+    workers: usize,
+    /// Device blocks per worker.
+    #[arg(long, default_value_t = 1000)]
+    cache_blocks: usize,
+    /// Host-tier blocks per worker.
+    #[arg(long, default_value_t = 4000)]
+    host_blocks: usize,
+    /// Disk-tier blocks per worker.
+    #[arg(long, default_value_t = 16000)]
+    disk_blocks: usize,
+    /// Cost model file (default: the built-in H200 estimate).
+    #[arg(long)]
+    cost_model: Option<PathBuf>,
+    /// Write every row as JSON here.
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+/// The conversation trace of `kvfleet bench tiers` (the sweep's `conversation`
+/// shape: 2k system + 1k tools + 1k history, 12 turns of +768 tokens and 256-token
+/// answers), `gap_ms` apart.
+pub fn conversation_gen(sessions: usize, session_rate: f64, gap_ms: u64) -> GenConfig {
+    GenConfig {
+        sessions,
+        fork_k: 0,
+        parent_turns: 12,
+        system_tokens: 2048,
+        tools_tokens: 1024,
+        history_tokens: 1024,
+        turn_tokens: 768,
+        output_tokens: 256,
+        turn_gap_ms: gap_ms,
+        session_rate,
+        seed: 101,
+        ..GenConfig::default()
+    }
+}
+
+fn run_tiers_cmd(a: TiersArgs) -> Result<()> {
+    use kvfleet_bench::tiers::{run_tiers, tiers_markdown, TierFleet};
+    let cost = match &a.cost_model {
+        Some(p) => CostModel::read_path(p)?,
+        None => CostModel::h200_llama8b(),
+    };
+    let mut traces = Vec::new();
+    if a.mooncake.exists() {
+        traces.push(("mooncake".to_string(), Trace::read_path(&a.mooncake)?));
+    } else {
+        eprintln!(
+            "{} not found: skipping the Mooncake trace",
+            a.mooncake.display()
+        );
+    }
+    if a.conversation_sessions > 0 {
+        let t = generate(&conversation_gen(
+            a.conversation_sessions,
+            a.conversation_rate,
+            a.conversation_gap_ms,
+        ))?;
+        traces.push(("conversation".to_string(), t));
+    }
+    anyhow::ensure!(!traces.is_empty(), "no trace to run");
+    let fleet = TierFleet {
+        workers: a.workers,
+        device_blocks: a.cache_blocks,
+        host_blocks: a.host_blocks,
+        disk_blocks: a.disk_blocks,
+    };
+    let wall = std::time::Instant::now();
+    let rows = run_tiers(&traces, &fleet, &cost)?;
+    println!(
+        "Cost model `{}`; {} simulations in {:.0} s.\n",
+        cost.name,
+        rows.len(),
+        wall.elapsed().as_secs_f64()
+    );
+    for (name, t) in &traces {
+        println!(
+            "- {name}: {} requests, {} blocks",
+            t.records.len(),
+            t.total_blocks()
+        );
+    }
+    println!();
+    print!("{}", tiers_markdown(&rows, &fleet));
+    if let Some(p) = &a.json {
+        std::fs::write(p, serde_json::to_string_pretty(&rows)?)
+            .with_context(|| format!("writing {}", p.display()))?;
+    }
+    Ok(())
 }
 
 /// Arguments of `kvfleet bench model`.
@@ -302,6 +416,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         BenchCommand::Replay(a) => run_replay(a),
         BenchCommand::Matrix(a) => run_matrix_cmd(a),
         BenchCommand::Sweep(a) => run_sweep_cmd(a),
+        BenchCommand::Tiers(a) => run_tiers_cmd(a),
         BenchCommand::Model(a) => run_model_bench(a),
     }
 }

@@ -2,10 +2,10 @@
 
 use anyhow::{Context, Result};
 use clap::Args;
-use kvfleet_bench::bounds::bounds;
+use kvfleet_bench::bounds::bounds_with_tiers;
 use kvfleet_bench::report::{sim_markdown, write_sim_report};
 use kvfleet_bench::sim::cost_model::CostModel;
-use kvfleet_bench::sim::{simulate, SimConfig, SimPolicy};
+use kvfleet_bench::sim::{simulate, SimConfig, SimPolicy, TierScoring};
 use kvfleet_bench::Trace;
 use std::path::PathBuf;
 
@@ -21,6 +21,17 @@ pub struct SimArgs {
     /// KV cache blocks per worker, in the trace's blocks (after --tokens-per-id).
     #[arg(long, default_value_t = 1000)]
     cache_blocks: usize,
+    /// Host-tier blocks per worker below the device (0: none); a block evicted from the
+    /// device is demoted there, and loaded back at the cost model's host bandwidth.
+    #[arg(long, default_value_t = 0)]
+    host_blocks: usize,
+    /// Disk-tier blocks per worker below the host tier (0: none).
+    #[arg(long, default_value_t = 0)]
+    disk_blocks: usize,
+    /// How kvfleet's router scores host and disk hits: load-time (by the cost model's
+    /// bandwidths), discount (Dynamo's fixed 0.75 / 0.25) or device-only.
+    #[arg(long, default_value = "load-time", value_parser = parse_tier_scoring)]
+    tier_scoring: TierScoring,
     /// Policies, comma-separated or repeated: cache-aware, round-robin, least-loaded,
     /// consistent-hash, random, sglang-cache-aware, dynamo-kv-cost, sglang-spill,
     /// dynamo-lmetric, or `all`.
@@ -46,6 +57,18 @@ pub struct SimArgs {
     /// Print JSON instead of Markdown.
     #[arg(long)]
     json: bool,
+}
+
+/// Parses a tier scoring mode.
+pub fn parse_tier_scoring(s: &str) -> std::result::Result<TierScoring, String> {
+    match s.trim() {
+        "load-time" => Ok(TierScoring::LoadTime),
+        "discount" => Ok(TierScoring::Discount),
+        "device-only" => Ok(TierScoring::DeviceOnly),
+        other => Err(format!(
+            "unknown tier scoring {other:?}; valid: load-time, discount, device-only"
+        )),
+    }
 }
 
 /// Parses a policy list (`all` expands to every policy).
@@ -84,11 +107,20 @@ pub fn run(args: SimArgs) -> Result<()> {
     if args.time_scale != 1.0 {
         trace = trace.scaled_time(args.time_scale);
     }
-    let b = bounds(&trace, args.workers, args.cache_blocks, &cost);
+    let b = bounds_with_tiers(
+        &trace,
+        args.workers,
+        args.cache_blocks,
+        args.host_blocks + args.disk_blocks,
+        &cost,
+    );
     let mut results = Vec::new();
     for p in policies {
         let mut cfg = SimConfig::new(args.workers, args.cache_blocks, p);
         cfg.cost = cost.clone();
+        cfg.host_blocks = args.host_blocks;
+        cfg.disk_blocks = args.disk_blocks;
+        cfg.tier_scoring = args.tier_scoring;
         let r = simulate(&trace, &cfg).with_context(|| format!("simulating {}", p.as_str()))?;
         eprintln!(
             "{}: hit ratio {:.3}, TTFT p99 {:.0} ms, {:.2} s wall",
@@ -104,12 +136,20 @@ pub fn run(args: SimArgs) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&v)?);
     } else {
         println!(
-            "{} requests, {} workers × {} blocks, cost model {}\n",
+            "{} requests, {} workers × {} blocks (+ {} host, {} disk), cost model {}\n",
             trace.records.len(),
             args.workers,
             args.cache_blocks,
+            args.host_blocks,
+            args.disk_blocks,
             cost.name
         );
+        if args.host_blocks + args.disk_blocks > 0 {
+            println!(
+                "Pooled bound with tiers ({} blocks): {:.3}\n",
+                b.pooled_tiered_blocks, b.pooled_tiered
+            );
+        }
         print!("{}", sim_markdown(&results, &b));
     }
     Ok(())

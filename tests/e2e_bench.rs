@@ -87,3 +87,83 @@ fn replay_agrees_with_the_simulator() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn sim_with_host_and_disk_tiers_raises_the_hit_ratio() {
+    // A conversation trace whose live sessions outgrow 2 × 40 device blocks.
+    let dir = std::env::temp_dir().join(format!("kvfleet-e2e-tiers-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let trace = dir.join("conversation.jsonl");
+    let trace_s = trace.to_str().unwrap();
+    support::run_kvfleet(&[
+        "bench",
+        "gen",
+        "--out",
+        trace_s,
+        "--sessions",
+        "40",
+        "--fork-k",
+        "0",
+        "--parent-turns",
+        "8",
+        "--system-tokens",
+        "2048",
+        "--tools-tokens",
+        "1024",
+        "--history-tokens",
+        "1024",
+        "--turn-tokens",
+        "768",
+        "--output-tokens",
+        "64",
+        "--turn-gap-ms",
+        "20000",
+        "--session-rate",
+        "2",
+    ]);
+    let sim = |extra: &[&str]| -> serde_json::Value {
+        let mut args = vec![
+            "sim",
+            "--trace",
+            trace_s,
+            "--workers",
+            "2",
+            "--cache-blocks",
+            "40",
+            "--policy",
+            "cache-aware",
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        serde_json::from_str(&support::run_kvfleet(&args)).unwrap()
+    };
+    let flat = sim(&[]);
+    let tiered = sim(&["--host-blocks", "160", "--disk-blocks", "640"]);
+    let (f, t) = (&flat["results"][0], &tiered["results"][0]);
+    assert_eq!(f["total_blocks"], t["total_blocks"]);
+    assert_eq!(f["host_hit_blocks"], 0, "{f}");
+    let hits = |r: &serde_json::Value| r["hit_blocks"].as_u64().unwrap();
+    assert!(
+        hits(t) > hits(f),
+        "tiers: {} hits, none: {}",
+        hits(t),
+        hits(f)
+    );
+    assert!(t["host_hit_blocks"].as_u64().unwrap() > 0, "{t}");
+    assert_eq!(t["tier_scoring"], "load-time");
+    // The pooled bound with tiers covers 2 × (40 + 800) blocks.
+    assert_eq!(tiered["bounds"]["pooled_tiered_blocks"], 1680);
+    assert!(
+        tiered["bounds"]["pooled_tiered"].as_f64().unwrap()
+            > tiered["bounds"]["pooled"].as_f64().unwrap()
+    );
+    // A bad scoring mode is refused by name.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvfleet"))
+        .args(["sim", "--trace", trace_s, "--tier-scoring", "fastest"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("load-time, discount, device-only"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

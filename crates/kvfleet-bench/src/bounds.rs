@@ -5,6 +5,9 @@
 //! - the **pooled bound**: prefix hits with one LRU cache as large as the whole
 //!   fleet's memory (`workers × blocks per worker`) — what perfect routing reaches
 //!   when memory is pooled. Below it, memory (not routing) is the limit;
+//! - the **pooled bound with tiers**: the same with one LRU cache of the fleet's
+//!   device, host and disk blocks together (`workers × (device + host + disk)`) —
+//!   perfect routing of a fleet with host and disk tiers, ignoring their load time;
 //! - the **no-queue floor**: each request's TTFT if it got the ceiling's hits and never
 //!   waited (its own uncached prefill under the cost model). A policy's TTFT above it
 //!   is queueing and misses.
@@ -29,6 +32,11 @@ pub struct Bounds {
     pub pooled: f64,
     /// The pooled cache's size in blocks.
     pub pooled_blocks: usize,
+    /// Hit ratio of one LRU cache of the fleet's device, host and disk blocks (the
+    /// pooled bound when there are no tiers).
+    pub pooled_tiered: f64,
+    /// That cache's size in blocks.
+    pub pooled_tiered_blocks: usize,
     /// TTFT with the ceiling's hits and no waiting, ms.
     pub no_queue_floor_ms: Percentiles,
 }
@@ -82,11 +90,31 @@ pub fn no_queue_floor(trace: &Trace, cost: &CostModel) -> Percentiles {
 
 /// The bounds for a fleet of `workers × blocks_per_worker` blocks under `cost`.
 pub fn bounds(trace: &Trace, workers: usize, blocks_per_worker: usize, cost: &CostModel) -> Bounds {
+    bounds_with_tiers(trace, workers, blocks_per_worker, 0, cost)
+}
+
+/// [`bounds`] for workers that also have `lower_blocks_per_worker` host plus disk
+/// blocks.
+pub fn bounds_with_tiers(
+    trace: &Trace,
+    workers: usize,
+    blocks_per_worker: usize,
+    lower_blocks_per_worker: usize,
+    cost: &CostModel,
+) -> Bounds {
     let pooled_blocks = workers * blocks_per_worker;
+    let pooled_bound = pooled(trace, pooled_blocks);
+    let pooled_tiered_blocks = workers * (blocks_per_worker + lower_blocks_per_worker);
     Bounds {
         ceiling: ceiling(trace),
-        pooled: pooled(trace, pooled_blocks),
+        pooled: pooled_bound,
         pooled_blocks,
+        pooled_tiered: if lower_blocks_per_worker == 0 {
+            pooled_bound
+        } else {
+            pooled(trace, pooled_tiered_blocks)
+        },
+        pooled_tiered_blocks,
         no_queue_floor_ms: no_queue_floor(trace, cost),
     }
 }
@@ -136,6 +164,16 @@ mod tests {
         // [1,2,7] hits 1, then storing 7,2,1 evicts 1,6,5 → 1,2,7,4; [4,5,6] hits 4.
         assert!((p4 - 2.0 / 12.0).abs() < 1e-12, "{p4}");
         assert!((pooled(&t, 100) - ceiling(&t)).abs() < 1e-12);
+        // Two workers of 2 device + 0 lower blocks pool to 4; with 48 lower blocks
+        // each, the pooled tiers hold everything.
+        let cost = CostModel::h200_llama8b();
+        let b = bounds_with_tiers(&t, 2, 2, 0, &cost);
+        assert_eq!((b.pooled_blocks, b.pooled_tiered_blocks), (4, 4));
+        assert_eq!(b.pooled_tiered, b.pooled);
+        let b = bounds_with_tiers(&t, 2, 2, 48, &cost);
+        assert_eq!(b.pooled_tiered_blocks, 100);
+        assert!((b.pooled_tiered - ceiling(&t)).abs() < 1e-12);
+        assert!((b.pooled - p4).abs() < 1e-12);
         // Tenants never share.
         let mut t2 = t.clone();
         t2.records[2].tenant = Some("b".into());

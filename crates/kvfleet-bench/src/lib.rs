@@ -5,11 +5,14 @@
 //! - [`trace_gen`]: agent sessions with fork fan-out (`kvfleet bench gen`).
 //! - [`token_blocks`]: hash id → deterministic tokens (replay) and → chained block
 //!   hashes (simulation).
-//! - [`bounds`]: the unbounded ceiling and the pooled-LRU bound.
+//! - [`bounds`]: the unbounded ceiling and the pooled-LRU bounds (with and without
+//!   tiers).
 //! - [`sim`]: the discrete-event fleet simulator (`kvfleet sim`) with kvfleet's
 //!   policies through the real router core and the SGLang / Dynamo baselines.
 //! - [`sweep`]: every policy over a family of generated traces, fleet sizes and loads
 //!   (`kvfleet bench sweep`), `cache-aware` checked against the best baseline.
+//! - [`tiers`]: host and disk tiers against none, and load-time pricing against
+//!   fixed discounts (`kvfleet bench tiers`, docs/kv-tiers.md).
 //! - [`replay`]: the HTTP replay client (`kvfleet bench replay`).
 //! - [`report`] and [`plots`]: JSON, Markdown and SVG output.
 //! - [`usage_trace`]: production usage records → a trace (`kvfleet trace export`).
@@ -21,6 +24,7 @@ pub mod replay;
 pub mod report;
 pub mod sim;
 pub mod sweep;
+pub mod tiers;
 pub mod token_blocks;
 pub mod trace;
 pub mod trace_gen;

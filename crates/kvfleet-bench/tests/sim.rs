@@ -194,3 +194,80 @@ fn the_sweep_checks_cache_aware_against_the_best_other_policy() {
         assert!(c.excess_ms >= 0.0 && c.floor_p99_ms > 0.0);
     }
 }
+
+/// A conversation trace whose live sessions outgrow a small device pool.
+fn small_conversation() -> Trace {
+    generate(&GenConfig {
+        sessions: 40,
+        fork_k: 0,
+        parent_turns: 8,
+        system_tokens: 2048,
+        tools_tokens: 1024,
+        history_tokens: 1024,
+        turn_tokens: 768,
+        output_tokens: 64,
+        turn_gap_ms: 20_000,
+        session_rate: 2.0,
+        ..GenConfig::default()
+    })
+    .unwrap()
+}
+
+#[test]
+fn host_and_disk_tiers_raise_the_hit_ratio() {
+    let t = small_conversation();
+    let run = |host, disk| {
+        let mut cfg = SimConfig::new(2, 40, SimPolicy::Kvfleet(PolicyKind::CacheAware));
+        cfg.host_blocks = host;
+        cfg.disk_blocks = disk;
+        simulate(&t, &cfg).unwrap()
+    };
+    let flat = run(0, 0);
+    let host = run(160, 0);
+    let both = run(160, 640);
+    assert_eq!(flat.total_blocks, both.total_blocks);
+    assert_eq!((flat.host_hit_blocks, flat.disk_hit_blocks), (0, 0));
+    assert_eq!(flat.tier_load_ms, 0.0);
+    assert!(
+        host.hit_blocks > flat.hit_blocks,
+        "host tier: {} hits vs {} without",
+        host.hit_blocks,
+        flat.hit_blocks
+    );
+    assert!(host.host_hit_blocks > 0 && host.disk_hit_blocks == 0);
+    assert!(both.hit_blocks >= host.hit_blocks);
+    assert!(both.tier_load_ms > 0.0);
+    // Enough memory for every block: the tiers reach the ceiling.
+    let ceiling = kvfleet_bench::bounds::ceiling(&t);
+    assert!(
+        (both.hit_ratio - ceiling).abs() < 1e-9,
+        "{} vs ceiling {ceiling}",
+        both.hit_ratio
+    );
+}
+
+#[test]
+fn mooncake_with_tiers_at_8_by_1000_reaches_085_of_the_ceiling() {
+    // Issue 17's target: 4,000 host and 16,000 disk blocks per worker.
+    let t = mooncake();
+    let cost = CostModel::h200_llama8b();
+    let b = kvfleet_bench::bounds::bounds_with_tiers(&t, 8, 1000, 20_000, &cost);
+    let mut cfg = SimConfig::new(8, 1000, SimPolicy::Kvfleet(PolicyKind::CacheAware));
+    cfg.host_blocks = 4000;
+    cfg.disk_blocks = 16_000;
+    let tiered = simulate(&t, &cfg).unwrap();
+    let flat = simulate(
+        &t,
+        &SimConfig::new(8, 1000, SimPolicy::Kvfleet(PolicyKind::CacheAware)),
+    )
+    .unwrap();
+    assert!(
+        tiered.hit_ratio >= 0.85 * b.ceiling,
+        "{} < 0.85 × {}",
+        tiered.hit_ratio,
+        b.ceiling
+    );
+    assert!(tiered.hit_ratio > flat.hit_ratio);
+    assert!(b.pooled_tiered > b.pooled);
+    assert_eq!(b.pooled_tiered_blocks, 168_000);
+}

@@ -19,7 +19,7 @@ use crate::policy::{
     stable_str_hash, CacheAware, CacheAwareConfig, Candidate, ConsistentHash, ConsistentHashConfig,
     LeastLoaded, PolicyKind, RandomPolicy, RoundRobin, RouteContext, RoutingPolicy,
 };
-use crate::prefix_index::{IndexError, Matches, PrefixIndex};
+use crate::prefix_index::{IndexError, Matches, PrefixIndex, TieredMatches};
 use crate::registry::{WorkerIdx, WorkerRegistry};
 use crate::reservations::{ReservationId, Reservations};
 use kvfleet_core::{BlockHash, DEFAULT_BLOCK_SIZE};
@@ -109,12 +109,17 @@ pub struct RouteDecision {
     pub worker_idx: WorkerIdx,
     /// Name of the policy that chose it.
     pub policy: &'static str,
-    /// Prompt blocks the worker holds or will hold, capped at the reusable blocks.
+    /// Prompt blocks the worker holds or will hold in its device pool, capped at the
+    /// reusable blocks.
     pub matched_blocks: usize,
+    /// Blocks after those it holds in its host tier (to be loaded, not computed).
+    pub host_blocks: usize,
+    /// Blocks after those it holds on disk only.
+    pub disk_blocks: usize,
     /// Deepest match over the fleet, in blocks (uncapped).
     pub deepest_match_blocks: usize,
-    /// Prompt tokens the router expects the worker to serve from cache:
-    /// `matched_blocks × block_size`, at most `prompt_tokens - 1` rounded down to a
+    /// Prompt tokens the router expects the worker to serve from cache, in any tier:
+    /// `(matched_blocks + host_blocks + disk_blocks) × block_size`, at most `prompt_tokens - 1` rounded down to a
     /// whole block (a worker always computes at least one prompt token).
     pub predicted_cached_tokens: usize,
     /// `prompt_tokens - predicted_cached_tokens`: the prefill recorded as in flight;
@@ -211,6 +216,7 @@ pub struct KvRouter {
     fenced: std::collections::HashSet<String>,
     // Scratch buffers reused by every route.
     matches: Matches,
+    tiered: TieredMatches,
     candidates: Vec<Candidate>,
 }
 
@@ -236,6 +242,7 @@ impl KvRouter {
             predictions: PredictionStats::default(),
             fenced: std::collections::HashSet::new(),
             matches: Matches::new(),
+            tiered: TieredMatches::new(),
             candidates: Vec::new(),
             config,
         }
@@ -489,7 +496,15 @@ impl KvRouter {
         let bs = self.config.block_size;
         let t0 = Instant::now();
         let mut matches = std::mem::take(&mut self.matches);
-        self.index.find_matches_into(hashes, &mut matches);
+        let mut tiered = std::mem::take(&mut self.tiered);
+        // The tier walk runs only once some worker reported a host or disk block.
+        let with_tiers = self.index.has_lower_tiers();
+        if with_tiers {
+            self.index.find_tiered_matches_into(hashes, &mut tiered);
+            std::mem::swap(&mut matches, tiered.device_mut());
+        } else {
+            self.index.find_matches_into(hashes, &mut matches);
+        }
         self.reservations.pending_into(hashes, &mut matches);
         let t1 = Instant::now();
 
@@ -511,11 +526,19 @@ impl KvRouter {
             {
                 continue;
             }
+            let matched_blocks = depth.min(reusable);
+            let (host_blocks, disk_blocks) = if with_tiers {
+                lower_tier_blocks(tiered.get(worker), matched_blocks, reusable)
+            } else {
+                (0, 0)
+            };
             candidates.push(Candidate {
                 worker,
                 id_hash: e.id_hash,
                 load: e.load,
-                matched_blocks: depth.min(reusable),
+                matched_blocks,
+                host_blocks,
+                disk_blocks,
             });
         }
         let ctx = RouteContext {
@@ -540,14 +563,19 @@ impl KvRouter {
                 .map(|i| (s, candidates[i]))
         });
         let deepest = matches.deepest();
+        if with_tiers {
+            std::mem::swap(&mut matches, tiered.device_mut());
+        }
         self.matches = matches;
+        self.tiered = tiered;
         self.candidates = candidates;
         let (selection, chosen) = chosen.ok_or(RouteError::NoWorkers)?;
         let t2 = Instant::now();
 
         let worker = selection.worker;
         let matched_blocks = chosen.matched_blocks;
-        let predicted_cached_tokens = matched_blocks * bs;
+        let predicted_cached_tokens =
+            (matched_blocks + chosen.host_blocks + chosen.disk_blocks) * bs;
         let prefill_tokens = prompt_tokens.saturating_sub(predicted_cached_tokens);
         let id_of = |w: WorkerIdx| {
             self.workers
@@ -578,6 +606,8 @@ impl KvRouter {
             worker_idx: worker,
             policy: policy_name,
             matched_blocks,
+            host_blocks: chosen.host_blocks,
+            disk_blocks: chosen.disk_blocks,
             deepest_match_blocks: deepest,
             predicted_cached_tokens,
             prefill_tokens,
@@ -640,6 +670,23 @@ impl KvRouter {
         w.and_then(|w| Some((w, self.workers.get_mut(w.index())?.as_mut()?)))
             .ok_or_else(|| UnknownWorker(id.to_owned()))
     }
+}
+
+/// The host and disk blocks of tiered match `m` beyond a device depth of `device`
+/// (raised by reservations above the index's), within `reusable` blocks. Lower tiers
+/// hold the deeper blocks (leaves leave the device first, then the host), so blocks a
+/// reservation covers are taken from the host count first.
+fn lower_tier_blocks(
+    m: crate::prefix_index::TieredMatch,
+    device: usize,
+    reusable: usize,
+) -> (usize, usize) {
+    let covered = device.saturating_sub(m.device);
+    let host = m.host.saturating_sub(covered);
+    let disk = m.disk.saturating_sub(covered.saturating_sub(m.host));
+    let room = reusable.saturating_sub(device);
+    let host = host.min(room);
+    (host, disk.min(room - host))
 }
 
 fn nanos(d: std::time::Duration) -> u64 {

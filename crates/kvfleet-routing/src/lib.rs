@@ -36,7 +36,7 @@ pub use kv_router::{
 };
 pub use load::WorkerLoad;
 pub use policy::{PolicyKind, RoutingPolicy};
-pub use prefix_index::{IndexError, Matches, PrefixIndex, WorkerMatch};
+pub use prefix_index::{IndexError, Matches, PrefixIndex, TieredMatch, TieredMatches, WorkerMatch};
 pub use registry::{WorkerIdx, WorkerRegistry};
 pub use reservations::{ReservationId, Reservations};
 pub use seams::{BlockIndex, KvEventSink};

@@ -35,8 +35,19 @@
 //! block count, so `Cleared`, [`PrefixIndex::remove_worker`] and
 //! [`PrefixIndex::rebuild_worker`] cost time proportional to that worker's blocks, not
 //! to the whole index.
+//!
+//! # Tiers
+//!
+//! Workers with host and disk tiers below the device pool report each tier's own
+//! `Stored`/`Removed` (tagged with its [`Medium`]); a block may sit in several tiers at
+//! once. The device tier is this index's own table, so [`PrefixIndex::find_matches`]
+//! and its cost are unchanged; each lower tier is a nested index of the same shape,
+//! created on its first event. [`PrefixIndex::find_tiered_matches`] adds, per worker,
+//! how many blocks after its device match it can load from host and then disk: it
+//! walks each such worker's tail only, with each position's tier probes shared by every
+//! worker, and when no lower-tier block exists it is `find_matches` plus a copy.
 
-use crate::events::{CacheDump, DumpedBlock, RouterKvEvent, RouterKvEventKind};
+use crate::events::{CacheDump, DumpedBlock, Medium, RouterKvEvent, RouterKvEventKind};
 use crate::registry::WorkerIdx;
 use kvfleet_core::BlockHash;
 use table::BlockTable;
@@ -172,6 +183,86 @@ impl Matches {
     }
 }
 
+/// One worker's match over every tier: the blocks of the request's longest prefix that
+/// the worker holds in *some* tier, each counted at its fastest tier.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TieredMatch {
+    /// The worker.
+    pub worker: WorkerIdx,
+    /// Blocks in the device pool: the device match of [`PrefixIndex::find_matches`],
+    /// plus any device block after a gap that a lower tier fills (rare: the device
+    /// set is prefix-closed).
+    pub device: usize,
+    /// Blocks found in the host tier (and not on the device).
+    pub host: usize,
+    /// Blocks found on disk only.
+    pub disk: usize,
+}
+
+impl TieredMatch {
+    /// Length of the prefix reachable through every tier, in blocks.
+    pub fn depth(&self) -> usize {
+        self.device + self.host + self.disk
+    }
+
+    /// Blocks counted at tier `m`.
+    pub fn blocks(&self, m: Medium) -> usize {
+        match m {
+            Medium::Device => self.device,
+            Medium::Host => self.host,
+            Medium::Disk => self.disk,
+        }
+    }
+}
+
+/// The result of a tiered lookup: every worker matching at least one block in some
+/// tier, sorted by worker index, plus the plain device [`Matches`].
+#[derive(Clone, Debug, Default)]
+pub struct TieredMatches {
+    entries: Vec<TieredMatch>,
+    device: Matches,
+    // Scratch: each position's slot in the device, host and disk tables (ABSENT if the
+    // hash is not there), filled lazily up to the furthest position a walk reached.
+    slots: Vec<[u32; 3]>,
+    candidates: Vec<u64>,
+}
+
+impl TieredMatches {
+    /// An empty result.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The matching workers, sorted by index.
+    pub fn as_slice(&self) -> &[TieredMatch] {
+        &self.entries
+    }
+
+    /// `worker`'s tiered match (all zero when it matches nothing).
+    pub fn get(&self, worker: WorkerIdx) -> TieredMatch {
+        match self.entries.binary_search_by_key(&worker, |m| m.worker) {
+            Ok(i) => self.entries[i],
+            Err(_) => TieredMatch {
+                worker,
+                device: 0,
+                host: 0,
+                disk: 0,
+            },
+        }
+    }
+
+    /// The device-only matches (what [`PrefixIndex::find_matches`] answers).
+    pub fn device(&self) -> &Matches {
+        &self.device
+    }
+
+    /// Mutable device matches, e.g. to merge pending reservations in with
+    /// [`Matches::raise`]; the tiered entries are left as they are.
+    pub fn device_mut(&mut self) -> &mut Matches {
+        &mut self.device
+    }
+}
+
 #[derive(Clone, Debug)]
 struct Slot {
     hash: BlockHash,
@@ -214,6 +305,9 @@ pub struct PrefixIndex {
     zeros: Vec<u64>,
     free: Vec<u32>,
     workers: Vec<WorkerState>,
+    // The host and disk tiers, in that order; empty until a lower-tier event arrives.
+    // Their sequence numbers are unused (this index tracks them).
+    lower: Vec<PrefixIndex>,
 }
 
 impl Default for PrefixIndex {
@@ -239,17 +333,34 @@ impl PrefixIndex {
             zeros: vec![0; stride],
             free: Vec::new(),
             workers: Vec::new(),
+            lower: Vec::new(),
         }
     }
 
-    /// Number of distinct blocks cached anywhere in the fleet.
+    /// Number of distinct blocks cached on some worker's device.
     pub fn num_blocks(&self) -> usize {
         self.map.len()
     }
 
-    /// Number of blocks `worker` holds; O(1).
+    /// Number of blocks `worker` holds on its device; O(1).
     pub fn worker_block_count(&self, worker: WorkerIdx) -> usize {
         self.workers.get(worker.index()).map_or(0, |w| w.blocks)
+    }
+
+    /// Number of blocks `worker` holds in tier `medium`; O(1).
+    pub fn tier_block_count(&self, worker: WorkerIdx, medium: Medium) -> usize {
+        self.tier(medium)
+            .map_or(0, |t| t.worker_block_count(worker))
+    }
+
+    /// Whether any worker holds a block in a host or disk tier.
+    pub fn has_lower_tiers(&self) -> bool {
+        self.lower.iter().any(|t| t.num_blocks() > 0)
+    }
+
+    /// Whether `worker` holds the block `hash` in tier `medium`.
+    pub fn holds_in(&self, worker: WorkerIdx, hash: BlockHash, medium: Medium) -> bool {
+        self.tier(medium).is_some_and(|t| t.holds(worker, hash))
     }
 
     /// Sequence number of the last event applied for `worker` (0 before any).
@@ -257,16 +368,29 @@ impl PrefixIndex {
         self.workers.get(worker.index()).map_or(0, |w| w.last_seq)
     }
 
-    /// Whether `worker` holds the block `hash`.
+    /// Whether `worker` holds the block `hash` on its device.
     pub fn holds(&self, worker: WorkerIdx, hash: BlockHash) -> bool {
         self.map
             .get(hash.0)
             .is_some_and(|e| self.has_bit(e.slot, worker))
     }
 
-    /// Every block `worker` holds, in no particular order; the same shape as a
-    /// worker's cache dump.
+    /// Every block `worker` holds, once per tier holding it, in no particular order;
+    /// the same shape as a worker's cache dump.
     pub fn worker_blocks(&self, worker: WorkerIdx) -> Vec<DumpedBlock> {
+        let mut out = self.device_blocks(worker);
+        for (t, medium) in self.lower.iter().zip([Medium::Host, Medium::Disk]) {
+            out.extend(
+                t.device_blocks(worker)
+                    .into_iter()
+                    .map(|b| DumpedBlock { medium, ..b }),
+            );
+        }
+        out
+    }
+
+    /// The blocks of this table (not of its lower tiers) that `worker` holds.
+    fn device_blocks(&self, worker: WorkerIdx) -> Vec<DumpedBlock> {
         let Some(state) = self.workers.get(worker.index()) else {
             return Vec::new();
         };
@@ -312,10 +436,10 @@ impl PrefixIndex {
     /// events up to `seq`; the next event expected is `seq + 1`.
     pub fn rebuild_worker(&mut self, worker: WorkerIdx, dump: &CacheDump, seq: u64) {
         self.ensure_worker(worker);
-        self.clear_worker(worker);
-        // Only the device tier is indexed for now; lower tiers are listed but unused.
-        for b in dump.iter().filter(|b| b.medium.is_device()) {
-            self.insert_block(worker, b.hash, b.parent);
+        self.clear_all_tiers(worker);
+        for b in dump.iter() {
+            self.tier_mut(worker, b.medium)
+                .insert_block(worker, b.hash, b.parent);
         }
         self.workers[worker.index()].last_seq = seq;
     }
@@ -326,6 +450,9 @@ impl PrefixIndex {
         if worker.index() < self.workers.len() {
             self.clear_worker(worker);
             self.workers[worker.index()] = WorkerState::default();
+        }
+        for t in &mut self.lower {
+            t.remove_worker(worker);
         }
     }
 
@@ -371,7 +498,134 @@ impl PrefixIndex {
         out
     }
 
+    /// Every worker's match over all tiers for `hashes`; see [`TieredMatch`].
+    pub fn find_tiered_matches(&self, hashes: &[BlockHash]) -> TieredMatches {
+        let mut out = TieredMatches::new();
+        self.find_tiered_matches_into(hashes, &mut out);
+        out
+    }
+
+    /// [`find_tiered_matches`](Self::find_tiered_matches) into a reused result. The
+    /// device depths come from [`find_matches`](Self::find_matches) (bisection); each
+    /// worker's tail after its device depth is then walked block by block, checking
+    /// device, host and disk, until it holds a block in none.
+    pub fn find_tiered_matches_into(&self, hashes: &[BlockHash], out: &mut TieredMatches) {
+        out.entries.clear();
+        self.find_matches_into(hashes, &mut out.device);
+        if !self.has_lower_tiers() || hashes.is_empty() {
+            out.entries.extend(out.device.iter().map(|m| TieredMatch {
+                worker: m.worker,
+                device: m.depth,
+                host: 0,
+                disk: 0,
+            }));
+            return;
+        }
+        let tiers: [&PrefixIndex; 3] = [
+            self,
+            self.tier(Medium::Host).unwrap_or(self),
+            self.tier(Medium::Disk).unwrap_or(self),
+        ];
+        // An empty lower table is never probed.
+        let nonempty = |m| self.tier(m).is_some_and(|t| t.num_blocks() > 0);
+        let present = [true, nonempty(Medium::Host), nonempty(Medium::Disk)];
+        // Candidates: every worker holding the first block in some tier.
+        let words = tiers.iter().map(|t| t.stride).max().unwrap_or(1);
+        out.candidates.clear();
+        out.candidates.resize(words, 0);
+        for (t, _) in tiers.iter().zip(present).filter(|(_, p)| *p) {
+            let set = t.set(t.probe(hashes[0]).slot);
+            for (c, w) in out.candidates.iter_mut().zip(set) {
+                *c |= w;
+            }
+        }
+        out.slots.clear();
+        let TieredMatches {
+            entries,
+            device,
+            slots,
+            candidates,
+        } = out;
+        for (wi, word) in candidates.iter().enumerate() {
+            let mut bits = *word;
+            while bits != 0 {
+                let worker = WorkerIdx((wi * 64 + bits.trailing_zeros() as usize) as u32);
+                bits &= bits - 1;
+                let mut m = TieredMatch {
+                    worker,
+                    device: device.depth(worker),
+                    host: 0,
+                    disk: 0,
+                };
+                for i in m.device..hashes.len() {
+                    while slots.len() <= i {
+                        let h = hashes[slots.len()];
+                        slots.push(std::array::from_fn(|t| {
+                            if present[t] {
+                                tiers[t].probe(h).slot
+                            } else {
+                                ABSENT
+                            }
+                        }));
+                    }
+                    let at = slots[i];
+                    if at[0] != ABSENT && tiers[0].has_bit(at[0], worker) {
+                        m.device += 1;
+                    } else if at[1] != ABSENT && tiers[1].has_bit(at[1], worker) {
+                        m.host += 1;
+                    } else if at[2] != ABSENT && tiers[2].has_bit(at[2], worker) {
+                        m.disk += 1;
+                    } else {
+                        break;
+                    }
+                }
+                if m.depth() > 0 {
+                    entries.push(m);
+                }
+            }
+        }
+    }
+
     // --- internals -------------------------------------------------------------
+
+    /// The table of tier `medium`, if it exists.
+    fn tier(&self, medium: Medium) -> Option<&PrefixIndex> {
+        match medium {
+            Medium::Device => Some(self),
+            Medium::Host => self.lower.first(),
+            Medium::Disk => self.lower.get(1),
+        }
+    }
+
+    /// The table of tier `medium`, created if needed, with room for `worker`.
+    fn tier_mut(&mut self, worker: WorkerIdx, medium: Medium) -> &mut PrefixIndex {
+        let i = match medium {
+            Medium::Device => {
+                self.ensure_worker(worker);
+                return self;
+            }
+            Medium::Host => 0,
+            Medium::Disk => 1,
+        };
+        if self.lower.is_empty() {
+            let workers = self.stride * 64;
+            self.lower = vec![
+                PrefixIndex::with_capacity(0, workers),
+                PrefixIndex::with_capacity(0, workers),
+            ];
+        }
+        let t = &mut self.lower[i];
+        t.ensure_worker(worker);
+        t
+    }
+
+    /// Drops `worker`'s blocks from every tier.
+    fn clear_all_tiers(&mut self, worker: WorkerIdx) {
+        self.clear_worker(worker);
+        for t in &mut self.lower {
+            t.clear_worker(worker);
+        }
+    }
 
     /// Probes the first hash and seeds `out.remaining` with its holders.
     fn start_lookup(&self, hashes: &[BlockHash], out: &mut Matches) -> Option<Probe> {
@@ -509,27 +763,31 @@ impl PrefixIndex {
 
     fn apply_kind(&mut self, worker: WorkerIdx, kind: &RouterKvEventKind) {
         match kind {
-            // Only the device tier is indexed for now; host and disk events are skipped.
-            RouterKvEventKind::Stored { medium, .. }
-            | RouterKvEventKind::Removed { medium, .. }
-                if !medium.is_device() => {}
             RouterKvEventKind::Stored {
                 parent_hash,
                 block_hashes,
-                ..
+                medium,
             } => {
+                let tier = self.tier_mut(worker, *medium);
                 let mut parent = *parent_hash;
                 for &h in block_hashes {
-                    self.insert_block(worker, h, parent);
+                    tier.insert_block(worker, h, parent);
                     parent = Some(h);
                 }
             }
-            RouterKvEventKind::Removed { block_hashes, .. } => {
-                for &h in block_hashes {
-                    self.remove_block(worker, h);
+            RouterKvEventKind::Removed {
+                block_hashes,
+                medium,
+            } => {
+                // A tier that never received a block has nothing to remove.
+                if medium.is_device() || !self.lower.is_empty() {
+                    let tier = self.tier_mut(worker, *medium);
+                    for &h in block_hashes {
+                        tier.remove_block(worker, h);
+                    }
                 }
             }
-            RouterKvEventKind::Cleared => self.clear_worker(worker),
+            RouterKvEventKind::Cleared => self.clear_all_tiers(worker),
         }
     }
 
@@ -794,12 +1052,112 @@ mod tests {
         assert_eq!(idx.num_blocks(), 0);
     }
 
+    #[test]
+    fn tiers_are_independent_and_priced_at_the_fastest() {
+        let mut idx = PrefixIndex::new();
+        let a = chain(9, 12);
+        let ev = |seq, kind| RouterKvEvent { seq, kind };
+        let stored = |hashes: &[BlockHash], parent, medium| RouterKvEventKind::Stored {
+            parent_hash: parent,
+            block_hashes: hashes.to_vec(),
+            medium,
+        };
+        // w0: device 0..4, host 0..8 (written behind), disk 8..12.
+        idx.apply(w(0), &ev(1, stored(&a[..4], None, Medium::Device)))
+            .unwrap();
+        idx.apply(w(0), &ev(2, stored(&a[..8], None, Medium::Host)))
+            .unwrap();
+        idx.apply(w(0), &ev(3, stored(&a[8..], Some(a[7]), Medium::Disk)))
+            .unwrap();
+        // w1: host only, 0..6.
+        idx.apply(w(1), &ev(1, stored(&a[..6], None, Medium::Host)))
+            .unwrap();
+        assert!(idx.has_lower_tiers());
+        assert_eq!(idx.num_blocks(), 4, "num_blocks counts the device tier");
+        assert_eq!(idx.tier_block_count(w(0), Medium::Host), 8);
+        assert_eq!(idx.find_matches(&a).depth(w(0)), 4);
+        assert_eq!(idx.find_matches(&a).depth(w(1)), 0);
+        let t = idx.find_tiered_matches(&a);
+        let m0 = t.get(w(0));
+        assert_eq!((m0.device, m0.host, m0.disk), (4, 4, 4));
+        assert_eq!(m0.depth(), 12);
+        let m1 = t.get(w(1));
+        assert_eq!((m1.device, m1.host, m1.disk), (0, 6, 0));
+        assert_eq!(t.as_slice().len(), 2);
+        // Dropping the host copies leaves the device copies, and the reverse.
+        idx.apply(
+            w(0),
+            &ev(
+                4,
+                RouterKvEventKind::Removed {
+                    block_hashes: a[..8].to_vec(),
+                    medium: Medium::Host,
+                },
+            ),
+        )
+        .unwrap();
+        assert_eq!(idx.find_matches(&a).depth(w(0)), 4);
+        let m0 = idx.find_tiered_matches(&a).get(w(0));
+        assert_eq!((m0.device, m0.host, m0.disk), (4, 0, 0));
+        idx.apply(
+            w(1),
+            &ev(
+                2,
+                RouterKvEventKind::Removed {
+                    block_hashes: a[..6].to_vec(),
+                    medium: Medium::Device,
+                },
+            ),
+        )
+        .unwrap();
+        assert_eq!(idx.find_tiered_matches(&a).get(w(1)).host, 6);
+        // The dump lists each tier; a rebuild from it restores all of them.
+        let dump = idx.worker_blocks(w(0));
+        assert_eq!(dump.len(), 8);
+        assert!(dump.contains(&DumpedBlock {
+            hash: a[9],
+            parent: Some(a[8]),
+            medium: Medium::Disk
+        }));
+        idx.apply(w(0), &RouterKvEvent::cleared(5)).unwrap();
+        assert_eq!(idx.tier_block_count(w(0), Medium::Disk), 0);
+        assert_eq!(idx.find_tiered_matches(&a).get(w(0)).depth(), 0);
+        idx.rebuild_worker(w(0), &dump, 9);
+        assert_eq!(idx.tier_block_count(w(0), Medium::Disk), 4);
+        assert!(idx.holds_in(w(0), a[2], Medium::Device));
+        assert!(!idx.holds_in(w(0), a[2], Medium::Host));
+        idx.remove_worker(w(0));
+        idx.remove_worker(w(1));
+        assert!(!idx.has_lower_tiers());
+    }
+
+    #[test]
+    fn without_lower_tiers_the_tiered_lookup_is_the_device_lookup() {
+        let mut idx = PrefixIndex::new();
+        let a = chain(10, 6);
+        idx.apply(w(2), &RouterKvEvent::stored(1, None, a[..3].to_vec()))
+            .unwrap();
+        let t = idx.find_tiered_matches(&a);
+        assert_eq!(
+            t.as_slice(),
+            &[TieredMatch {
+                worker: w(2),
+                device: 3,
+                host: 0,
+                disk: 0
+            }]
+        );
+        assert_eq!(t.device(), &idx.find_matches(&a));
+    }
+
     // --- model-based tests ------------------------------------------------------
 
     /// The naive reference: per-worker sets of hashes.
     #[derive(Default)]
     struct Model {
         sets: BTreeMap<u32, BTreeSet<BlockHash>>,
+        // Host (false) and disk (true) sets per worker.
+        lower: BTreeMap<(u32, bool), BTreeSet<BlockHash>>,
     }
 
     impl Model {
@@ -809,6 +1167,44 @@ mod tests {
                 .iter()
                 .take_while(|h| set.is_some_and(|s| s.contains(h)))
                 .count()
+        }
+
+        /// (device, host, disk): the device depth, then each following block at its
+        /// fastest tier until one is in none.
+        fn tiered(&self, worker: u32, hashes: &[BlockHash]) -> (usize, usize, usize) {
+            let has = |set: Option<&BTreeSet<BlockHash>>, h| set.is_some_and(|s| s.contains(h));
+            let (dev, host, disk) = (
+                self.sets.get(&worker),
+                self.lower.get(&(worker, false)),
+                self.lower.get(&(worker, true)),
+            );
+            let mut r = (self.depth(worker, hashes), 0, 0);
+            for h in &hashes[r.0..] {
+                if has(dev, h) {
+                    r.0 += 1;
+                } else if has(host, h) {
+                    r.1 += 1;
+                } else if has(disk, h) {
+                    r.2 += 1;
+                } else {
+                    break;
+                }
+            }
+            r
+        }
+
+        fn forget(&mut self, worker: u32) {
+            self.sets.remove(&worker);
+            self.lower.remove(&(worker, false));
+            self.lower.remove(&(worker, true));
+        }
+    }
+
+    fn medium(disk: bool) -> Medium {
+        if disk {
+            Medium::Disk
+        } else {
+            Medium::Host
         }
     }
 
@@ -842,6 +1238,22 @@ mod tests {
         Rebuild {
             worker: u32,
         },
+        /// Worker stores `len` blocks of chain `c` from `from` in its host or disk tier
+        /// (lower tiers need not be prefix-closed).
+        StoreLower {
+            worker: u32,
+            c: usize,
+            from: usize,
+            len: usize,
+            disk: bool,
+        },
+        /// Worker drops one block of chain `c` from its host or disk tier.
+        RemoveLower {
+            worker: u32,
+            c: usize,
+            at: usize,
+            disk: bool,
+        },
     }
 
     fn op(closed: bool) -> impl Strategy<Value = Op> {
@@ -862,11 +1274,38 @@ mod tests {
         let rm = workers
             .clone()
             .prop_map(|worker| Op::RemoveWorker { worker });
-        let rebuild = workers.prop_map(|worker| Op::Rebuild { worker });
+        let rebuild = workers.clone().prop_map(|worker| Op::Rebuild { worker });
+        let store_lower = (
+            workers.clone(),
+            0usize..4,
+            0usize..24,
+            1usize..24,
+            any::<bool>(),
+        )
+            .prop_map(|(worker, c, from, len, disk)| Op::StoreLower {
+                worker,
+                c,
+                from,
+                len,
+                disk,
+            });
+        let remove_lower =
+            (workers, 0usize..4, 0usize..32, any::<bool>()).prop_map(|(worker, c, at, disk)| {
+                Op::RemoveLower {
+                    worker,
+                    c,
+                    at,
+                    disk,
+                }
+            });
         if closed {
-            prop_oneof![6 => store, 3 => tail, 1 => clear, 1 => rm, 1 => rebuild].boxed()
+            prop_oneof![6 => store, 3 => tail, 1 => clear, 1 => rm, 1 => rebuild,
+                4 => store_lower, 2 => remove_lower]
+            .boxed()
         } else {
-            prop_oneof![6 => store, 2 => tail, 3 => at, 1 => clear, 1 => rm, 1 => rebuild].boxed()
+            prop_oneof![6 => store, 2 => tail, 3 => at, 1 => clear, 1 => rm, 1 => rebuild,
+                4 => store_lower, 2 => remove_lower]
+            .boxed()
         }
     }
 
@@ -948,7 +1387,7 @@ mod tests {
                     prop_assert!(idx.apply(WorkerIdx(worker), &ev).is_ok());
                 }
                 Op::Clear { worker } => {
-                    model.sets.remove(&worker);
+                    model.forget(worker);
                     let seq = seqs.entry(worker).or_default();
                     *seq += 1;
                     prop_assert!(idx
@@ -956,7 +1395,7 @@ mod tests {
                         .is_ok());
                 }
                 Op::RemoveWorker { worker } => {
-                    model.sets.remove(&worker);
+                    model.forget(worker);
                     seqs.remove(&worker);
                     idx.remove_worker(WorkerIdx(worker));
                 }
@@ -966,8 +1405,68 @@ mod tests {
                     let seq = seqs.entry(worker).or_default();
                     *seq += 100;
                     idx.rebuild_worker(WorkerIdx(worker), &dump, *seq);
-                    let set: BTreeSet<BlockHash> = dump.iter().map(|d| d.hash).collect();
-                    prop_assert_eq!(&set, &model.sets.get(&worker).cloned().unwrap_or_default());
+                    for (m, want) in [
+                        (Medium::Device, model.sets.get(&worker)),
+                        (Medium::Host, model.lower.get(&(worker, false))),
+                        (Medium::Disk, model.lower.get(&(worker, true))),
+                    ] {
+                        let set: BTreeSet<BlockHash> = dump
+                            .iter()
+                            .filter(|d| d.medium == m)
+                            .map(|d| d.hash)
+                            .collect();
+                        prop_assert_eq!(&set, &want.cloned().unwrap_or_default());
+                        prop_assert_eq!(idx.tier_block_count(WorkerIdx(worker), m), set.len());
+                    }
+                }
+                Op::StoreLower {
+                    worker,
+                    c,
+                    from,
+                    len,
+                    disk,
+                } => {
+                    let ch = &chains[c];
+                    let from = from.min(ch.len());
+                    let to = (from + len).min(ch.len());
+                    if from >= to {
+                        continue;
+                    }
+                    model
+                        .lower
+                        .entry((worker, disk))
+                        .or_default()
+                        .extend(&ch[from..to]);
+                    let seq = seqs.entry(worker).or_default();
+                    *seq += 1;
+                    let ev = RouterKvEvent {
+                        seq: *seq,
+                        kind: RouterKvEventKind::Stored {
+                            parent_hash: from.checked_sub(1).map(|p| ch[p]),
+                            block_hashes: ch[from..to].to_vec(),
+                            medium: medium(disk),
+                        },
+                    };
+                    prop_assert!(idx.apply(WorkerIdx(worker), &ev).is_ok());
+                }
+                Op::RemoveLower {
+                    worker,
+                    c,
+                    at,
+                    disk,
+                } => {
+                    let h = chains[c][at % chains[c].len()];
+                    model.lower.entry((worker, disk)).or_default().remove(&h);
+                    let seq = seqs.entry(worker).or_default();
+                    *seq += 1;
+                    let ev = RouterKvEvent {
+                        seq: *seq,
+                        kind: RouterKvEventKind::Removed {
+                            block_hashes: vec![h],
+                            medium: medium(disk),
+                        },
+                    };
+                    prop_assert!(idx.apply(WorkerIdx(worker), &ev).is_ok());
                 }
             }
             // Check every chain and some prefixes of them after each step.
@@ -978,6 +1477,24 @@ mod tests {
                     let q = &ch[..n];
                     let fast = idx.find_matches(q);
                     let exact = idx.find_matches_exact(q);
+                    let tiered = idx.find_tiered_matches(q);
+                    prop_assert_eq!(tiered.device(), &fast);
+                    for worker in 0..6u32 {
+                        let want = model.tiered(worker, q);
+                        let got = tiered.get(WorkerIdx(worker));
+                        if closed {
+                            prop_assert_eq!(
+                                (got.device, got.host, got.disk),
+                                want,
+                                "tiered worker {} query {}",
+                                worker,
+                                n
+                            );
+                        } else {
+                            prop_assert!(got.depth() >= want.0 + want.1 + want.2);
+                        }
+                    }
+                    prop_assert!(tiered.as_slice().iter().all(|m| m.depth() > 0));
                     let mut deepest = 0;
                     for worker in 0..6u32 {
                         let want = model.depth(worker, q);

@@ -7,6 +7,12 @@
 //! prefill): each decode step of a worker takes
 //! `decode_step_base_ms + decode_step_per_seq_ms × batch`, where `batch` is the number
 //! of sequences decoding on that worker when the request starts decoding.
+//!
+//! Host and disk tiers: a prefix hit in a lower tier is copied into the device pool
+//! first, taking `block tokens × kv_bytes_per_token ÷ host_bytes_per_s` (or
+//! `disk_bytes_per_s`), added to the request's prefill on the same lane. The tier
+//! fields are optional in the file (defaults: Llama-3-8B bf16 KV, 128 KiB per token;
+//! PCIe Gen5 host copies at 50 GB/s; one NVMe drive at 5 GB/s).
 
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
@@ -29,6 +35,27 @@ pub struct CostModel {
     pub decode_step_base_ms: f64,
     /// Extra decode step time per sequence in the batch, ms.
     pub decode_step_per_seq_ms: f64,
+    /// KV cache bytes per token (all layers, K and V).
+    #[serde(default = "default_kv_bytes_per_token")]
+    pub kv_bytes_per_token: f64,
+    /// Host-tier → device copy bandwidth, bytes/s.
+    #[serde(default = "default_host_bytes_per_s")]
+    pub host_bytes_per_s: f64,
+    /// Disk-tier → device bandwidth, bytes/s.
+    #[serde(default = "default_disk_bytes_per_s")]
+    pub disk_bytes_per_s: f64,
+}
+
+fn default_kv_bytes_per_token() -> f64 {
+    131_072.0
+}
+
+fn default_host_bytes_per_s() -> f64 {
+    50e9
+}
+
+fn default_disk_bytes_per_s() -> f64 {
+    5e9
 }
 
 impl CostModel {
@@ -50,13 +77,17 @@ impl CostModel {
             ("prefill_overhead_ms", self.prefill_overhead_ms),
             ("decode_step_base_ms", self.decode_step_base_ms),
             ("decode_step_per_seq_ms", self.decode_step_per_seq_ms),
+            ("kv_bytes_per_token", self.kv_bytes_per_token),
         ] {
             anyhow::ensure!(v.is_finite() && v >= 0.0, "{k} must be finite and >= 0");
         }
-        anyhow::ensure!(
-            self.prefill_tokens_per_s > 0.0,
-            "prefill_tokens_per_s must be > 0"
-        );
+        for (k, v) in [
+            ("prefill_tokens_per_s", self.prefill_tokens_per_s),
+            ("host_bytes_per_s", self.host_bytes_per_s),
+            ("disk_bytes_per_s", self.disk_bytes_per_s),
+        ] {
+            anyhow::ensure!(v.is_finite() && v > 0.0, "{k} must be finite and > 0");
+        }
         Ok(())
     }
 
@@ -75,6 +106,31 @@ impl CostModel {
     /// Prefill time of `uncached` tokens, in ms.
     pub fn prefill_ms(&self, uncached: usize) -> f64 {
         self.prefill_overhead_ms + uncached as f64 * 1000.0 / self.prefill_tokens_per_s
+    }
+
+    /// Time to copy `tokens` tokens' KV from the host tier into the device, in ms.
+    pub fn host_load_ms(&self, tokens: usize) -> f64 {
+        tokens as f64 * self.kv_bytes_per_token * 1000.0 / self.host_bytes_per_s
+    }
+
+    /// Time to read `tokens` tokens' KV from the disk tier into the device, in ms.
+    pub fn disk_load_ms(&self, tokens: usize) -> f64 {
+        tokens as f64 * self.kv_bytes_per_token * 1000.0 / self.disk_bytes_per_s
+    }
+
+    /// The router's tier pricing for this model and hardware, scored by `scoring`.
+    pub fn tier_pricing(
+        &self,
+        scoring: kvfleet_routing::policy::TierScoring,
+    ) -> kvfleet_routing::policy::TierCostConfig {
+        kvfleet_routing::policy::TierCostConfig {
+            scoring,
+            kv_bytes_per_token: self.kv_bytes_per_token,
+            host_bytes_per_s: self.host_bytes_per_s,
+            disk_bytes_per_s: self.disk_bytes_per_s,
+            prefill_tokens_per_s: self.prefill_tokens_per_s,
+            ..Default::default()
+        }
     }
 
     /// One decode step at `batch` sequences, in ms.

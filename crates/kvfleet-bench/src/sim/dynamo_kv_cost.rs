@@ -115,7 +115,7 @@ mod tests {
     /// Worker 0 holds the prompt's first 6 of 8 blocks but decodes 60 blocks; worker 1
     /// is idle and cold.
     fn workers(prompt: &[BlockHash]) -> Vec<SimWorker> {
-        let mut w = vec![SimWorker::new(100), SimWorker::new(100)];
+        let mut w = vec![SimWorker::new(100, 0, 0), SimWorker::new(100, 0, 0)];
         w[0].lru.insert_chain(&prompt[..6]);
         w[0].active_blocks = 60;
         w

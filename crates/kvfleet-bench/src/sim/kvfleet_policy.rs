@@ -9,7 +9,7 @@
 
 use super::lru::ChainChange;
 use super::{RouteReq, SimRouter, SimWorker};
-use kvfleet_core::kv_events::KvEvent;
+use kvfleet_core::kv_events::{KvEvent, KvEventKind};
 use kvfleet_routing::{KvRouter, PolicyKind, RouterConfig};
 
 /// A [`KvRouter`] driving one policy.
@@ -86,6 +86,26 @@ impl SimRouter for KvfleetPolicy {
         for (parent, blocks) in &change.stored {
             let (parent, blocks) = (*parent, blocks.clone());
             self.event(w, |seq| KvEvent::stored(seq, parent, blocks));
+        }
+        // Lower-tier changes, in order, one event per run of the same tier and kind.
+        for run in change
+            .lower
+            .chunk_by(|a, b| a.medium == b.medium && a.stored == b.stored)
+        {
+            let (medium, block_hashes) = (run[0].medium, run.iter().map(|o| o.hash).collect());
+            let kind = if run[0].stored {
+                KvEventKind::Stored {
+                    parent_hash: None,
+                    block_hashes,
+                    medium,
+                }
+            } else {
+                KvEventKind::Removed {
+                    block_hashes,
+                    medium,
+                }
+            };
+            self.event(w, |seq| KvEvent { seq, kind });
         }
         self.report(w, workers);
     }

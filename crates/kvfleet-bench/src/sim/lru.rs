@@ -3,6 +3,7 @@
 //! every block of its chain becomes most recently used, tail first, so a prefix always
 //! outlives the suffixes that hang off it (the engine releases blocks tail-first).
 
+use kvfleet_core::kv_events::Medium;
 use kvfleet_core::{BlockHash, BlockHashMap};
 
 const NIL: u32 = u32::MAX;
@@ -21,6 +22,20 @@ pub struct ChainChange {
     pub stored: Vec<(Option<BlockHash>, Vec<BlockHash>)>,
     /// Evicted blocks.
     pub removed: Vec<BlockHash>,
+    /// What the worker's host and disk tiers stored and dropped, in order (empty
+    /// without tiers).
+    pub lower: Vec<LowerOp>,
+}
+
+/// One change to a lower tier of a simulated worker.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LowerOp {
+    /// The tier (host or disk).
+    pub medium: Medium,
+    /// Stored (`true`) or evicted (`false`).
+    pub stored: bool,
+    /// The block.
+    pub hash: BlockHash,
 }
 
 /// A fixed-capacity LRU set of block hashes.
@@ -132,6 +147,57 @@ impl LruBlockCache {
         change
     }
 
+    /// Makes `h` most recently used if it is cached; returns whether it was.
+    pub fn touch(&mut self, h: BlockHash) -> bool {
+        match self.map.get(&h) {
+            Some(&n) => {
+                self.unlink(n);
+                self.push_front(n);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Caches the single block `h` as most recently used (a block demoted from the
+    /// tier above). Returns whether it was new and the block it evicted, if any; a
+    /// zero-capacity cache stores nothing.
+    pub fn insert_one(&mut self, h: BlockHash) -> (bool, Option<BlockHash>) {
+        if self.capacity == 0 {
+            return (false, None);
+        }
+        if self.touch(h) {
+            return (false, None);
+        }
+        let mut evicted = None;
+        if self.map.len() >= self.capacity {
+            let lru = self.tail;
+            let old = self.nodes[lru as usize].hash;
+            self.unlink(lru);
+            self.map.remove(&old);
+            self.free.push(lru);
+            evicted = Some(old);
+        }
+        let node = Node {
+            hash: h,
+            prev: NIL,
+            next: NIL,
+        };
+        let n = match self.free.pop() {
+            Some(n) => {
+                self.nodes[n as usize] = node;
+                n
+            }
+            None => {
+                self.nodes.push(node);
+                (self.nodes.len() - 1) as u32
+            }
+        };
+        self.map.insert(h, n);
+        self.push_front(n);
+        (true, evicted)
+    }
+
     fn unlink(&mut self, n: u32) {
         let Node { prev, next, .. } = self.nodes[n as usize];
         if prev == NIL {
@@ -188,5 +254,18 @@ mod tests {
         assert_eq!(c.len(), 4);
         assert_eq!(c.match_prefix(&h(&[10, 11, 12, 13, 14])), 4);
         assert_eq!(ch.removed.len(), 4);
+    }
+
+    #[test]
+    fn single_inserts_evict_the_least_recent() {
+        let mut c = LruBlockCache::new(2);
+        assert_eq!(c.insert_one(BlockHash(1)), (true, None));
+        assert_eq!(c.insert_one(BlockHash(2)), (true, None));
+        assert!(c.touch(BlockHash(1)));
+        assert_eq!(c.insert_one(BlockHash(1)), (false, None));
+        assert_eq!(c.insert_one(BlockHash(3)), (true, Some(BlockHash(2))));
+        let mut none = LruBlockCache::new(0);
+        assert_eq!(none.insert_one(BlockHash(1)), (false, None));
+        assert!(none.is_empty());
     }
 }

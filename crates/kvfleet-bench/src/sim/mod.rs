@@ -11,6 +11,19 @@
 //! when it is enqueued (the engine publishes blocks when it allocates them, so a
 //! sibling enqueued behind it reuses them too); then its whole chain becomes cached
 //! there. Hit ratios count blocks, as the [`crate::bounds`] do.
+//!
+//! # Tiers
+//!
+//! With `host_blocks` / `disk_blocks` a worker keeps two more LRU caches below its
+//! device pool, as the engine does: a block evicted from the device is demoted to host
+//! (a host eviction to disk, a disk eviction is gone); a request's hits continue past
+//! its device prefix into host and then disk blocks, which are promoted (stored on the
+//! device again; the lower copy stays, touched). Each promoted block's copy time under
+//! the cost model (`kv_bytes_per_token ÷ host_bytes_per_s` per token, or disk's) is
+//! added to the request's prefill, on the worker's prefill lane. Every tier reports its
+//! own stored/removed events, so kvfleet's router sees them; its tier pricing is set
+//! from the same cost model, scored by [`SimConfig::tier_scoring`]. The baselines see
+//! device blocks only.
 
 pub mod cost_model;
 pub mod dynamo_kv_cost;
@@ -22,9 +35,11 @@ use crate::bounds::chains;
 use crate::trace::Trace;
 use cost_model::CostModel;
 use dynamo_kv_cost::{DynamoConfig, DynamoKvCost, DynamoMetric};
+use kvfleet_core::kv_events::Medium;
 use kvfleet_core::BlockHash;
+pub use kvfleet_routing::policy::TierScoring;
 use kvfleet_routing::{PolicyKind, RouterConfig};
-use lru::{ChainChange, LruBlockCache};
+use lru::{ChainChange, LowerOp, LruBlockCache};
 use serde::Serialize;
 use sglang_cache_aware::{SglangCacheAware, SglangConfig};
 use std::cmp::Reverse;
@@ -89,8 +104,12 @@ impl std::str::FromStr for SimPolicy {
 /// One simulated worker's state, as routers may observe it.
 #[derive(Clone, Debug)]
 pub struct SimWorker {
-    /// The prefix cache.
+    /// The prefix cache (the device pool).
     pub lru: LruBlockCache,
+    /// The host tier below it (capacity 0: none).
+    pub host: LruBlockCache,
+    /// The disk tier below the host (capacity 0: none).
+    pub disk: LruBlockCache,
     queue: VecDeque<usize>,
     prefilling: Option<usize>,
     /// Uncached prompt tokens queued or being prefilled.
@@ -108,9 +127,11 @@ pub struct SimWorker {
 }
 
 impl SimWorker {
-    fn new(cache_blocks: usize) -> Self {
+    fn new(cache_blocks: usize, host_blocks: usize, disk_blocks: usize) -> Self {
         Self {
             lru: LruBlockCache::new(cache_blocks),
+            host: LruBlockCache::new(host_blocks),
+            disk: LruBlockCache::new(disk_blocks),
             queue: VecDeque::new(),
             prefilling: None,
             queued_prefill_tokens: 0,
@@ -119,6 +140,86 @@ impl SimWorker {
             inflight: 0,
             prefill_computed: 0,
             requests: 0,
+        }
+    }
+
+    /// The leading blocks of `chain` this worker holds in some tier, each counted at
+    /// its fastest: (device, host, disk).
+    pub fn tiered_match(&self, chain: &[BlockHash]) -> TierHits {
+        let mut hits = TierHits {
+            device: self.lru.match_prefix(chain),
+            ..TierHits::default()
+        };
+        for &h in &chain[hits.device..] {
+            if self.lru.contains(h) {
+                hits.device += 1;
+            } else if self.host.contains(h) {
+                hits.host += 1;
+            } else if self.disk.contains(h) {
+                hits.disk += 1;
+            } else {
+                break;
+            }
+        }
+        hits
+    }
+
+    /// Serves `chain` with `hits`: touches the lower-tier copies it promotes, caches
+    /// the whole chain on the device and demotes what that evicts.
+    fn admit(&mut self, chain: &[BlockHash], hits: TierHits) -> ChainChange {
+        for &h in &chain[hits.device..hits.total()] {
+            if !self.host.touch(h) {
+                self.disk.touch(h);
+            }
+        }
+        let mut change = self.lru.insert_chain(chain);
+        if self.host.capacity() > 0 || self.disk.capacity() > 0 {
+            for i in 0..change.removed.len() {
+                let h = change.removed[i];
+                self.demote(h, &mut change.lower);
+            }
+        }
+        change
+    }
+
+    /// Moves `h`, just evicted from the device, to the host tier (or straight to disk
+    /// without one), cascading the host's eviction to disk.
+    fn demote(&mut self, h: BlockHash, ops: &mut Vec<LowerOp>) {
+        let mut to_disk = Some(h);
+        if self.host.capacity() > 0 {
+            let (new, evicted) = self.host.insert_one(h);
+            if new {
+                ops.push(LowerOp {
+                    medium: Medium::Host,
+                    stored: true,
+                    hash: h,
+                });
+            }
+            if let Some(e) = evicted {
+                ops.push(LowerOp {
+                    medium: Medium::Host,
+                    stored: false,
+                    hash: e,
+                });
+            }
+            to_disk = evicted;
+        }
+        if let Some(d) = to_disk {
+            let (new, evicted) = self.disk.insert_one(d);
+            if new {
+                ops.push(LowerOp {
+                    medium: Medium::Disk,
+                    stored: true,
+                    hash: d,
+                });
+            }
+            if let Some(e) = evicted {
+                ops.push(LowerOp {
+                    medium: Medium::Disk,
+                    stored: false,
+                    hash: e,
+                });
+            }
         }
     }
 
@@ -132,6 +233,24 @@ impl SimWorker {
             total_blocks: self.lru.capacity(),
             ..Default::default()
         }
+    }
+}
+
+/// A request's prefix hits per tier, in blocks.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TierHits {
+    /// Blocks found on the device.
+    pub device: usize,
+    /// Blocks loaded from the host tier.
+    pub host: usize,
+    /// Blocks loaded from disk.
+    pub disk: usize,
+}
+
+impl TierHits {
+    /// Every hit.
+    pub fn total(&self) -> usize {
+        self.device + self.host + self.disk
     }
 }
 
@@ -166,6 +285,13 @@ pub struct SimConfig {
     pub workers: usize,
     /// Cache blocks per worker (of the trace's block size).
     pub cache_blocks: usize,
+    /// Host-tier blocks per worker (0: no host tier).
+    pub host_blocks: usize,
+    /// Disk-tier blocks per worker (0: no disk tier).
+    pub disk_blocks: usize,
+    /// How kvfleet's router scores host and disk hits (its bandwidths come from
+    /// `cost`).
+    pub tier_scoring: TierScoring,
     /// Policy.
     pub policy: SimPolicy,
     /// Prefill/decode cost model.
@@ -186,6 +312,9 @@ impl SimConfig {
         Self {
             workers,
             cache_blocks,
+            host_blocks: 0,
+            disk_blocks: 0,
+            tier_scoring: TierScoring::LoadTime,
             policy,
             cost: CostModel::h200_llama8b(),
             router: RouterConfig::default(),
@@ -235,14 +364,26 @@ pub struct SimResult {
     pub workers: usize,
     /// Cache blocks per worker.
     pub cache_blocks: usize,
+    /// Host-tier blocks per worker.
+    pub host_blocks: usize,
+    /// Disk-tier blocks per worker.
+    pub disk_blocks: usize,
+    /// How kvfleet's router scored tier hits (`load-time`, `discount`, `device-only`).
+    pub tier_scoring: TierScoring,
     /// Cost model name.
     pub cost_model: String,
     /// Requests served.
     pub requests: usize,
     /// Prompt blocks (hash ids) over all requests.
     pub total_blocks: u64,
-    /// Leading blocks found cached.
+    /// Leading blocks found cached, in any tier.
     pub hit_blocks: u64,
+    /// Of those, blocks loaded from a host tier.
+    pub host_hit_blocks: u64,
+    /// Of those, blocks loaded from a disk tier.
+    pub disk_hit_blocks: u64,
+    /// Time spent copying tier hits into the device, summed over requests, ms.
+    pub tier_load_ms: f64,
     /// `hit_blocks / total_blocks`.
     pub hit_ratio: f64,
     /// Prompt tokens.
@@ -297,6 +438,11 @@ struct ReqState {
     token: usize,
     sent_ms: f64,
     uncached: usize,
+    /// Time to load its host and disk hits, ms (part of its prefill).
+    load_ms: f64,
+    /// Backlog it adds to the worker: uncached tokens plus the load time in
+    /// prefill-token equivalents.
+    lane_tokens: usize,
     /// A worker's prefill lane was idle when this request arrived.
     idle_elsewhere: bool,
     done: bool,
@@ -308,6 +454,10 @@ pub fn make_router(cfg: &SimConfig, block_size: usize) -> anyhow::Result<Box<dyn
         SimPolicy::Kvfleet(kind) => Box::new(kvfleet_policy::KvfleetPolicy::new(
             RouterConfig {
                 block_size,
+                cache_aware: kvfleet_routing::policy::CacheAwareConfig {
+                    tiers: cfg.cost.tier_pricing(cfg.tier_scoring),
+                    ..cfg.router.cache_aware.clone()
+                },
                 ..cfg.router.clone()
             },
             kind,
@@ -342,7 +492,7 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
     let recs = &trace.records;
     let mut router = make_router(cfg, bs)?;
     let mut workers: Vec<SimWorker> = (0..cfg.workers)
-        .map(|_| SimWorker::new(cfg.cache_blocks))
+        .map(|_| SimWorker::new(cfg.cache_blocks, cfg.host_blocks, cfg.disk_blocks))
         .collect();
     let index_of: HashMap<u64, usize> = recs
         .iter()
@@ -371,6 +521,7 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
     let mut itl = Vec::with_capacity(recs.len());
     let (mut hit_blocks, mut total_blocks, mut cached_tokens, mut prompt_tokens) =
         (0u64, 0u64, 0u64, 0u64);
+    let (mut host_hit_blocks, mut disk_hit_blocks, mut tier_load_ms) = (0u64, 0u64, 0.0f64);
     let mut arrivals: Vec<(f64, usize, usize)> = Vec::with_capacity(recs.len());
     let mut now = t0;
     let mut served = 0usize;
@@ -399,17 +550,25 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                 let (w, token) = router.route(&req, &workers, now);
                 anyhow::ensure!(w < workers.len(), "router chose a worker out of range");
                 let wk = &mut workers[w];
-                let hits = wk.lru.match_prefix(chain);
-                let change = wk.lru.insert_chain(chain);
+                let tier_hits = wk.tiered_match(chain);
+                let hits = tier_hits.total();
+                let change = wk.admit(chain, tier_hits);
                 let cached = (hits * bs).min(r.input_length.saturating_sub(1));
                 let uncached = r.input_length - cached;
+                let load_ms = cfg.cost.host_load_ms(tier_hits.host * bs)
+                    + cfg.cost.disk_load_ms(tier_hits.disk * bs);
+                let lane_tokens =
+                    uncached + (load_ms * cfg.cost.prefill_tokens_per_s / 1000.0).ceil() as usize;
+                host_hit_blocks += tier_hits.host as u64;
+                disk_hit_blocks += tier_hits.disk as u64;
+                tier_load_ms += load_ms;
                 hit_blocks += hits as u64;
                 total_blocks += chain.len() as u64;
                 cached_tokens += cached as u64;
                 prompt_tokens += r.input_length as u64;
                 arrivals.push((now, hits, chain.len()));
                 wk.queue.push_back(i);
-                wk.queued_prefill_tokens += uncached;
+                wk.queued_prefill_tokens += lane_tokens;
                 wk.inflight += 1;
                 wk.active_blocks += chain.len();
                 wk.prefill_computed += uncached as u64;
@@ -419,6 +578,8 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                     token,
                     sent_ms: now,
                     uncached,
+                    load_ms,
+                    lane_tokens,
                     idle_elsewhere,
                     done: false,
                 };
@@ -436,7 +597,7 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                     continue;
                 };
                 prefilling -= 1;
-                wk.queued_prefill_tokens -= st[i].uncached;
+                wk.queued_prefill_tokens -= st[i].lane_tokens;
                 let took = now - st[i].sent_ms;
                 if st[i].idle_elsewhere && took > cfg.cost.prefill_ms(recs[i].input_length) {
                     avoidable_waits += 1;
@@ -490,10 +651,16 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
         policy: cfg.policy.as_str().to_string(),
         workers: cfg.workers,
         cache_blocks: cfg.cache_blocks,
+        host_blocks: cfg.host_blocks,
+        disk_blocks: cfg.disk_blocks,
+        tier_scoring: cfg.tier_scoring,
         cost_model: cfg.cost.name.clone(),
         requests: recs.len(),
         total_blocks,
         hit_blocks,
+        host_hit_blocks,
+        disk_hit_blocks,
+        tier_load_ms,
         hit_ratio: ratio(hit_blocks, total_blocks),
         prompt_tokens,
         cached_tokens,
@@ -531,7 +698,7 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
 fn start_prefill(wk: &mut SimWorker, st: &[ReqState], cost: &CostModel) -> Option<f64> {
     let i = wk.queue.pop_front()?;
     wk.prefilling = Some(i);
-    Some(cost.prefill_ms(st[i].uncached))
+    Some(cost.prefill_ms(st[i].uncached) + st[i].load_ms)
 }
 
 fn timeline(arrivals: &[(f64, usize, usize)], t0: f64, buckets: usize) -> Vec<(f64, f64)> {
@@ -556,4 +723,83 @@ fn timeline(arrivals: &[(f64, usize, usize)], t0: f64, buckets: usize) -> Vec<(f
             )
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn h(v: &[u64]) -> Vec<BlockHash> {
+        v.iter().map(|&x| BlockHash(x)).collect()
+    }
+
+    #[test]
+    fn evictions_demote_down_the_tiers_and_hits_promote_back() {
+        let mut wk = SimWorker::new(2, 2, 4);
+        let a = h(&[1, 2]);
+        let hits = wk.tiered_match(&a);
+        wk.admit(&a, hits);
+        // [3,4] evicts 1 and 2 from the device: they go to host.
+        let ch = wk.admit(&h(&[3, 4]), TierHits::default());
+        assert_eq!(ch.removed, h(&[2, 1]));
+        assert_eq!(
+            ch.lower
+                .iter()
+                .filter(|o| o.medium == Medium::Host && o.stored)
+                .count(),
+            2
+        );
+        assert_eq!(
+            wk.tiered_match(&a),
+            TierHits {
+                device: 0,
+                host: 2,
+                disk: 0
+            }
+        );
+        // The next chain demotes 3 and 4 to host, which pushes 1 and 2 down to disk.
+        let ch = wk.admit(&h(&[5, 6]), TierHits::default());
+        assert!(ch.lower.contains(&LowerOp {
+            medium: Medium::Disk,
+            stored: true,
+            hash: BlockHash(1)
+        }));
+        assert_eq!(wk.tiered_match(&a).disk, 2);
+        // A hit promotes them to the device; the disk copies stay.
+        let hits = wk.tiered_match(&a);
+        wk.admit(&a, hits);
+        assert_eq!(wk.tiered_match(&a).device, 2);
+        assert!(wk.disk.contains(BlockHash(1)));
+        // No tiers: evictions are simply gone.
+        let mut flat = SimWorker::new(2, 0, 0);
+        flat.admit(&a, TierHits::default());
+        let ch = flat.admit(&h(&[3, 4]), TierHits::default());
+        assert!(ch.lower.is_empty());
+        assert_eq!(flat.tiered_match(&a).total(), 0);
+    }
+
+    #[test]
+    fn the_router_index_sees_every_tier() {
+        let mut wk = SimWorker::new(2, 4, 0);
+        let mut router = kvfleet_policy::KvfleetPolicy::new(
+            RouterConfig {
+                block_size: 16,
+                ..RouterConfig::default()
+            },
+            PolicyKind::CacheAware,
+            1,
+        )
+        .unwrap();
+        let workers = std::slice::from_ref(&wk).to_vec();
+        for chain in [h(&[1, 2]), h(&[3, 4])] {
+            let ch = wk.admit(&chain, TierHits::default());
+            router.on_enqueued(0, &ch, &workers);
+        }
+        let idx = router.router().worker_index("w0").unwrap();
+        let index = router.router().index();
+        assert_eq!(index.tier_block_count(idx, Medium::Device), 2);
+        assert_eq!(index.tier_block_count(idx, Medium::Host), 2);
+        let m = index.find_tiered_matches(&h(&[1, 2])).get(idx);
+        assert_eq!((m.device, m.host), (0, 2));
+    }
 }

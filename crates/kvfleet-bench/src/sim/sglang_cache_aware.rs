@@ -150,7 +150,7 @@ mod tests {
             input_tokens: 64,
             block_size: 16,
         };
-        let mut workers: Vec<SimWorker> = (0..4).map(|_| SimWorker::new(100)).collect();
+        let mut workers: Vec<SimWorker> = (0..4).map(|_| SimWorker::new(100, 0, 0)).collect();
         for (i, w) in workers.iter_mut().enumerate() {
             w.inflight = if i == 0 { load } else { others };
         }

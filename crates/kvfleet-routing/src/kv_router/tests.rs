@@ -1,7 +1,7 @@
 //! Behaviour of the routing facade: fork siblings, spills, balance, policies.
 
 use super::*;
-use crate::events::DumpedBlock;
+use crate::events::{DumpedBlock, Medium};
 use kvfleet_core::{hash_blocks, namespace_seed};
 
 const BS: usize = 16;
@@ -566,4 +566,150 @@ fn all_workers_fenced_is_no_workers() {
     assert!(r
         .route(&hashes(&t), t.len(), PolicyKind::RoundRobin, 0)
         .is_err());
+}
+
+/// Stores `hashes` in tier `medium` of worker `id` (as its `seq`-th event).
+fn store_in(r: &mut KvRouter, id: &str, seq: u64, hashes: &[BlockHash], medium: Medium) {
+    let ev = RouterKvEvent {
+        seq,
+        kind: RouterKvEventKind::Stored {
+            parent_hash: None,
+            block_hashes: hashes.to_vec(),
+            medium,
+        },
+    };
+    r.apply_event(id, &ev).unwrap();
+}
+
+fn backlog(r: &mut KvRouter, id: &str, tokens: usize) {
+    let load = WorkerLoad {
+        queued_prefill_tokens: tokens,
+        waiting: usize::from(tokens > 0),
+        ..WorkerLoad::default()
+    };
+    r.update_load(id, load).unwrap();
+}
+
+/// A 100-block prompt held in full on w0's device, w1's host tier and w2's disk; w3
+/// holds nothing.
+fn tiered_fleet(tiers: crate::policy::TierCostConfig) -> (KvRouter, Vec<BlockHash>, usize) {
+    let mut r = KvRouter::new(RouterConfig {
+        cache_aware: CacheAwareConfig {
+            tiers,
+            ..CacheAwareConfig::default()
+        },
+        ..RouterConfig::default()
+    });
+    for i in 0..4 {
+        r.add_worker(&format!("w{i}"), BS).unwrap();
+    }
+    let toks = tokens(77, 100 * BS + 1);
+    let h = hashes(&toks);
+    store_in(&mut r, "w0", 1, &h, Medium::Device);
+    store_in(&mut r, "w1", 1, &h, Medium::Host);
+    store_in(&mut r, "w2", 1, &h, Medium::Disk);
+    (r, h, toks.len())
+}
+
+#[test]
+fn a_device_hit_beats_host_beats_disk_beats_a_cold_start_as_load_shifts() {
+    let (mut r, h, n) = tiered_fleet(Default::default());
+    let route = |r: &mut KvRouter| {
+        let d = r.route(&h, n, PolicyKind::CacheAware, 0).unwrap();
+        r.request_finished(&d.worker, d.prefill_tokens).unwrap();
+        d
+    };
+    // Equal load: the device hit.
+    let d = route(&mut r);
+    assert_eq!(&*d.worker, "w0");
+    assert_eq!(
+        (d.matched_blocks, d.host_blocks, d.disk_blocks),
+        (100, 0, 0)
+    );
+    // A small backlog on w0 is still cheaper than the host copy's load time.
+    backlog(&mut r, "w0", 20);
+    assert_eq!(&*route(&mut r).worker, "w0");
+    // w0 has 2,000 tokens queued: loading 100 blocks from host (~2% of a recompute
+    // each, ~34 token-equivalents) is far cheaper than waiting.
+    backlog(&mut r, "w0", 2_000);
+    let d = route(&mut r);
+    assert_eq!(&*d.worker, "w1");
+    assert_eq!(
+        (d.matched_blocks, d.host_blocks, d.disk_blocks),
+        (0, 100, 0)
+    );
+    assert_eq!(d.predicted_cached_tokens, 1_600);
+    assert_eq!(d.prefill_tokens, 1);
+    // (That route reserved the chain on w1's device.) w0 and w1 both busy: the disk copy (~21% of a recompute) beats waiting and beats
+    // recomputing on idle w3.
+    backlog(&mut r, "w0", 2_000);
+    backlog(&mut r, "w1", 2_000);
+    let d = route(&mut r);
+    assert_eq!(&*d.worker, "w2");
+    assert_eq!(d.disk_blocks, 100);
+    // Everyone with a copy swamped: the cold start on w3.
+    backlog(&mut r, "w2", 5_000);
+    backlog(&mut r, "w0", 5_000);
+    backlog(&mut r, "w1", 5_000);
+    let d = route(&mut r);
+    assert_eq!(&*d.worker, "w3");
+    assert_eq!(d.predicted_cached_tokens, 0);
+}
+
+#[test]
+fn dynamo_style_discounts_overprice_a_fast_host_tier() {
+    use crate::policy::{TierCostConfig, TierScoring};
+    // w0 (device) has 500 tokens queued, w1 holds the prompt in host memory, idle.
+    // Priced by load time, the host copy costs ~34 token-equivalents: w1. With a fixed
+    // 0.75 discount it costs 400, so the router waits behind w0's queue.
+    let (mut by_time, h, n) = tiered_fleet(TierCostConfig::default());
+    backlog(&mut by_time, "w0", 500);
+    assert_eq!(
+        &*by_time
+            .route(&h, n, PolicyKind::CacheAware, 0)
+            .unwrap()
+            .worker,
+        "w1"
+    );
+    let (mut discounted, h, n) = tiered_fleet(TierCostConfig {
+        scoring: TierScoring::Discount,
+        ..TierCostConfig::default()
+    });
+    backlog(&mut discounted, "w0", 500);
+    assert_eq!(
+        &*discounted
+            .route(&h, n, PolicyKind::CacheAware, 0)
+            .unwrap()
+            .worker,
+        "w0"
+    );
+    // Tier-blind scoring treats w1's copy as a miss, but the decision still predicts
+    // the tokens w1 will load rather than compute.
+    let (mut blind, h, n) = tiered_fleet(TierCostConfig {
+        scoring: TierScoring::DeviceOnly,
+        ..TierCostConfig::default()
+    });
+    backlog(&mut blind, "w0", 5_000);
+    backlog(&mut blind, "w2", 5_000);
+    backlog(&mut blind, "w3", 100);
+    let d = blind.route(&h, n, PolicyKind::CacheAware, 0).unwrap();
+    assert_eq!(
+        &*d.worker, "w1",
+        "idle, and a miss like w3's but with no backlog"
+    );
+    assert_eq!(d.host_blocks, 100);
+}
+
+#[test]
+fn a_reservation_on_top_of_a_host_copy_is_not_counted_twice() {
+    let (mut r, h, n) = tiered_fleet(Default::default());
+    backlog(&mut r, "w0", 2_000);
+    // Route once to w1 (host copy) and keep the request in flight: its reservation
+    // now covers the chain on w1's device.
+    let first = r.route(&h, n, PolicyKind::CacheAware, 0).unwrap();
+    assert_eq!(&*first.worker, "w1");
+    let again = r.route(&h, n, PolicyKind::CacheAware, 1).unwrap();
+    assert_eq!(&*again.worker, "w1");
+    assert_eq!((again.matched_blocks, again.host_blocks), (100, 0));
+    assert_eq!(again.predicted_cached_tokens, 1_600);
 }

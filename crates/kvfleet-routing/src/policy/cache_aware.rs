@@ -7,13 +7,18 @@
 //! price on the fleet work a cache miss spends):
 //!
 //! ```text
-//! cost(W) = λ(W) × uncached(W)                      // this request's prefill on W
+//! cost(W) = λ(W) × (uncached(W) + load(W))          // this request's prefill on W
 //!         + backlog(W)                              // prefill queued ahead of it
 //!         + decode_cost_per_sequence × active(W)    // decode work sharing W's steps
 //! λ(W)    = prefill_weight                                      if W's lane is busy
 //!         = idle_prefill_weight
 //!           + (prefill_weight − idle_prefill_weight) × busy     if W's lane is idle
 //! ```
+//!
+//! `uncached(W)` counts every tier as cached; `load(W)` prices W's host and disk hits
+//! as the recompute-equivalent of copying them in (`tiers`, see
+//! [`TierCostConfig`]): a tier hit is worth the prefill it really saves, never more
+//! than a device hit.
 //!
 //! An uncached token delays this request once (weight 1); it also spends capacity
 //! that other requests may be waiting for, which is why its weight is above 1: with
@@ -43,8 +48,9 @@
 //! prefix, and later requests for it see both. If every worker is over its bound, the
 //! cheapest is used.
 
-use super::{Candidate, RouteContext, RoutingPolicy, Selection};
+use super::{Candidate, RouteContext, RoutingPolicy, Selection, TierCostConfig};
 use crate::registry::WorkerIdx;
+use kvfleet_core::kv_events::Medium;
 use serde::{Deserialize, Serialize};
 
 /// Weights and bounds of [`CacheAware`].
@@ -73,6 +79,8 @@ pub struct CacheAwareConfig {
     pub near_tie_tokens: f64,
     /// Costs within this fraction of the cheapest are near ties (default 0).
     pub near_tie_ratio: f64,
+    /// How host and disk hits are priced (default: by load time).
+    pub tiers: TierCostConfig,
 }
 
 impl Default for CacheAwareConfig {
@@ -86,6 +94,7 @@ impl Default for CacheAwareConfig {
             max_prefill_backlog_tokens: None,
             near_tie_tokens: 0.0,
             near_tie_ratio: 0.0,
+            tiers: TierCostConfig::default(),
         }
     }
 }
@@ -135,9 +144,23 @@ impl CacheAware {
     /// Estimated cost of sending the request of `ctx` to `c`, with `busy` of the
     /// candidates' prefill lanes busy.
     pub fn cost(&self, ctx: &RouteContext<'_>, c: &Candidate, busy: usize) -> f64 {
-        self.prefill_weight(c, busy, ctx.candidates.len()) * ctx.uncached_tokens(c) as f64
+        self.prefill_weight(c, busy, ctx.candidates.len())
+            * (ctx.uncached_tokens(c) as f64 + self.load_tokens(ctx, c))
             + c.load.prefill_backlog_tokens() as f64
             + self.config.decode_cost_per_sequence * c.load.active_sequences() as f64
+    }
+
+    /// `c`'s host and disk hits priced in recomputed-token equivalents (0 without
+    /// lower-tier hits).
+    pub fn load_tokens(&self, ctx: &RouteContext<'_>, c: &Candidate) -> f64 {
+        if c.host_blocks == 0 && c.disk_blocks == 0 {
+            return 0.0;
+        }
+        let tiers = &self.config.tiers;
+        let bs = ctx.block_size as f64;
+        (c.host_blocks as f64 * tiers.load_fraction(Medium::Host)
+            + c.disk_blocks as f64 * tiers.load_fraction(Medium::Disk))
+            * bs
     }
 
     fn last_chosen(&self, w: WorkerIdx) -> u64 {
@@ -270,6 +293,8 @@ mod tests {
                 ..WorkerLoad::default()
             },
             matched_blocks: matched,
+            host_blocks: 0,
+            disk_blocks: 0,
         }
     }
 

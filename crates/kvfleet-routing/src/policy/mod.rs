@@ -16,12 +16,14 @@ mod consistent_hash;
 mod least_loaded;
 mod random;
 mod round_robin;
+mod tier_cost;
 
 pub use cache_aware::{CacheAware, CacheAwareConfig};
 pub use consistent_hash::{ConsistentHash, ConsistentHashConfig};
 pub use least_loaded::LeastLoaded;
 pub use random::RandomPolicy;
 pub use round_robin::RoundRobin;
+pub use tier_cost::{TierCostConfig, TierScoring};
 
 use crate::load::WorkerLoad;
 use crate::registry::WorkerIdx;
@@ -38,9 +40,14 @@ pub struct Candidate {
     pub id_hash: u64,
     /// The worker's load, including this router's in-flight work.
     pub load: WorkerLoad,
-    /// Blocks of the request's prompt the worker holds or will hold (index plus pending
-    /// reservations), already capped at the blocks a request can reuse.
+    /// Blocks of the request's prompt the worker holds or will hold in its device pool
+    /// (index plus pending reservations), already capped at the blocks a request can
+    /// reuse.
     pub matched_blocks: usize,
+    /// Blocks after those the worker holds in its host tier (capped likewise).
+    pub host_blocks: usize,
+    /// Blocks after those the worker holds on disk only (capped likewise).
+    pub disk_blocks: usize,
 }
 
 /// Everything a policy may look at to route one request.
@@ -57,9 +64,9 @@ pub struct RouteContext<'a> {
 }
 
 impl RouteContext<'_> {
-    /// Prompt tokens `c` would serve from cache.
+    /// Prompt tokens `c` would serve from cache, in any tier.
     pub fn cached_tokens(&self, c: &Candidate) -> usize {
-        c.matched_blocks
+        (c.matched_blocks + c.host_blocks + c.disk_blocks)
             .saturating_mul(self.block_size)
             .min(self.prompt_tokens)
     }

@@ -1,0 +1,153 @@
+//! How `cache-aware` prices a prefix hit in a worker's host or disk tier.
+//!
+//! A device hit is free. A block in host memory or on disk must first be copied into
+//! the device pool: `kv_bytes_per_token × block tokens ÷ the tier's bandwidth`
+//! seconds. Recomputing it instead costs `block tokens ÷ prefill_tokens_per_s`. So a
+//! tier token costs the fraction
+//!
+//! ```text
+//! load_fraction(tier) = kv_bytes_per_token × prefill_tokens_per_s ÷ bandwidth(tier)
+//! ```
+//!
+//! of a recomputed token (capped at 1: a tier slower than recompute is a miss). The
+//! policy adds `load_fraction × tier tokens` to the tokens it must compute, so a tier
+//! hit scores as the prefill it really saves, never better than a device hit.
+//!
+//! Defaults are Llama-3-8B in bf16 (32 layers × 8 KV heads × 128 dims × K and V × 2
+//! bytes = 128 KiB per token) on an H200: 8,000 prefill tokens/s (the simulator's
+//! `h200-llama8b` cost model), host over PCIe Gen5 at an effective 50 GB/s, disk on
+//! one NVMe drive at 5 GB/s — host 2.1% and disk 21% of a recompute. Set them from
+//! the model config and a measured copy rate.
+//!
+//! [`TierScoring::Discount`] is the fixed-weight alternative of NVIDIA Dynamo's KV
+//! router (a host block counts 0.75 of a device block, a disk block 0.25, whatever the
+//! model and hardware); [`TierScoring::DeviceOnly`] ignores the lower tiers.
+
+use kvfleet_core::kv_events::Medium;
+use serde::{Deserialize, Serialize};
+
+/// How tier hits are scored.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum TierScoring {
+    /// By load time against recompute time (the default).
+    #[default]
+    LoadTime,
+    /// By fixed discounts: a tier token saves `host_discount` / `disk_discount` of a
+    /// recomputed token (Dynamo's 0.75 / 0.25).
+    Discount,
+    /// Host and disk hits count for nothing (tier-blind routing).
+    DeviceOnly,
+}
+
+/// Tier pricing knobs of the `cache-aware` policy; see the module docs.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct TierCostConfig {
+    /// How tier hits are scored (default `load-time`).
+    pub scoring: TierScoring,
+    /// KV cache bytes of one token over all layers, K and V (default 131,072:
+    /// Llama-3-8B, bf16). A block's bytes are this × the block size.
+    pub kv_bytes_per_token: f64,
+    /// Host → device copy bandwidth, bytes/s (default 50e9).
+    pub host_bytes_per_s: f64,
+    /// Disk → device bandwidth, bytes/s (default 5e9).
+    pub disk_bytes_per_s: f64,
+    /// Prefill throughput of one worker, tokens/s (default 8,000).
+    pub prefill_tokens_per_s: f64,
+    /// Fraction of a recompute a host token saves under `discount` (default 0.75).
+    pub host_discount: f64,
+    /// Fraction of a recompute a disk token saves under `discount` (default 0.25).
+    pub disk_discount: f64,
+}
+
+impl Default for TierCostConfig {
+    fn default() -> Self {
+        Self {
+            scoring: TierScoring::LoadTime,
+            kv_bytes_per_token: 131_072.0,
+            host_bytes_per_s: 50e9,
+            disk_bytes_per_s: 5e9,
+            prefill_tokens_per_s: 8_000.0,
+            host_discount: 0.75,
+            disk_discount: 0.25,
+        }
+    }
+}
+
+impl TierCostConfig {
+    /// The cost of one token found in tier `m`, as a fraction of recomputing it, in
+    /// `[0, 1]` (0 for the device; 1 when the tier is no faster than recompute or the
+    /// knobs are not finite and positive).
+    pub fn load_fraction(&self, m: Medium) -> f64 {
+        let f = match (self.scoring, m) {
+            (_, Medium::Device) => return 0.0,
+            (TierScoring::DeviceOnly, _) => 1.0,
+            (TierScoring::Discount, Medium::Host) => 1.0 - self.host_discount,
+            (TierScoring::Discount, Medium::Disk) => 1.0 - self.disk_discount,
+            (TierScoring::LoadTime, Medium::Host) => self.load_time_fraction(self.host_bytes_per_s),
+            (TierScoring::LoadTime, Medium::Disk) => self.load_time_fraction(self.disk_bytes_per_s),
+        };
+        if f.is_finite() {
+            f.clamp(0.0, 1.0)
+        } else {
+            1.0
+        }
+    }
+
+    /// Seconds to load one token's KV from tier `m` (0 for the device).
+    pub fn load_s_per_token(&self, m: Medium) -> f64 {
+        match m {
+            Medium::Device => 0.0,
+            Medium::Host => self.kv_bytes_per_token / self.host_bytes_per_s,
+            Medium::Disk => self.kv_bytes_per_token / self.disk_bytes_per_s,
+        }
+    }
+
+    fn load_time_fraction(&self, bytes_per_s: f64) -> f64 {
+        if bytes_per_s > 0.0 {
+            self.kv_bytes_per_token * self.prefill_tokens_per_s / bytes_per_s
+        } else {
+            1.0
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn load_time_pricing_follows_bandwidth_and_never_beats_the_device() {
+        let c = TierCostConfig::default();
+        assert_eq!(c.load_fraction(Medium::Device), 0.0);
+        let host = c.load_fraction(Medium::Host);
+        let disk = c.load_fraction(Medium::Disk);
+        assert!((host - 131_072.0 * 8_000.0 / 50e9).abs() < 1e-12, "{host}");
+        assert!((disk - 10.0 * host).abs() < 1e-12);
+        // A tier slower than recompute is priced as a miss, not worse.
+        let slow = TierCostConfig {
+            disk_bytes_per_s: 1e6,
+            ..c.clone()
+        };
+        assert_eq!(slow.load_fraction(Medium::Disk), 1.0);
+        let broken = TierCostConfig {
+            host_bytes_per_s: 0.0,
+            ..c.clone()
+        };
+        assert_eq!(broken.load_fraction(Medium::Host), 1.0);
+        let dynamo = TierCostConfig {
+            scoring: TierScoring::Discount,
+            ..c.clone()
+        };
+        assert_eq!(dynamo.load_fraction(Medium::Host), 0.25);
+        assert_eq!(dynamo.load_fraction(Medium::Disk), 0.75);
+        let blind = TierCostConfig {
+            scoring: TierScoring::DeviceOnly,
+            ..c
+        };
+        assert_eq!(blind.load_fraction(Medium::Host), 1.0);
+        let json = serde_json::to_string(&blind).unwrap();
+        assert!(json.contains("\"device-only\""), "{json}");
+    }
+}
