@@ -1,0 +1,81 @@
+#!/usr/bin/env python3
+"""Cross-worker prefix transfer vs recompute, on the real default model.
+
+Starts two `kvfleet worker` processes and a `kvfleet router --peer-pull-min-blocks 2`,
+then for each of REPS fresh prompts of about TOKENS tokens:
+  1. sends it to one worker (cold: the whole prompt is computed there);
+  2. sends it again, round-robin, so it lands on the other worker, which pulls the
+     prefix blocks from the first over gRPC (FetchBlocks) instead of recomputing;
+and reports both latencies (max_tokens=1, so latency ~ TTFT) and their ratio, side by
+side in one run. Usage: scripts/bench_peer_pull.py [BIN] (default target/release/kvfleet).
+"""
+import json, os, subprocess, sys, time, urllib.request
+
+BIN = sys.argv[1] if len(sys.argv) > 1 else "target/release/kvfleet"
+TOKENS = int(os.environ.get("TOKENS", "2000"))
+REPS = int(os.environ.get("REPS", "3"))
+
+
+def start(args, scheme):
+    p = subprocess.Popen([BIN] + args, stdout=subprocess.PIPE, text=True)
+    line = p.stdout.readline()
+    addr = next(w for w in line.split() if w.startswith(scheme))[len(scheme):]
+    return p, addr
+
+
+def words(seed, n):
+    # About 1.3 tokens per word for SmolLM2's tokenizer; trimmed by the server's count.
+    vocab = ["agent", "tool", "result", "prefix", "cache", "worker", "router", "block",
+             "token", "stream", "fleet", "memory", "transfer", "compute", "request"]
+    x = seed * 2654435761 + 7
+    out = []
+    for _ in range(n):
+        x = (x * 6364136223846793005 + 1442695040888963407) % (1 << 64)
+        out.append(vocab[(x >> 33) % len(vocab)])
+    return " ".join(out)
+
+
+def ask(url, text):
+    body = json.dumps({"model": "x", "messages": [{"role": "user", "content": text}],
+                       "max_tokens": 1, "temperature": 0}).encode()
+    req = urllib.request.Request(url + "/v1/chat/completions", body,
+                                 {"content-type": "application/json",
+                                  "x-kvfleet-policy": "round-robin"})
+    t = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=600) as r:
+        data = json.load(r)
+        worker = r.headers.get("x-kvfleet-worker")
+    return time.perf_counter() - t, worker, data["usage"]
+
+
+def main():
+    procs = []
+    try:
+        w0, a0 = start(["worker", "--grpc", "127.0.0.1:0", "--worker-id", "w0"], "grpc://")
+        w1, a1 = start(["worker", "--grpc", "127.0.0.1:0", "--worker-id", "w1"], "grpc://")
+        procs += [w0, w1]
+        r, ra = start(["router", "--http", "127.0.0.1:0", "--workers", f"{a0},{a1}",
+                       "--peer-pull-min-blocks", "2"], "http://")
+        procs.append(r)
+        url = "http://" + ra
+        ask(url, "warm up")
+        ask(url, "warm up too")
+        rows = []
+        for i in range(REPS):
+            text = words(100 + i, int(TOKENS / 1.3))
+            cold_t, cw, cu = ask(url, text)
+            time.sleep(1.0)  # the router's index learns the first worker's blocks
+            pull_t, pw, pu = ask(url, text)
+            rows.append((cu["prompt_tokens"], cold_t, cw, pull_t, pw,
+                         pu["prompt_tokens_details"]["cached_tokens"]))
+        print("| prompt tokens | cold (s) | worker | pulled (s) | worker | cached | cold ÷ pulled |")
+        print("|---:|---:|---|---:|---|---:|---:|")
+        for p, ct, cw, pt, pw, c in rows:
+            print(f"| {p} | {ct:.3f} | {cw} | {pt:.3f} | {pw} | {c} | {ct / pt:.1f}× |")
+    finally:
+        for p in procs:
+            p.kill()
+
+
+if __name__ == "__main__":
+    main()
