@@ -6,7 +6,10 @@ use kvfleet_engine::{
     CpuBackend, DumpedBlock, Engine, EngineConfig, FinishReason, ForkChild, ForkRequest,
     KvEventKind, LlamaModel, Medium, ModelConfig, RecordingSink, Request, SamplingParams,
 };
+mod support;
+
 use std::sync::Arc;
+use support::prompt;
 
 const BS: usize = 16;
 
@@ -43,19 +46,6 @@ fn engine_chunked(
         None,
     )
     .expect("engine")
-}
-
-/// Deterministic pseudo-text token ids (bytes 0..256).
-fn prompt(seed: u32, len: usize) -> Vec<u32> {
-    let mut x = seed.wrapping_mul(2_654_435_761).wrapping_add(12345);
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 17;
-            x ^= x << 5;
-            x % 256
-        })
-        .collect()
 }
 
 fn greedy(max_tokens: usize) -> SamplingParams {

@@ -8,9 +8,12 @@ use kvfleet_engine::{
     CpuBackend, DiskTierConfig, Engine, EngineConfig, KvEventKind, LlamaModel, Medium, ModelConfig,
     RecordingSink, Request, SamplingParams, TierConfig,
 };
+mod support;
+
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
+use support::{max_diff, prompt};
 
 const BS: usize = 16;
 
@@ -37,18 +40,6 @@ fn engine(model: &Arc<LlamaModel>, num_blocks: usize) -> Engine {
 /// Room for `blocks` blocks in the host tier (payload plus bookkeeping).
 fn host_bytes(e: &Engine, blocks: usize) -> usize {
     blocks * (e.block_format().1 + 96)
-}
-
-fn prompt(seed: u32, len: usize) -> Vec<u32> {
-    let mut x = seed.wrapping_mul(2_654_435_761).wrapping_add(12345);
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 17;
-            x ^= x << 5;
-            x % 256
-        })
-        .collect()
 }
 
 struct Run {
@@ -85,14 +76,6 @@ fn run(e: &mut Engine, id: u64, tokens: &[u32]) -> Run {
         e.check_invariants().expect("pool invariants");
     }
     out.expect("a sampled token")
-}
-
-fn max_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
 }
 
 /// The same prompt on a fresh engine without tiers.

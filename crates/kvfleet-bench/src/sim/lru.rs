@@ -103,31 +103,7 @@ impl LruBlockCache {
                 self.unlink(n);
                 self.push_front(n);
             } else {
-                if self.map.len() >= self.capacity {
-                    let lru = self.tail;
-                    let old = self.nodes[lru as usize].hash;
-                    self.unlink(lru);
-                    self.map.remove(&old);
-                    self.free.push(lru);
-                    change.removed.push(old);
-                }
-                let node = Node {
-                    hash: h,
-                    prev: NIL,
-                    next: NIL,
-                };
-                let n = match self.free.pop() {
-                    Some(n) => {
-                        self.nodes[n as usize] = node;
-                        n
-                    }
-                    None => {
-                        self.nodes.push(node);
-                        (self.nodes.len() - 1) as u32
-                    }
-                };
-                self.map.insert(h, n);
-                self.push_front(n);
+                change.removed.extend(self.push_new(h));
                 new[i] = true;
             }
         }
@@ -169,6 +145,12 @@ impl LruBlockCache {
         if self.touch(h) {
             return (false, None);
         }
+        (true, self.push_new(h))
+    }
+
+    /// Links the uncached block `h` in as most recently used, first evicting the least
+    /// recently used block when full; returns the evicted block.
+    fn push_new(&mut self, h: BlockHash) -> Option<BlockHash> {
         let mut evicted = None;
         if self.map.len() >= self.capacity {
             let lru = self.tail;
@@ -195,7 +177,7 @@ impl LruBlockCache {
         };
         self.map.insert(h, n);
         self.push_front(n);
-        (true, evicted)
+        evicted
     }
 
     fn unlink(&mut self, n: u32) {
