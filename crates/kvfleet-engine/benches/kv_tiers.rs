@@ -7,7 +7,8 @@
 //!   disk tier, then wait for the writer (`flush`): encode, write, rename;
 //! - `disk_read`: request blocks from the disk tier, wait for the reader, copy them
 //!   into the KV cache (the files are in the page cache: a warm read);
-//! - `memcpy`: a plain copy of the same bytes, the physical limit.
+//! - `memcpy`: a plain copy of the same bytes, the physical limit (`memcpy_blocks`:
+//!   the same, one block at a time).
 //!
 //! For three geometries: the seeded `tiny` and `small` models and SmolLM2-135M's real
 //! one (30 layers × 3 KV heads × head_dim 64, f32: 737,280 bytes a block), built as a
@@ -97,12 +98,24 @@ trait Op {
 struct Memcpy {
     src: Vec<u8>,
     dst: Vec<u8>,
+    /// Copy in pieces of this many bytes (one block), or all at once when 0.
+    piece: usize,
 }
 
 impl Op for Memcpy {
     fn run(&mut self) -> Duration {
         let t = Instant::now();
-        self.dst.copy_from_slice(std::hint::black_box(&self.src));
+        if self.piece == 0 {
+            self.dst.copy_from_slice(std::hint::black_box(&self.src));
+        } else {
+            for (d, s) in self
+                .dst
+                .chunks_mut(self.piece)
+                .zip(self.src.chunks(self.piece))
+            {
+                d.copy_from_slice(std::hint::black_box(s));
+            }
+        }
         std::hint::black_box(&self.dst);
         t.elapsed()
     }
@@ -299,6 +312,17 @@ fn ops(g: &Geometry) -> Vec<(&'static str, Box<dyn Op>)> {
                     .flat_map(|id| kv.read_block(id as u32).expect("read"))
                     .collect(),
                 dst: vec![1u8; total],
+                piece: 0,
+            }),
+        ),
+        (
+            "memcpy_blocks",
+            Box::new(Memcpy {
+                src: (0..N)
+                    .flat_map(|id| kv.read_block(id as u32).expect("read"))
+                    .collect(),
+                dst: vec![1u8; total],
+                piece: bb,
             }),
         ),
         ("demote_host", Box::new(demote)),
