@@ -186,6 +186,36 @@ def main():
         "caught": bool(gpu_flag_problems({"worker": {"resources": {"limits": gpu}}}, cpu_args))}
     report["ok"] &= report["gpu_cases"]["check_catches_missing_device"]["caught"]
 
+    # KV tiers: flags and the disk tier's volume only when asked for; an emptyDir by
+    # default, a shared claim, or a claim per worker.
+    tier_cases = {
+        "tiers_off": {},
+        "host_only": {"worker": {"kvTiers": {"hostCacheGiB": 4}}},
+        "disk_emptydir": {"worker": {"kvTiers": {"hostCacheGiB": 4,
+                                                 "disk": {"enabled": True, "sizeGiB": 2.5}}}},
+        "disk_existing_claim": {"worker": {"kvTiers": {"hostCacheGiB": 1.5, "disk": {
+            "enabled": True, "existingClaim": "kv-cache"}}}},
+        "disk_storage_class": {"worker": {"kvTiers": {"hostCacheGiB": 4, "disk": {
+            "enabled": True, "sizeGiB": 100, "storageClass": "fast-ssd"}}}},
+        "disk_enabled_host_off": {"worker": {"kvTiers": {"disk": {"enabled": True}}}},
+    }
+    report["tier_cases"] = {}
+    for case, values in tier_cases.items():
+        if case == "disk_enabled_host_off":
+            continue
+        objs = render(values)
+        errors = [e for _, o in objs for e in validate(o)]
+        sts = [o for _, o in objs if o["kind"] == "StatefulSet" and "worker" in o["metadata"]["name"]][0]
+        pod = sts["spec"]["template"]["spec"]
+        report["tier_cases"][case] = {
+            "worker_args": pod["containers"][0]["args"],
+            "mounts": [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "kv-disk"],
+            "volumes": [v for v in pod["volumes"] if v["name"] == "kv-disk"],
+            "claim_templates": sts["spec"].get("volumeClaimTemplates", []),
+            "validation_errors": errors,
+        }
+        report["ok"] &= not errors
+
     # The chart refuses combinations that cannot work.
     bad_values = {
         "two_routers_without_etcd": ({"router": {"replicas": 2}}, "more than one router"),
@@ -197,6 +227,9 @@ def main():
                                     "gpuMemoryUtilization"),
         "gpu_utilization_0": ({"worker": {"engine": {"gpuMemoryUtilization": 0}}},
                               "gpuMemoryUtilization"),
+        "disk_tier_without_host_tier": (tier_cases["disk_enabled_host_off"],
+                                        "needs a host tier above it"),
+        "negative_host_cache": ({"worker": {"kvTiers": {"hostCacheGiB": -1}}}, "hostCacheGiB"),
     }
     for case, (values, why) in bad_values.items():
         try:

@@ -199,6 +199,35 @@ def workers():
     b.panel("KV event-stream lag",
             f"max by (worker) (kvfleet_router_worker_events_behind{w})", legend="{{worker}}",
             description="Events a worker published that a router's index has not applied.")
+    # KV tiers below each worker's pool (docs/kv-tiers-worker.md); all zero while
+    # --host-cache-gib is 0.
+    b.panel("KV tier hits (blocks promoted) by tier",
+            [(f"sum by (worker, tier) (rate(kvfleet_worker_tier_promoted_blocks_total{w}[{RI}]))",
+              "{{worker}} {{tier}}"),
+             (f"sum by (worker) (rate(kvfleet_worker_tier_demotion_misses_total{w}[{RI}]))",
+              "{{worker}} demotion misses")],
+            description="Blocks promoted into the pool instead of recomputed, by source "
+            "(host memory, disk, a peer worker); and cached blocks the pool evicted before "
+            "they were copied down (lost to the tiers).")
+    b.panel("KV tier bytes moved by direction",
+            f"sum by (worker, direction) (rate(kvfleet_worker_tier_bytes_moved_total{w}[{RI}]))",
+            legend="{{worker}} {{direction}}", unit="Bps",
+            description="Copied down (demote: pool to host), back up (promote: host, disk or "
+            "peer into the pool) and written to block files (disk_write).")
+    b.panel("KV tier bytes held",
+            f"max by (worker, tier) (kvfleet_worker_tier_bytes{w})",
+            legend="{{worker}} {{tier}}", unit="bytes",
+            description="Bytes each worker holds below its pool, per tier.")
+    b.panel("KV tier blocks held",
+            f"max by (worker, tier) (kvfleet_worker_tier_blocks{w})",
+            legend="{{worker}} {{tier}}",
+            description="Blocks each worker holds below its pool, per tier.")
+    b.panel("Disk tier faults by kind",
+            f"sum by (worker, kind) (rate(kvfleet_worker_disk_tier_faults_total{w}[{RI}]))",
+            legend="{{worker}} {{kind}}", w=24,
+            description="full (ENOSPC or quota: demotion to disk pauses), write_error, backlog "
+            "(writer queue full: the demotion is dropped), missing and corrupt files (read as "
+            "a miss). Each costs a recompute, never a wrong block.")
     b.write()
 
 

@@ -157,6 +157,75 @@ fn chart_lints_renders_and_validates_for_every_example() {
         examples["values-external"]["kinds"].get("StatefulSet"),
         Some(&1.into())
     );
+    // KV tiers: the flags and the disk tier's volume appear only when asked for; the
+    // disk tier sits on an emptyDir (sized with headroom), a shared claim, or a claim
+    // per worker.
+    let tiers = report["tier_cases"].as_object().expect("tier_cases");
+    let tier_args = |case: &str| -> Vec<String> {
+        tiers[case]["worker_args"]
+            .as_array()
+            .expect("args")
+            .iter()
+            .filter_map(|a| a.as_str())
+            .filter(|a| a.contains("-cache-"))
+            .map(String::from)
+            .collect()
+    };
+    let count = |case: &str, key: &str| tiers[case][key].as_array().map_or(0, Vec::len);
+    for case in ["tiers_off", "host_only"] {
+        assert_eq!(count(case, "mounts") + count(case, "volumes"), 0, "{case}");
+        assert_eq!(count(case, "claim_templates"), 0, "{case}");
+    }
+    assert!(
+        tier_args("tiers_off").is_empty(),
+        "{:?}",
+        tier_args("tiers_off")
+    );
+    for ex in ["defaults", "values-single-node", "values-external"] {
+        let args = examples[ex]["worker_args"].to_string();
+        assert!(!args.contains("-cache-"), "{ex}: {args}");
+    }
+    assert_eq!(tier_args("host_only"), ["--host-cache-gib=4"]);
+    let disk_dir = "--disk-cache-dir=/var/cache/kvfleet/kv";
+    assert_eq!(
+        tier_args("disk_emptydir"),
+        ["--host-cache-gib=4", disk_dir, "--disk-cache-gib=2.5"]
+    );
+    let empty = &tiers["disk_emptydir"];
+    assert_eq!(empty["mounts"][0]["mountPath"], "/var/cache/kvfleet/kv");
+    assert_eq!(empty["volumes"][0]["emptyDir"]["sizeLimit"], "3584Mi");
+    assert_eq!(count("disk_emptydir", "claim_templates"), 0);
+    let shared = &tiers["disk_existing_claim"];
+    assert_eq!(
+        tier_args("disk_existing_claim"),
+        ["--host-cache-gib=1.5", disk_dir, "--disk-cache-gib=16"]
+    );
+    assert_eq!(
+        shared["volumes"][0]["persistentVolumeClaim"]["claimName"],
+        "kv-cache"
+    );
+    let per_worker = &tiers["disk_storage_class"];
+    assert_eq!(count("disk_storage_class", "volumes"), 0, "{per_worker}");
+    assert_eq!(per_worker["mounts"][0]["name"], "kv-disk");
+    let claim = &per_worker["claim_templates"][0];
+    assert_eq!(claim["metadata"]["name"], "kv-disk");
+    assert_eq!(claim["spec"]["storageClassName"], "fast-ssd");
+    assert_eq!(
+        claim["spec"]["resources"]["requests"]["storage"],
+        "103424Mi"
+    );
+    for (case, t) in tiers {
+        assert_eq!(
+            t["validation_errors"].as_array().map(Vec::len),
+            Some(0),
+            "{case}: {t}"
+        );
+    }
+    assert_eq!(
+        report["negative"]["disk_tier_without_host_tier"]["refused"],
+        true
+    );
+    assert_eq!(report["negative"]["negative_host_cache"]["refused"], true);
     // The real binary accepts every rendered command line: flag names and value types
     // (clap checks each argument before `--help`), with the pods' $(VAR)s expanded. The
     // GPU flag cases render with the defaults' config.
@@ -167,6 +236,7 @@ fn chart_lints_renders_and_validates_for_every_example() {
         .chain(
             cases
                 .iter()
+                .chain(tiers.iter())
                 .filter(|(_, c)| c.get("worker_args").is_some())
                 .map(|(name, c)| (name, c, &default_config, vec!["worker_args"])),
         );
@@ -618,7 +688,7 @@ fn dashboards_and_rules_return_data_on_a_real_prometheus() {
         }
     }
     println!("expr -> series (of which finite):\n{}", table.join("\n"));
-    assert_eq!((recorded.len(), alerts), (6, 4), "{rules}");
+    assert_eq!((recorded.len(), alerts), (7, 5), "{rules}");
     assert!(failures.is_empty(), "{failures:#?}");
     println!("event-stream lag per worker at the end: {lag:?}");
 }

@@ -90,3 +90,19 @@ app.kubernetes.io/component: {{ .component }}
 {{- $request := index ($r.requests | default dict) "nvidia.com/gpu" | default 0 -}}
 {{- max (int $limit) (int $request) -}}
 {{- end -}}
+
+{{/*
+"true" when workers get a disk KV tier (it needs the host tier above it).
+*/}}
+{{- define "kvfleet.diskTier" -}}
+{{- $t := .Values.worker.kvTiers -}}
+{{- if and $t.disk.enabled (gt (float64 $t.hostCacheGiB) 0.0) }}true{{ end -}}
+{{- end }}
+
+{{/*
+Size of the disk tier's volume: the tier's GiB plus 1 GiB of headroom (the block being
+staged, the directory), in Mi so fractional GiB render as a valid quantity.
+*/}}
+{{- define "kvfleet.diskTierSize" -}}
+{{- printf "%dMi" (int (mulf (addf (float64 .Values.worker.kvTiers.disk.sizeGiB) 1.0) 1024.0)) -}}
+{{- end }}
