@@ -18,11 +18,13 @@ use super::KvBlockPayload;
 use kvfleet_core::byte_lru::ByteLru;
 use kvfleet_core::BlockHash;
 use std::path::{Path, PathBuf};
-use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
+use std::sync::mpsc::{self, Receiver, Sender, SyncSender};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// Writes waiting for the writer thread at most (each holds one block in memory).
+/// Writes waiting for the writer thread at most (each holds one block in memory). The
+/// queue itself is unbounded so a delete is never dropped; this bound on the writes in
+/// it bounds the deletes too (each follows an eviction, which follows a write).
 const WRITE_QUEUE: usize = 64;
 /// Reads waiting for the reader thread at most.
 const READ_QUEUE: usize = 256;
@@ -106,7 +108,7 @@ struct Entry {
 /// Block files on disk (see the module docs).
 pub struct DiskTier {
     index: ByteLru<BlockHash, Entry>,
-    writes: SyncSender<WriteJob>,
+    writes: Sender<WriteJob>,
     reads: SyncSender<BlockHash>,
     done: Receiver<Done>,
     next_gen: u64,
@@ -150,7 +152,7 @@ impl DiskTier {
             }
         }
         let (done_tx, done) = mpsc::channel();
-        let (writes, write_rx) = mpsc::sync_channel::<WriteJob>(WRITE_QUEUE);
+        let (writes, write_rx) = mpsc::channel::<WriteJob>();
         let (reads, read_rx) = mpsc::sync_channel::<BlockHash>(READ_QUEUE);
         let dir = cfg.dir.clone();
         let tx = done_tx.clone();
@@ -230,16 +232,15 @@ impl DiskTier {
         }
         let gen = self.next_gen;
         self.next_gen += 1;
-        match self.writes.try_send(WriteJob::Write {
+        let job = WriteJob::Write {
             gen,
             block: block.clone(),
-        }) {
-            Ok(()) => self.writes_in_flight += 1,
-            Err(TrySendError::Full(_)) | Err(TrySendError::Disconnected(_)) => {
-                self.counters.backlog_drops += 1;
-                return false;
-            }
+        };
+        if self.writes_in_flight >= WRITE_QUEUE || self.writes.send(job).is_err() {
+            self.counters.backlog_drops += 1;
+            return false;
         }
+        self.writes_in_flight += 1;
         while self.index.bytes() + size > self.index.max_bytes() {
             let Some((h, e)) = self.index.pop_lru() else {
                 break;
@@ -360,7 +361,7 @@ impl DiskTier {
     /// Drops an entry the LRU or a failed read pushed out: delete its file (queued
     /// behind its write), and report it removed if it had been reported stored.
     fn forget(&mut self, hash: BlockHash, e: Entry) {
-        let _ = self.writes.try_send(WriteJob::Delete(hash));
+        let _ = self.writes.send(WriteJob::Delete(hash));
         if e.pending.is_none() {
             self.changes.push(DiskChange::Removed(hash));
         }
@@ -374,7 +375,7 @@ impl DiskTier {
     /// reports a `Cleared`).
     pub fn clear(&mut self) {
         while let Some((h, _)) = self.index.pop_lru() {
-            let _ = self.writes.try_send(WriteJob::Delete(h));
+            let _ = self.writes.send(WriteJob::Delete(h));
         }
         self.changes.clear();
     }
