@@ -12,7 +12,7 @@ side in one run. Usage: scripts/bench_peer_pull.py [BIN] (default target/release
 import json, os, subprocess, sys, time, urllib.request
 
 BIN = sys.argv[1] if len(sys.argv) > 1 else "target/release/kvfleet"
-TOKENS = int(os.environ.get("TOKENS", "2000"))
+TOKENS = int(os.environ.get("TOKENS", "2650"))  # words ~ 2,070 SmolLM2 tokens
 REPS = int(os.environ.get("REPS", "3"))
 
 
@@ -35,8 +35,15 @@ def words(seed, n):
     return " ".join(out)
 
 
+MODEL = None
+
+
 def ask(url, text):
-    body = json.dumps({"model": "x", "messages": [{"role": "user", "content": text}],
+    global MODEL
+    if MODEL is None:
+        with urllib.request.urlopen(url + "/v1/models", timeout=30) as r:
+            MODEL = json.load(r)["data"][0]["id"]
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": text}],
                        "max_tokens": 1, "temperature": 0}).encode()
     req = urllib.request.Request(url + "/v1/chat/completions", body,
                                  {"content-type": "application/json",
