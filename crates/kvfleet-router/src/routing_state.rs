@@ -132,6 +132,12 @@ impl RoutingState {
         lock(&self.kv).last_seq(id)
     }
 
+    /// Prices tier hits with the KV size a worker reported (see
+    /// [`KvRouter::set_kv_block_bytes`]).
+    pub fn set_kv_block_bytes(&self, block_bytes: u64, block_size: usize) {
+        lock(&self.kv).set_kv_block_bytes(block_bytes, block_size);
+    }
+
     /// The worker holding the longest prefix of `hashes` and its depth in blocks, if
     /// any worker holds the first block.
     pub fn deepest_holder(&self, hashes: &[BlockHash]) -> Option<(Arc<str>, usize)> {

@@ -370,6 +370,9 @@ impl WorkerSupervision {
         self.routing
             .add_worker(conn.id(), conn.info.block_size as usize)
             .map_err(|e| e.to_string())?;
+        // Tier hits are priced by the served model's KV bytes, not a default model's.
+        self.routing
+            .set_kv_block_bytes(conn.info.kv_block_bytes, conn.info.block_size as usize);
         self.resync(&conn).await.map_err(|e| e.to_string())?;
         Ok(conn)
     }

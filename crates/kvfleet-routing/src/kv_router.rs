@@ -268,6 +268,17 @@ impl KvRouter {
         self.registry.get(id)
     }
 
+    /// Prices tier hits with the KV size of the served model: `block_bytes` of one
+    /// block of `block_size` tokens, as a worker's `Info` reports it. Ignored when 0.
+    pub fn set_kv_block_bytes(&mut self, block_bytes: u64, block_size: usize) {
+        if block_bytes == 0 || block_size == 0 {
+            return;
+        }
+        let per_token = block_bytes as f64 / block_size as f64;
+        self.config.cache_aware.tiers.kv_bytes_per_token = per_token;
+        self.cache_aware.set_kv_bytes_per_token(per_token);
+    }
+
     /// The id of the worker at `idx`, if one is registered there.
     pub fn worker_name(&self, idx: WorkerIdx) -> Option<&Arc<str>> {
         self.registry.name(idx)

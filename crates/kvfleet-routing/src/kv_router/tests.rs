@@ -713,3 +713,25 @@ fn a_reservation_on_top_of_a_host_copy_is_not_counted_twice() {
     assert_eq!((again.matched_blocks, again.host_blocks), (100, 0));
     assert_eq!(again.predicted_cached_tokens, 1_600);
 }
+
+#[test]
+fn tier_pricing_takes_the_kv_size_a_worker_reports() {
+    let mut r = router(1);
+    let before = r
+        .config()
+        .cache_aware
+        .tiers
+        .load_fraction(kvfleet_core::kv_events::Medium::Host);
+    // SmolLM2-135M on the CPU: 737,280 bytes per 16-token block.
+    r.set_kv_block_bytes(737_280, 16);
+    let tiers = &r.config().cache_aware.tiers;
+    assert_eq!(tiers.kv_bytes_per_token, 46_080.0);
+    let after = tiers.load_fraction(kvfleet_core::kv_events::Medium::Host);
+    assert!(
+        (after / before - 46_080.0 / 131_072.0).abs() < 1e-9,
+        "host load time scales with the model's KV bytes: {before} -> {after}"
+    );
+    // A worker that cannot copy blocks out reports 0: the pricing stays as it was.
+    r.set_kv_block_bytes(0, 16);
+    assert_eq!(r.config().cache_aware.tiers.kv_bytes_per_token, 46_080.0);
+}

@@ -127,6 +127,11 @@ impl CacheAware {
         &self.config
     }
 
+    /// Sets the KV bytes of one token the tier pricing uses (from the workers' model).
+    pub fn set_kv_bytes_per_token(&mut self, bytes: f64) {
+        self.config.tiers.kv_bytes_per_token = bytes;
+    }
+
     /// The weight of an uncached token on `c`, when `busy` of the `n` candidates
     /// have a prefill backlog: `prefill_weight` on a busy candidate; on an idle one,
     /// from `idle_prefill_weight` (every lane idle) up to `prefill_weight` (every
