@@ -181,8 +181,6 @@ pub struct EngineStats {
     pub preemptions: u64,
     /// Disk reads of promoted prefix blocks that landed (progress without a step).
     pub tier_loads: u64,
-    /// Prefix blocks imported from peer workers for requests.
-    pub peer_blocks: u64,
 }
 
 /// A continuous-batching engine over one backend.
@@ -466,7 +464,7 @@ impl Engine {
         if chunks.is_empty() && self.disk_reads_pending() {
             // Nothing runnable but a prefix on its way from disk: wait for it here
             // rather than spin, then try again.
-            self.stats.tier_loads += self.promote(Self::disk_wait()) as u64;
+            self.stats.tier_loads += self.promote(tiering::DISK_WAIT) as u64;
             chunks = self.scheduler.schedule();
         }
         self.stats.preemptions += self.scheduler.preempted_last_step.len() as u64;

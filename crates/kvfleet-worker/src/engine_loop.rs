@@ -145,6 +145,7 @@ fn build_engine(
     )?;
     engine.set_event_sink(events);
     engine.set_kv_tiers(&config.kv_tiers)?;
+    let (block_format, block_bytes) = engine.block_format();
     let mc = engine.model_config();
     let info = pb::InfoResponse {
         worker_id: config.worker_id.clone(),
@@ -155,8 +156,8 @@ fn build_engine(
         vocab_size: u32_of(mc.vocab_size),
         device,
         max_num_seqs: u32_of(config.max_num_seqs),
-        kv_block_format: engine.block_format().0.to_string(),
-        kv_block_bytes: engine.block_format().1 as u64,
+        kv_block_format: block_format.to_string(),
+        kv_block_bytes: block_bytes as u64,
     };
     Ok((engine, info))
 }

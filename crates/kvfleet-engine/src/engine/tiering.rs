@@ -6,13 +6,13 @@ use super::Engine;
 use crate::block_pool::BlockId;
 use crate::error::{EngineError, Result};
 use crate::kv_events::Medium;
-use crate::kv_tiers::{KvBlockPayload, KvTiers, TierConfig, TierStats};
+use crate::kv_tiers::{KvBlockPayload, KvTiers, PromotionSource, TierConfig, TierStats};
 use crate::sequence::RequestId;
 use kvfleet_core::BlockHash;
 use std::time::Duration;
 
 /// How long an engine with nothing to schedule waits for a disk read to land.
-const DISK_WAIT: Duration = Duration::from_millis(20);
+pub(super) const DISK_WAIT: Duration = Duration::from_millis(20);
 
 impl Engine {
     /// Puts a host tier (and optionally a disk tier) below the pool. Fails if the
@@ -105,7 +105,7 @@ impl Engine {
             let Some(blk) = self.import_block(b, id) else {
                 break;
             };
-            self.stage(id, blk, Medium::Device, b.bytes.len());
+            self.stage(id, blk, PromotionSource::Peer, b.bytes.len());
             n += 1;
         }
         self.publish_events();
@@ -175,7 +175,7 @@ impl Engine {
                 seq.awaiting_loads = seq.awaiting_loads.saturating_sub(1);
                 if let Ok(b) = &r {
                     if let Some(id) = self.import_block(b, sid) {
-                        self.stage(sid, id, Medium::Disk, b.bytes.len());
+                        self.stage(sid, id, PromotionSource::Disk, b.bytes.len());
                     }
                 }
             }
@@ -189,19 +189,15 @@ impl Engine {
         self.tiers.as_ref().is_some_and(|t| t.reads_in_flight() > 0)
     }
 
-    pub(super) fn disk_wait() -> Duration {
-        DISK_WAIT
-    }
-
-    fn stage(&mut self, sid: RequestId, id: BlockId, from: Medium, bytes: usize) {
+    fn stage(&mut self, sid: RequestId, id: BlockId, from: PromotionSource, bytes: usize) {
         let bs = self.config.block_size;
         if let Some(seq) = self.scheduler.seqs.get_mut(&sid) {
             seq.staged.push(id);
             if seq.cached_tokens.is_none() {
                 match from {
-                    Medium::Host => seq.promoted.host += bs,
-                    Medium::Disk => seq.promoted.disk += bs,
-                    Medium::Device => seq.promoted.peer += bs,
+                    PromotionSource::Host => seq.promoted.host += bs,
+                    PromotionSource::Disk => seq.promoted.disk += bs,
+                    PromotionSource::Peer => seq.promoted.peer += bs,
                 }
             }
         } else {
@@ -209,9 +205,6 @@ impl Engine {
         }
         if let Some(t) = self.tiers.as_mut() {
             t.count_promotion(from, bytes);
-        }
-        if from == Medium::Device {
-            self.stats.peer_blocks += 1;
         }
     }
 
@@ -258,7 +251,12 @@ impl Engine {
                     let Some(id) = self.import_block(&b, sid) else {
                         break;
                     };
-                    self.stage(sid, id, medium, b.bytes.len());
+                    // A disk block still on its way out is served from memory.
+                    let from = match medium {
+                        Medium::Disk => PromotionSource::Disk,
+                        _ => PromotionSource::Host,
+                    };
+                    self.stage(sid, id, from, b.bytes.len());
                 } else if tiers.request_disk(h) {
                     self.awaiting.entry(h).or_default().push(sid);
                     if let Some(seq) = self.scheduler.seqs.get_mut(&sid) {

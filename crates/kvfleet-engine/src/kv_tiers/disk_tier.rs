@@ -116,7 +116,7 @@ pub struct DiskTier {
     reads_in_flight: usize,
     writes_in_flight: usize,
     /// Reads that landed while [`DiskTier::flush`] waited, for the next poll.
-    pub(super) landed: Vec<ReadResult>,
+    landed: Vec<ReadResult>,
     block_bytes: usize,
     /// What changed on disk since the caller last asked, in order (a block evicted
     /// and written again must be reported in that order).

@@ -55,6 +55,17 @@ pub struct KvBlockPayload {
     pub bytes: Arc<[u8]>,
 }
 
+/// Where a block promoted into the pool came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PromotionSource {
+    /// The host-memory tier.
+    Host,
+    /// The disk tier.
+    Disk,
+    /// A peer worker (`FetchBlocks`).
+    Peer,
+}
+
 /// Running totals of the tiers, for metrics and benchmarks.
 #[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct TierStats {
@@ -206,20 +217,17 @@ impl KvTiers {
     /// Waits up to `timeout` for queued disk writes to land (see [`DiskTier::flush`]).
     pub fn flush(&mut self, timeout: Duration) -> bool {
         let ok = self.disk.as_mut().is_none_or(|d| d.flush(timeout));
-        // Report what landed.
-        let landed = self.poll(Duration::ZERO);
-        if let Some(d) = self.disk.as_mut() {
-            d.landed.extend(landed);
-        }
+        // Report what landed (reads that landed wait for the next poll).
+        self.disk_events();
         ok
     }
 
     /// Counts a block promoted into the pool from `from`.
-    pub fn count_promotion(&mut self, from: Medium, bytes: usize) {
+    pub fn count_promotion(&mut self, from: PromotionSource, bytes: usize) {
         match from {
-            Medium::Host => self.stats.promoted_host += 1,
-            Medium::Disk => self.stats.promoted_disk += 1,
-            Medium::Device => self.stats.promoted_peer += 1,
+            PromotionSource::Host => self.stats.promoted_host += 1,
+            PromotionSource::Disk => self.stats.promoted_disk += 1,
+            PromotionSource::Peer => self.stats.promoted_peer += 1,
         }
         self.stats.promoted_bytes += bytes as u64;
     }
