@@ -402,6 +402,7 @@ fn main() {
             prompt_tokens: PROMPT_BLOCKS * 16,
             block_size: 16,
             candidates: &candidates,
+            peer_source: None,
         };
         let mut policies: Vec<Box<dyn RoutingPolicy>> = vec![
             Box::new(CacheAware::default()),

@@ -4,6 +4,7 @@ use clap::Args;
 use kvfleet_engine::Device;
 use kvfleet_router::circuit_breaker::BreakerConfig;
 use kvfleet_router::worker_conn::ConnTimeouts;
+use kvfleet_router::{CacheAwareConfig, TierCostConfig};
 use kvfleet_router::{Fleet, FleetConfig, PolicyKind, RouterConfig};
 use kvfleet_worker::{WorkerConfig, WorkerModel};
 use std::sync::Arc;
@@ -166,11 +167,25 @@ pub struct RoutingArgs {
     /// turn tokenizes only its tail); past it the least recently used goes.
     #[arg(long, default_value_t = kvfleet_router::fleet::DEFAULT_TOKENIZER_MEMO_BYTES)]
     pub tokenizer_memo_bytes: usize,
-    /// Hint the chosen worker to pull a prompt's prefix blocks from the worker that
-    /// holds them (gRPC FetchBlocks) when that one holds at least this many more
-    /// blocks; 0 (the default) recomputes them instead.
+    /// Let the chosen worker pull a prompt's prefix blocks from the worker that holds
+    /// them (gRPC FetchBlocks) when that one holds at least this many more blocks;
+    /// `cache-aware` then weighs the transfer against the holder's queue. 0 (the
+    /// default) recomputes them instead.
     #[arg(long, default_value_t = 0)]
     pub peer_pull_min_blocks: usize,
+    /// Worker-to-worker bandwidth (GB/s) that prices a pulled block's transfer.
+    #[arg(long, default_value_t = 12.5)]
+    pub peer_bandwidth_gbs: f64,
+    /// Host-tier → device bandwidth (GB/s) that prices a host-tier hit's load.
+    #[arg(long, default_value_t = 50.0)]
+    pub host_bandwidth_gbs: f64,
+    /// Disk-tier → device bandwidth (GB/s) that prices a disk-tier hit's load.
+    #[arg(long, default_value_t = 5.0)]
+    pub disk_bandwidth_gbs: f64,
+    /// One worker's prefill throughput (tokens/s), against which tier loads and
+    /// pulls are priced.
+    #[arg(long, default_value_t = 8_000.0)]
+    pub prefill_tokens_per_s: f64,
     /// On SIGTERM, how long (s) streams in flight may take to finish before exit.
     #[arg(long, default_value_t = 30)]
     pub drain_timeout: u64,
@@ -187,6 +202,17 @@ impl RoutingArgs {
             prompt,
             router: RouterConfig {
                 block_size,
+                cache_aware: CacheAwareConfig {
+                    tiers: TierCostConfig {
+                        peer_pull_min_blocks: self.peer_pull_min_blocks,
+                        peer_bytes_per_s: self.peer_bandwidth_gbs * 1e9,
+                        host_bytes_per_s: self.host_bandwidth_gbs * 1e9,
+                        disk_bytes_per_s: self.disk_bandwidth_gbs * 1e9,
+                        prefill_tokens_per_s: self.prefill_tokens_per_s,
+                        ..TierCostConfig::default()
+                    },
+                    ..CacheAwareConfig::default()
+                },
                 ..RouterConfig::default()
             },
             default_policy: self.policy,
@@ -203,7 +229,6 @@ impl RoutingArgs {
             },
             session_memory_bytes: self.session_memory_bytes,
             tokenizer_memo_bytes: self.tokenizer_memo_bytes,
-            peer_pull_min_blocks: self.peer_pull_min_blocks,
             ..FleetConfig::default()
         }
     }

@@ -133,34 +133,19 @@ pub async fn dispatch(fleet: &Arc<Fleet>, spec: &GenerationSpec) -> Result<Dispa
     .await
 }
 
-/// The pull hint for `decision`: when another worker holds at least
-/// `peer_pull_min_blocks` more of the prompt's reusable blocks than the chosen one
-/// (the policy preferred the chosen one for its load), the chosen one fetches those
-/// blocks from it instead of recomputing them.
-fn peer_pull(
-    fleet: &Fleet,
-    spec: &GenerationSpec,
-    decision: &RouteDecision,
-) -> Option<pb::PeerPull> {
-    let min = fleet.config.peer_pull_min_blocks;
-    if min == 0 {
-        return None;
-    }
-    let bs = fleet.routing.block_size().max(1);
-    // The block of the last prompt token is always computed.
-    let reusable = (spec.token_ids.len().saturating_sub(1) / bs).min(spec.hashes.len());
-    let (holder, depth) = fleet.routing.deepest_holder(&spec.hashes)?;
-    let depth = depth.min(reusable);
-    let have = decision.matched_blocks.min(depth);
-    if *holder == *decision.worker || depth < have + min {
-        return None;
-    }
-    let conn = fleet.conn(&holder)?;
-    m::peer_pull(&decision.worker, &holder, depth - have);
+/// The pull hint of `decision` (the routing core's [`PullPlan`]), addressed to the
+/// holder's endpoint: the chosen worker fetches those blocks (`FetchBlocks`) instead of
+/// recomputing them, as Mooncake does.
+///
+/// [`PullPlan`]: kvfleet_routing::PullPlan
+fn peer_pull(fleet: &Fleet, decision: &RouteDecision) -> Option<pb::PeerPull> {
+    let plan = decision.pull.as_ref()?;
+    let conn = fleet.conn(&plan.from)?;
+    m::peer_pull(&decision.worker, &plan.from, decision.peer_blocks);
     Some(pb::PeerPull {
         peer_endpoint: conn.endpoint.clone(),
-        first_block: u32::try_from(have).ok()?,
-        end_block: u32::try_from(depth).ok()?,
+        first_block: u32::try_from(plan.first_block).ok()?,
+        end_block: u32::try_from(plan.end_block).ok()?,
     })
 }
 
@@ -283,7 +268,7 @@ where
             last_error = format!("worker {worker} is not connected");
             continue;
         };
-        let pull = peer_pull(fleet, spec, &decision);
+        let pull = peer_pull(fleet, &decision);
         let call = async {
             let mut stream = start(conn.clone(), pull).await?;
             let first = stream.message().await?;

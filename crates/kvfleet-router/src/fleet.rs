@@ -81,11 +81,6 @@ pub struct FleetConfig {
     /// require one); `None`: plaintext. With it, an endpoint without a scheme is
     /// reached as `https://`.
     pub worker_tls: Option<tonic::transport::ClientTlsConfig>,
-    /// Send a request with a "pull blocks i..j from W" hint when another worker W
-    /// holds at least this many more of its prefix blocks than the chosen one: the
-    /// chosen worker fetches them (`FetchBlocks`) instead of recomputing them, as
-    /// Mooncake does. 0 turns pulls off.
-    pub peer_pull_min_blocks: usize,
 }
 
 impl Default for FleetConfig {
@@ -107,7 +102,6 @@ impl Default for FleetConfig {
             fork_children_per_worker: 32,
             follow_worker_events: true,
             worker_tls: None,
-            peer_pull_min_blocks: 0,
         }
     }
 }

@@ -49,4 +49,5 @@ pub mod worker_conn;
 
 pub use fleet::{Fleet, FleetConfig};
 // Part of `FleetConfig`'s public surface.
+pub use kvfleet_routing::policy::{CacheAwareConfig, TierCostConfig};
 pub use kvfleet_routing::{PolicyKind, RouterConfig};

@@ -12,7 +12,7 @@ use kvfleet_routing::{
     RouteDecision, RouteError, RouterConfig, RouterKvEvent, RouterSnapshot, UnknownWorker,
     WorkerIdx, WorkerLoad,
 };
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use std::time::Instant;
 
 /// The routing core, shared by request handlers, worker supervisors and the
@@ -136,15 +136,6 @@ impl RoutingState {
     /// [`KvRouter::set_kv_block_bytes`]).
     pub fn set_kv_block_bytes(&self, block_bytes: u64, block_size: usize) {
         lock(&self.kv).set_kv_block_bytes(block_bytes, block_size);
-    }
-
-    /// The worker holding the longest prefix of `hashes` and its depth in blocks, if
-    /// any worker holds the first block.
-    pub fn deepest_holder(&self, hashes: &[BlockHash]) -> Option<(Arc<str>, usize)> {
-        let kv = lock(&self.kv);
-        let m = kv.index().find_matches(hashes);
-        let best = m.iter().max_by_key(|w| w.depth)?;
-        Some((kv.worker_name(best.worker)?.clone(), best.depth))
     }
 
     /// Worker `id`'s blocks as the index has them, or `None` if it is not in routing.

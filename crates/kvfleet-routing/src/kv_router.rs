@@ -17,7 +17,7 @@ use crate::events::{CacheDump, RouterKvEvent, RouterKvEventKind};
 use crate::load::WorkerLoad;
 use crate::policy::{
     stable_str_hash, CacheAware, CacheAwareConfig, Candidate, ConsistentHash, ConsistentHashConfig,
-    LeastLoaded, PolicyKind, RandomPolicy, RoundRobin, RouteContext, RoutingPolicy,
+    LeastLoaded, PeerSource, PolicyKind, RandomPolicy, RoundRobin, RouteContext, RoutingPolicy,
 };
 use crate::prefix_index::{IndexError, Matches, PrefixIndex, TieredMatches};
 use crate::registry::{WorkerIdx, WorkerRegistry};
@@ -116,11 +116,17 @@ pub struct RouteDecision {
     pub host_blocks: usize,
     /// Blocks after those it holds on disk only.
     pub disk_blocks: usize,
+    /// Blocks after those it pulls from a peer (`pull`).
+    pub peer_blocks: usize,
+    /// The peer to pull the next `peer_blocks` blocks from, when pulls are on and
+    /// another worker holds more of the prefix than the chosen one.
+    pub pull: Option<PullPlan>,
     /// Deepest match over the fleet, in blocks (uncapped).
     pub deepest_match_blocks: usize,
-    /// Prompt tokens the router expects the worker to serve from cache, in any tier:
-    /// `(matched_blocks + host_blocks + disk_blocks) × block_size`, at most `prompt_tokens - 1` rounded down to a
-    /// whole block (a worker always computes at least one prompt token).
+    /// Prompt tokens the router expects the worker to serve from cache, in any tier or
+    /// pulled: `(matched_blocks + host_blocks + disk_blocks + peer_blocks) ×
+    /// block_size`, at most `prompt_tokens - 1` rounded down to a whole block (a
+    /// worker always computes at least one prompt token).
     pub predicted_cached_tokens: usize,
     /// `prompt_tokens - predicted_cached_tokens`: the prefill recorded as in flight;
     /// pass it back to [`KvRouter::request_finished`].
@@ -133,6 +139,21 @@ pub struct RouteDecision {
     pub reservation: Option<ReservationId>,
     /// Time spent per phase.
     pub timings: RouteTimings,
+}
+
+/// "Pull blocks `first_block..end_block` of the prompt from `from`": the chosen worker
+/// fetches them (`FetchBlocks`) before it queues the request, instead of computing
+/// them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PullPlan {
+    /// The worker holding them.
+    pub from: Arc<str>,
+    /// Its index in this router.
+    pub from_idx: WorkerIdx,
+    /// First block to pull (the blocks before it the chosen worker holds itself).
+    pub first_block: usize,
+    /// One past the last block to pull.
+    pub end_block: usize,
 }
 
 /// Predicted versus actual cached tokens, summed over decisions and outcomes.
@@ -516,12 +537,18 @@ impl KvRouter {
         } else {
             self.index.find_matches_into(hashes, &mut matches);
         }
-        self.reservations.pending_into(hashes, &mut matches);
-        let t1 = Instant::now();
-
         // The worker must compute at least one prompt token, so at most
         // (prompt_tokens - 1) / bs whole blocks can come from cache.
         let reusable = hashes.len().min(prompt_tokens.saturating_sub(1) / bs);
+        // Taken before the reservations merge in: only blocks a worker has reported
+        // can be pulled from it.
+        let peer_source = if self.config.cache_aware.tiers.pulls_enabled() {
+            self.peer_source(&matches, with_tiers.then_some(&tiered), reusable, exclude)
+        } else {
+            None
+        };
+        self.reservations.pending_into(hashes, &mut matches);
+        let t1 = Instant::now();
         let mut candidates = std::mem::take(&mut self.candidates);
         candidates.clear();
         let mut found = matches.as_slice().iter().peekable();
@@ -557,6 +584,7 @@ impl KvRouter {
             prompt_tokens,
             block_size: bs,
             candidates: &candidates,
+            peer_source,
         };
         let policy_impl: &mut dyn RoutingPolicy = match policy {
             PolicyKind::CacheAware => &mut self.cache_aware,
@@ -585,8 +613,22 @@ impl KvRouter {
 
         let worker = selection.worker;
         let matched_blocks = chosen.matched_blocks;
-        let predicted_cached_tokens =
-            (matched_blocks + chosen.host_blocks + chosen.disk_blocks) * bs;
+        let have = matched_blocks + chosen.host_blocks + chosen.disk_blocks;
+        // Any policy's choice pulls what a peer holds beyond it (cache-aware chose
+        // knowing it would).
+        let min_pull = self.config.cache_aware.tiers.peer_pull_min_blocks;
+        let pull = peer_source
+            .filter(|src| src.worker != worker && src.blocks >= have + min_pull.max(1))
+            .and_then(|src| {
+                Some(PullPlan {
+                    from: self.registry.name(src.worker)?.clone(),
+                    from_idx: src.worker,
+                    first_block: have,
+                    end_block: src.blocks,
+                })
+            });
+        let peer_blocks = pull.as_ref().map_or(0, |p| p.end_block - p.first_block);
+        let predicted_cached_tokens = (have + peer_blocks) * bs;
         let prefill_tokens = prompt_tokens.saturating_sub(predicted_cached_tokens);
         let id_of = |w: WorkerIdx| {
             self.workers
@@ -619,6 +661,8 @@ impl KvRouter {
             matched_blocks,
             host_blocks: chosen.host_blocks,
             disk_blocks: chosen.disk_blocks,
+            peer_blocks,
+            pull,
             deepest_match_blocks: deepest,
             predicted_cached_tokens,
             prefill_tokens,
@@ -630,6 +674,41 @@ impl KvRouter {
                 reserve_ns: nanos(t3 - t2),
             },
         })
+    }
+
+    /// The worker (neither fenced nor in `exclude`) whose reported device and host
+    /// blocks cover the longest prefix, capped at `reusable`; the lowest index wins a
+    /// tie. `tiered` is the tier walk when one ran (`matches` is then its device part).
+    fn peer_source(
+        &self,
+        matches: &Matches,
+        tiered: Option<&TieredMatches>,
+        reusable: usize,
+        exclude: &[String],
+    ) -> Option<PeerSource> {
+        let usable = |w: WorkerIdx| {
+            self.workers
+                .get(w.index())
+                .and_then(Option::as_ref)
+                .is_some_and(|e| {
+                    !self.fenced.contains(&*e.id) && !exclude.iter().any(|x| **x == *e.id)
+                })
+        };
+        let mut best: Option<PeerSource> = None;
+        let mut offer = |worker: WorkerIdx, blocks: usize| {
+            let blocks = blocks.min(reusable);
+            if blocks > 0 && best.is_none_or(|b| blocks > b.blocks) && usable(worker) {
+                best = Some(PeerSource { worker, blocks });
+            }
+        };
+        match tiered {
+            Some(t) => t
+                .as_slice()
+                .iter()
+                .for_each(|m| offer(m.worker, m.device + m.host)),
+            None => matches.iter().for_each(|m| offer(m.worker, m.depth)),
+        }
+        best
     }
 
     /// The router's state for a dashboard.

@@ -31,7 +31,7 @@ pub mod seams;
 
 pub use events::{CacheDump, DumpedBlock, Medium, RouterKvEvent, RouterKvEventKind};
 pub use kv_router::{
-    KvRouter, PredictionStats, RegisterError, RouteDecision, RouteError, RouteTimings,
+    KvRouter, PredictionStats, PullPlan, RegisterError, RouteDecision, RouteError, RouteTimings,
     RouterConfig, RouterSnapshot, UnknownWorker, WorkerSnapshot,
 };
 pub use load::WorkerLoad;

@@ -735,3 +735,94 @@ fn tier_pricing_takes_the_kv_size_a_worker_reports() {
     r.set_kv_block_bytes(0, 16);
     assert_eq!(r.config().cache_aware.tiers.kv_bytes_per_token, 46_080.0);
 }
+
+/// Two workers; w0 holds the whole 100-block prompt on its device; pulls of at least
+/// `min_blocks` blocks (0: off).
+fn pull_fleet(min_blocks: usize) -> (KvRouter, Vec<BlockHash>, usize) {
+    let mut r = KvRouter::new(RouterConfig {
+        cache_aware: CacheAwareConfig {
+            tiers: crate::policy::TierCostConfig {
+                peer_pull_min_blocks: min_blocks,
+                ..Default::default()
+            },
+            ..CacheAwareConfig::default()
+        },
+        ..RouterConfig::default()
+    });
+    for i in 0..2 {
+        r.add_worker(&format!("w{i}"), BS).unwrap();
+    }
+    let toks = tokens(91, 100 * BS + 1);
+    let h = hashes(&toks);
+    store_in(&mut r, "w0", 1, &h, Medium::Device);
+    (r, h, toks.len())
+}
+
+#[test]
+fn a_swamped_holder_hands_its_prefix_to_an_idle_worker_by_pull() {
+    // Without pulls, 1,000 queued tokens on the holder still beat a 1,617-token cold
+    // start; with pulls, w1 computes one block's worth and pulls the other 100.
+    let (mut off, h, n) = pull_fleet(0);
+    backlog(&mut off, "w0", 1_000);
+    let d = off.route(&h, n, PolicyKind::CacheAware, 0).unwrap();
+    assert_eq!((&*d.worker, d.pull.as_ref()), ("w0", None));
+
+    let (mut r, h, n) = pull_fleet(4);
+    backlog(&mut r, "w0", 1_000);
+    let d = r.route(&h, n, PolicyKind::CacheAware, 0).unwrap();
+    assert_eq!(&*d.worker, "w1");
+    let plan = d.pull.clone().expect("a pull from the holder");
+    assert_eq!(
+        (&*plan.from, plan.first_block, plan.end_block),
+        ("w0", 0, 100)
+    );
+    assert_eq!(d.peer_blocks, 100);
+    assert_eq!(d.predicted_cached_tokens, 1_600);
+    assert_eq!(d.prefill_tokens, 1, "only the last token is computed");
+    r.cancel_reservation(d.reservation.unwrap());
+    r.request_finished(&d.worker, d.prefill_tokens).unwrap();
+
+    // An idle holder keeps the request: a pull is cheap, never free.
+    backlog(&mut r, "w0", 0);
+    let d = r.route(&h, n, PolicyKind::CacheAware, 0).unwrap();
+    assert_eq!((&*d.worker, d.pull.as_ref()), ("w0", None));
+}
+
+#[test]
+fn any_policy_pulls_what_it_lacks_and_never_from_an_excluded_holder() {
+    let (mut r, h, n) = pull_fleet(4);
+    // Round-robin picks w0 then w1: the second pulls from w0.
+    let first = r.route(&h, n, PolicyKind::RoundRobin, 0).unwrap();
+    let second = r.route(&h, n, PolicyKind::RoundRobin, 0).unwrap();
+    let (holder, other) = if &*first.worker == "w0" {
+        (first, second)
+    } else {
+        (second, first)
+    };
+    assert!(holder.pull.is_none());
+    assert_eq!(other.pull.as_ref().map(|p| &*p.from), Some("w0"));
+    // A pull must save at least min_blocks: a 3-block prefix is recomputed, a
+    // 5-block one pulled (w1 is pinned, as a shared placement would).
+    let pinned = |blocks: usize| {
+        let (mut r, h, _) = pull_fleet(4);
+        r.route_excluding(
+            &h[..blocks],
+            blocks * BS + 1,
+            Some("w1"),
+            PolicyKind::CacheAware,
+            0,
+            &[],
+        )
+        .unwrap()
+    };
+    let d = pinned(3);
+    assert_eq!((&*d.worker, d.pull.as_ref()), ("w1", None));
+    let d = pinned(5);
+    assert_eq!(d.pull.map(|p| (p.first_block, p.end_block)), Some((0, 5)));
+    // The holder failed this request already: nobody pulls from it.
+    let (mut r, h, n) = pull_fleet(4);
+    let d = r
+        .route_excluding(&h, n, None, PolicyKind::CacheAware, 0, &["w0".to_string()])
+        .unwrap();
+    assert_eq!((&*d.worker, d.pull.as_ref()), ("w1", None));
+}

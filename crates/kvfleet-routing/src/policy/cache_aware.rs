@@ -18,7 +18,9 @@
 //! `uncached(W)` counts every tier as cached; `load(W)` prices W's host and disk hits
 //! as the recompute-equivalent of copying them in (`tiers`, see
 //! [`TierCostConfig`]): a tier hit is worth the prefill it really saves, never more
-//! than a device hit.
+//! than a device hit. With peer pulls on, the blocks `W` could pull from the prompt's
+//! deepest holder count as cached too, and `load(W)` adds their transfer time: a less
+//! loaded worker wins when pulling there plus its queue beats the holder's queue.
 //!
 //! An uncached token delays this request once (weight 1); it also spends capacity
 //! that other requests may be waiting for, which is why its weight is above 1: with
@@ -150,21 +152,37 @@ impl CacheAware {
     /// candidates' prefill lanes busy.
     pub fn cost(&self, ctx: &RouteContext<'_>, c: &Candidate, busy: usize) -> f64 {
         self.prefill_weight(c, busy, ctx.candidates.len())
-            * (ctx.uncached_tokens(c) as f64 + self.load_tokens(ctx, c))
+            * (self.computed_tokens(ctx, c) as f64 + self.load_tokens(ctx, c))
             + c.load.prefill_backlog_tokens() as f64
             + self.config.decode_cost_per_sequence * c.load.active_sequences() as f64
     }
 
-    /// `c`'s host and disk hits priced in recomputed-token equivalents (0 without
-    /// lower-tier hits).
+    /// Blocks `c` would pull from a peer (0 with pulls off).
+    pub fn pull_blocks(&self, ctx: &RouteContext<'_>, c: &Candidate) -> usize {
+        if !self.config.tiers.pulls_enabled() {
+            return 0;
+        }
+        ctx.pull_blocks(c, self.config.tiers.peer_pull_min_blocks)
+    }
+
+    /// Prompt tokens `c` would compute: those in none of its tiers and not pulled.
+    pub fn computed_tokens(&self, ctx: &RouteContext<'_>, c: &Candidate) -> usize {
+        let pulled = self.pull_blocks(ctx, c) * ctx.block_size;
+        ctx.uncached_tokens(c).saturating_sub(pulled)
+    }
+
+    /// `c`'s host, disk and pulled blocks priced in recomputed-token equivalents (0
+    /// without any).
     pub fn load_tokens(&self, ctx: &RouteContext<'_>, c: &Candidate) -> f64 {
-        if c.host_blocks == 0 && c.disk_blocks == 0 {
+        let pulled = self.pull_blocks(ctx, c);
+        if c.host_blocks == 0 && c.disk_blocks == 0 && pulled == 0 {
             return 0.0;
         }
         let tiers = &self.config.tiers;
         let bs = ctx.block_size as f64;
         (c.host_blocks as f64 * tiers.load_fraction(Medium::Host)
-            + c.disk_blocks as f64 * tiers.load_fraction(Medium::Disk))
+            + c.disk_blocks as f64 * tiers.load_fraction(Medium::Disk)
+            + pulled as f64 * tiers.peer_load_fraction())
             * bs
     }
 
@@ -215,7 +233,7 @@ impl RoutingPolicy for CacheAware {
             (k.1 + 1) as f64 > bound
                 || c.load
                     .prefill_backlog_tokens()
-                    .saturating_add(ctx.uncached_tokens(c))
+                    .saturating_add(self.computed_tokens(ctx, c))
                     > cap
         };
 
@@ -287,6 +305,7 @@ impl CacheAware {
 mod tests {
     use super::*;
     use crate::load::WorkerLoad;
+    use crate::policy::PeerSource;
 
     fn cand(i: u32, backlog: usize, active: usize, matched: usize) -> Candidate {
         Candidate {
@@ -309,6 +328,7 @@ mod tests {
             prompt_tokens: blocks * 16 + 1,
             block_size: 16,
             candidates,
+            peer_source: None,
         }
     }
 
@@ -365,5 +385,41 @@ mod tests {
         c[2] = cand(2, 2_000 * 16, 1, 2_000);
         let mut p = CacheAware::default();
         assert_eq!(p.select(&ctx(&c, 2_010)).unwrap().worker, WorkerIdx(2));
+    }
+
+    #[test]
+    fn with_peer_pulls_a_busy_holder_loses_to_an_idle_worker_that_pulls() {
+        // w0 holds 100 of 101 blocks but has 1,000 tokens of prefill queued; w1 is
+        // idle. Without pulls a cold start on w1 (2 × 1,617 = 3,234) loses to waiting
+        // on w0 (1,000 + 2 × 17 + 16 = 1,050). With pulls at 8.4% of a recompute, w1
+        // computes 17 tokens and pulls 100 blocks (2 × (17 + 0.084 × 1,600) ≈ 303):
+        // it wins.
+        let c = vec![cand(0, 1_000, 1, 100), cand(1, 0, 0, 0)];
+        let mut ctx = ctx(&c, 101);
+        ctx.peer_source = Some(PeerSource {
+            worker: WorkerIdx(0),
+            blocks: 100,
+        });
+        let mut off = CacheAware::default();
+        assert_eq!(off.select(&ctx).unwrap().worker, WorkerIdx(0));
+        let mut on = CacheAware::new(CacheAwareConfig {
+            tiers: TierCostConfig {
+                peer_pull_min_blocks: 1,
+                ..TierCostConfig::default()
+            },
+            ..CacheAwareConfig::default()
+        });
+        assert_eq!(on.pull_blocks(&ctx, &c[1]), 100);
+        assert_eq!(
+            on.pull_blocks(&ctx, &c[0]),
+            0,
+            "the holder pulls from nobody"
+        );
+        assert_eq!(on.select(&ctx).unwrap().worker, WorkerIdx(1));
+        // An idle holder keeps it: pulling is never free.
+        let idle = vec![cand(0, 0, 0, 100), cand(1, 0, 0, 0)];
+        let mut ictx = ctx;
+        ictx.candidates = &idle;
+        assert_eq!(on.select(&ictx).unwrap().worker, WorkerIdx(0));
     }
 }

@@ -61,6 +61,19 @@ pub struct RouteContext<'a> {
     pub block_size: usize,
     /// The workers to choose from, sorted by index; never empty when a policy runs.
     pub candidates: &'a [Candidate],
+    /// The worker a chosen one could pull the prompt's prefix from, when peer pulls
+    /// are on (see [`TierCostConfig::peer_pull_min_blocks`]).
+    pub peer_source: Option<PeerSource>,
+}
+
+/// The worker holding the longest prefix of a prompt that it can hand to a peer
+/// (device and host blocks the index confirms, not pending reservations).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PeerSource {
+    /// The holder.
+    pub worker: WorkerIdx,
+    /// Its leading blocks of the prompt, capped at the blocks a request can reuse.
+    pub blocks: usize,
 }
 
 impl RouteContext<'_> {
@@ -74,6 +87,20 @@ impl RouteContext<'_> {
     /// Prompt tokens `c` would have to compute.
     pub fn uncached_tokens(&self, c: &Candidate) -> usize {
         self.prompt_tokens - self.cached_tokens(c)
+    }
+
+    /// Blocks `c` would pull from [`Self::peer_source`]: those after everything `c`
+    /// holds itself, when the source is another worker ahead by at least
+    /// `min_blocks` (0 otherwise, and always 0 with `min_blocks` 0).
+    pub fn pull_blocks(&self, c: &Candidate, min_blocks: usize) -> usize {
+        let Some(src) = self.peer_source else {
+            return 0;
+        };
+        let have = c.matched_blocks + c.host_blocks + c.disk_blocks;
+        if min_blocks == 0 || src.worker == c.worker || src.blocks < have + min_blocks {
+            return 0;
+        }
+        src.blocks - have
     }
 }
 

@@ -19,6 +19,13 @@
 //! one NVMe drive at 5 GB/s — host 2.1% and disk 21% of a recompute. Set them from
 //! the model config and a measured copy rate.
 //!
+//! A block another worker holds (device or host) can also be *pulled* from it over the
+//! network (`FetchBlocks`) when `peer_pull_min_blocks` is set: it costs
+//! `kv_bytes_per_token × prefill_tokens_per_s ÷ peer_bytes_per_s` of a recompute
+//! (default 12.5 GB/s, one 100 Gb/s link: 8.4%). So the policy may send a request to a
+//! less loaded worker that pulls the prefix when that transfer plus its queue beats
+//! the holder's queue.
+//!
 //! [`TierScoring::Discount`] is the fixed-weight alternative of NVIDIA Dynamo's KV
 //! router (a host block counts 0.75 of a device block, a disk block 0.25, whatever the
 //! model and hardware); [`TierScoring::DeviceOnly`] ignores the lower tiers.
@@ -59,6 +66,11 @@ pub struct TierCostConfig {
     pub host_discount: f64,
     /// Fraction of a recompute a disk token saves under `discount` (default 0.25).
     pub disk_discount: f64,
+    /// Worker → worker transfer bandwidth for pulled blocks, bytes/s (default 12.5e9).
+    pub peer_bytes_per_s: f64,
+    /// Pull a prefix from the worker holding it when that worker holds at least this
+    /// many more of the prompt's blocks than the chosen one (default 0: no pulls).
+    pub peer_pull_min_blocks: usize,
 }
 
 impl Default for TierCostConfig {
@@ -71,6 +83,8 @@ impl Default for TierCostConfig {
             prefill_tokens_per_s: 8_000.0,
             host_discount: 0.75,
             disk_discount: 0.25,
+            peer_bytes_per_s: 12.5e9,
+            peer_pull_min_blocks: 0,
         }
     }
 }
@@ -93,6 +107,27 @@ impl TierCostConfig {
         } else {
             1.0
         }
+    }
+
+    /// The cost of one token pulled from a peer, as a fraction of recomputing it, in
+    /// `[0, 1]`: by transfer time under every scoring but `device-only` (which prices
+    /// it as a miss). 1 means pulls never pay.
+    pub fn peer_load_fraction(&self) -> f64 {
+        if self.scoring == TierScoring::DeviceOnly {
+            return 1.0;
+        }
+        let f = self.load_time_fraction(self.peer_bytes_per_s);
+        if f.is_finite() {
+            f.clamp(0.0, 1.0)
+        } else {
+            1.0
+        }
+    }
+
+    /// Whether requests may pull prefix blocks from peers: pulls are on and cheaper
+    /// than recompute.
+    pub fn pulls_enabled(&self) -> bool {
+        self.peer_pull_min_blocks > 0 && self.peer_load_fraction() < 1.0
     }
 
     /// Seconds to load one token's KV from tier `m` (0 for the device).
@@ -147,7 +182,28 @@ mod tests {
             ..c
         };
         assert_eq!(blind.load_fraction(Medium::Host), 1.0);
+        assert_eq!(blind.peer_load_fraction(), 1.0);
         let json = serde_json::to_string(&blind).unwrap();
         assert!(json.contains("\"device-only\""), "{json}");
+    }
+
+    #[test]
+    fn peer_pulls_are_priced_by_transfer_time_and_off_by_default() {
+        let c = TierCostConfig::default();
+        assert!(!c.pulls_enabled(), "no pulls unless asked for");
+        let on = TierCostConfig {
+            peer_pull_min_blocks: 1,
+            ..c.clone()
+        };
+        assert!(on.pulls_enabled());
+        let f = on.peer_load_fraction();
+        assert!((f - 131_072.0 * 8_000.0 / 12.5e9).abs() < 1e-12, "{f}");
+        // A link slower than recompute never pays: no pulls.
+        let slow = TierCostConfig {
+            peer_bytes_per_s: 1e6,
+            ..on
+        };
+        assert_eq!(slow.peer_load_fraction(), 1.0);
+        assert!(!slow.pulls_enabled());
     }
 }
