@@ -32,6 +32,11 @@ pub struct SimArgs {
     /// bandwidths), discount (Dynamo's fixed 0.75 / 0.25) or device-only.
     #[arg(long, default_value = "load-time", value_parser = parse_tier_scoring)]
     tier_scoring: TierScoring,
+    /// kvfleet's router pulls a prompt's prefix from the worker holding it when that
+    /// saves at least this many blocks, priced by the cost model's peer bandwidth
+    /// (0: no pulls).
+    #[arg(long, default_value_t = 0)]
+    peer_pull_min_blocks: usize,
     /// Policies, comma-separated or repeated: cache-aware, round-robin, least-loaded,
     /// consistent-hash, random, sglang-cache-aware, dynamo-kv-cost, sglang-spill,
     /// dynamo-lmetric, or `all`.
@@ -121,6 +126,7 @@ pub fn run(args: SimArgs) -> Result<()> {
         cfg.host_blocks = args.host_blocks;
         cfg.disk_blocks = args.disk_blocks;
         cfg.tier_scoring = args.tier_scoring;
+        cfg.peer_pull_min_blocks = args.peer_pull_min_blocks;
         let r = simulate(&trace, &cfg).with_context(|| format!("simulating {}", p.as_str()))?;
         eprintln!(
             "{}: hit ratio {:.3}, TTFT p99 {:.0} ms, {:.2} s wall",

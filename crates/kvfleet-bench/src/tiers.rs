@@ -7,7 +7,9 @@
 //!   token saves 0.75 of a recompute, a disk token 0.25);
 //! - `cache-aware` with tiers but tier-blind routing (host and disk hits score as
 //!   misses; the workers still use them);
-//! - `dynamo-kv-cost` (device overlap only) with tiers.
+//! - `dynamo-kv-cost` (device overlap only) with tiers;
+//! - `cache-aware` with peer pulls ([`PULL_MIN_BLOCKS`] blocks or more), without and
+//!   with tiers: a prefix another worker holds is fetched instead of recomputed.
 //!
 //! The checks of issue 17: with tiers, the hit ratio is at least 0.85 × the ceiling,
 //! and p99 TTFT no worse than without tiers.
@@ -22,6 +24,9 @@ use kvfleet_routing::PolicyKind;
 use rayon::prelude::*;
 use serde::Serialize;
 use std::fmt::Write;
+
+/// The smallest pull the pull variants make, in blocks.
+pub const PULL_MIN_BLOCKS: usize = 4;
 
 /// The fleet of a comparison.
 #[derive(Clone, Debug)]
@@ -48,6 +53,8 @@ pub struct TierVariant {
     pub tiers: bool,
     /// How the router scores tier hits.
     pub scoring: TierScoring,
+    /// Whether the router may pull a prefix from a peer.
+    pub pulls: bool,
 }
 
 /// The variants, in table order.
@@ -59,30 +66,49 @@ pub fn variants() -> Vec<TierVariant> {
             policy: ca,
             tiers: false,
             scoring: TierScoring::LoadTime,
+            pulls: false,
         },
         TierVariant {
             label: "cache-aware, tiers, load-time pricing",
             policy: ca,
             tiers: true,
             scoring: TierScoring::LoadTime,
+            pulls: false,
         },
         TierVariant {
             label: "cache-aware, tiers, Dynamo discounts 0.75 / 0.25",
             policy: ca,
             tiers: true,
             scoring: TierScoring::Discount,
+            pulls: false,
         },
         TierVariant {
             label: "cache-aware, tiers, tier-blind routing",
             policy: ca,
             tiers: true,
             scoring: TierScoring::DeviceOnly,
+            pulls: false,
         },
         TierVariant {
             label: "dynamo-kv-cost (device overlap), tiers",
             policy: SimPolicy::DynamoKvCost,
             tiers: true,
             scoring: TierScoring::LoadTime,
+            pulls: false,
+        },
+        TierVariant {
+            label: "cache-aware, no tiers, peer pulls",
+            policy: ca,
+            tiers: false,
+            scoring: TierScoring::LoadTime,
+            pulls: true,
+        },
+        TierVariant {
+            label: "cache-aware, tiers and peer pulls",
+            policy: ca,
+            tiers: true,
+            scoring: TierScoring::LoadTime,
+            pulls: true,
         },
     ]
 }
@@ -123,6 +149,9 @@ pub fn run_tiers(
                 sc.disk_blocks = fleet.disk_blocks;
             }
             sc.tier_scoring = v.scoring;
+            if v.pulls {
+                sc.peer_pull_min_blocks = PULL_MIN_BLOCKS;
+            }
             Ok(TierRow {
                 trace: traces[t].0.clone(),
                 variant: v,
@@ -152,17 +181,18 @@ pub fn tiers_markdown(rows: &[TierRow], fleet: &TierFleet) -> String {
             b.pooled,
             b.pooled_tiered
         );
-        out.push_str("| configuration | hit ratio | ÷ ceiling | host hits | disk hits | load time s | TTFT p50 ms | TTFT p99 ms | work max/mean |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n");
+        out.push_str("| configuration | hit ratio | ÷ ceiling | host hits | disk hits | peer hits | load time s | TTFT p50 ms | TTFT p99 ms | work max/mean |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n");
         for r in &rs {
             let x = &r.result;
             let _ = writeln!(
                 out,
-                "| {} | {:.3} | {:.2} | {:.3} | {:.3} | {:.1} | {:.0} | {:.0} | {:.2} |",
+                "| {} | {:.3} | {:.2} | {:.3} | {:.3} | {:.3} | {:.1} | {:.0} | {:.0} | {:.2} |",
                 r.variant.label,
                 x.hit_ratio,
                 x.hit_ratio / b.ceiling.max(1e-12),
                 x.host_hit_blocks as f64 / x.total_blocks.max(1) as f64,
                 x.disk_hit_blocks as f64 / x.total_blocks.max(1) as f64,
+                x.peer_hit_blocks as f64 / x.total_blocks.max(1) as f64,
                 x.tier_load_ms / 1000.0,
                 x.ttft_ms.p50,
                 x.ttft_ms.p99,
@@ -170,9 +200,10 @@ pub fn tiers_markdown(rows: &[TierRow], fleet: &TierFleet) -> String {
             );
         }
         if let (Some(none), Some(ours)) = (
-            rs.iter().find(|r| !r.variant.tiers),
+            rs.iter().find(|r| !r.variant.tiers && !r.variant.pulls),
             rs.iter().find(|r| {
                 r.variant.tiers
+                    && !r.variant.pulls
                     && r.variant.scoring == TierScoring::LoadTime
                     && matches!(r.variant.policy, SimPolicy::Kvfleet(_))
             }),

@@ -271,3 +271,34 @@ fn mooncake_with_tiers_at_8_by_1000_reaches_085_of_the_ceiling() {
     assert!(b.pooled_tiered > b.pooled);
     assert_eq!(b.pooled_tiered_blocks, 168_000);
 }
+
+#[test]
+fn peer_pulls_are_modelled_and_raise_the_hit_ratio_under_memory_pressure() {
+    // Mooncake at 8 × 1,000 blocks, no tiers: a prefix evicted or never held on the
+    // chosen worker is pulled from the worker that holds it.
+    let t = mooncake();
+    let run = |min_blocks| {
+        let mut cfg = SimConfig::new(8, 1000, SimPolicy::Kvfleet(PolicyKind::CacheAware));
+        cfg.peer_pull_min_blocks = min_blocks;
+        simulate(&t, &cfg).unwrap()
+    };
+    let off = run(0);
+    let on = run(4);
+    assert_eq!((off.peer_hit_blocks, off.peer_pulls), (0, 0));
+    assert!(on.peer_pulls > 0 && on.peer_hit_blocks >= 4 * on.peer_pulls);
+    assert!(
+        on.hit_ratio > off.hit_ratio,
+        "pulls: {} vs {} without",
+        on.hit_ratio,
+        off.hit_ratio
+    );
+    // A pull is a transfer, not free: its time is in the load time.
+    assert!(on.tier_load_ms > 0.0);
+    let cost = CostModel::h200_llama8b();
+    let at_least = cost.peer_load_ms(on.peer_hit_blocks as usize * t.block_size());
+    assert!((on.tier_load_ms - at_least).abs() < 1e-6 * at_least.max(1.0));
+    // The baselines never pull, whatever the setting.
+    let mut sg = SimConfig::new(8, 1000, SimPolicy::SglangCacheAware);
+    sg.peer_pull_min_blocks = 4;
+    assert_eq!(simulate(&t, &sg).unwrap().peer_hit_blocks, 0);
+}

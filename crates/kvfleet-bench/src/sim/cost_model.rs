@@ -13,6 +13,10 @@
 //! `disk_bytes_per_s`), added to the request's prefill on the same lane. The tier
 //! fields are optional in the file (defaults: Llama-3-8B bf16 KV, 128 KiB per token;
 //! PCIe Gen5 host copies at 50 GB/s; one NVMe drive at 5 GB/s).
+//!
+//! Peer pulls: blocks fetched from another worker take `block tokens ×
+//! kv_bytes_per_token ÷ peer_bytes_per_s` (default 12.5 GB/s, one 100 Gb/s link), on
+//! the pulling worker's lane too.
 
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
@@ -44,6 +48,13 @@ pub struct CostModel {
     /// Disk-tier → device bandwidth, bytes/s.
     #[serde(default = "default_disk_bytes_per_s")]
     pub disk_bytes_per_s: f64,
+    /// Worker → worker transfer bandwidth for pulled blocks, bytes/s.
+    #[serde(default = "default_peer_bytes_per_s")]
+    pub peer_bytes_per_s: f64,
+}
+
+fn default_peer_bytes_per_s() -> f64 {
+    12.5e9
 }
 
 fn default_kv_bytes_per_token() -> f64 {
@@ -85,6 +96,7 @@ impl CostModel {
             ("prefill_tokens_per_s", self.prefill_tokens_per_s),
             ("host_bytes_per_s", self.host_bytes_per_s),
             ("disk_bytes_per_s", self.disk_bytes_per_s),
+            ("peer_bytes_per_s", self.peer_bytes_per_s),
         ] {
             anyhow::ensure!(v.is_finite() && v > 0.0, "{k} must be finite and > 0");
         }
@@ -118,16 +130,25 @@ impl CostModel {
         tokens as f64 * self.kv_bytes_per_token * 1000.0 / self.disk_bytes_per_s
     }
 
-    /// The router's tier pricing for this model and hardware, scored by `scoring`.
+    /// Time to pull `tokens` tokens' KV from a peer worker, in ms.
+    pub fn peer_load_ms(&self, tokens: usize) -> f64 {
+        tokens as f64 * self.kv_bytes_per_token * 1000.0 / self.peer_bytes_per_s
+    }
+
+    /// The router's tier pricing for this model and hardware, scored by `scoring`,
+    /// with pulls of at least `peer_pull_min_blocks` blocks (0: none).
     pub fn tier_pricing(
         &self,
         scoring: kvfleet_routing::policy::TierScoring,
+        peer_pull_min_blocks: usize,
     ) -> kvfleet_routing::policy::TierCostConfig {
         kvfleet_routing::policy::TierCostConfig {
             scoring,
             kv_bytes_per_token: self.kv_bytes_per_token,
             host_bytes_per_s: self.host_bytes_per_s,
             disk_bytes_per_s: self.disk_bytes_per_s,
+            peer_bytes_per_s: self.peer_bytes_per_s,
+            peer_pull_min_blocks,
             prefill_tokens_per_s: self.prefill_tokens_per_s,
             ..Default::default()
         }

@@ -20,6 +20,8 @@ pub struct KvfleetPolicy {
     seqs: Vec<u64>,
     /// Router worker index → simulated worker.
     slot: Vec<usize>,
+    /// The last decision's pull: (simulated source worker, end block).
+    pull: Option<(usize, usize)>,
 }
 
 impl KvfleetPolicy {
@@ -44,6 +46,7 @@ impl KvfleetPolicy {
             seqs: vec![0; workers],
             ids,
             slot,
+            pull: None,
         })
     }
 
@@ -73,9 +76,19 @@ impl SimRouter for KvfleetPolicy {
             .router
             .route(req.hashes, prompt, self.kind, now_ms as u64)
         {
-            Ok(d) => (self.slot[d.worker_idx.index()], d.prefill_tokens),
-            Err(_) => (0, 0),
+            Ok(d) => {
+                self.pull = d.pull.map(|p| (self.slot[p.from_idx.index()], p.end_block));
+                (self.slot[d.worker_idx.index()], d.prefill_tokens)
+            }
+            Err(_) => {
+                self.pull = None;
+                (0, 0)
+            }
         }
+    }
+
+    fn take_pull(&mut self) -> Option<(usize, usize)> {
+        self.pull.take()
     }
 
     fn on_enqueued(&mut self, w: usize, change: &ChainChange, workers: &[SimWorker]) {

@@ -24,6 +24,15 @@
 //! own stored/removed events, so kvfleet's router sees them; its tier pricing is set
 //! from the same cost model, scored by [`SimConfig::tier_scoring`]. The baselines see
 //! device blocks only.
+//!
+//! # Peer pulls
+//!
+//! With [`SimConfig::peer_pull_min_blocks`] set, kvfleet's router may plan "pull blocks
+//! i..j from W" (see [`SimRouter::take_pull`]). The chosen worker then gets those of
+//! W's device and host blocks that W really holds when the request is enqueued; their
+//! transfer (`kv_bytes_per_token ÷ peer_bytes_per_s` per token) is added to the
+//! request's prefill, and they count as hits (`peer_hit_blocks`). The blocks W no
+//! longer holds are computed.
 
 pub mod cost_model;
 pub mod dynamo_kv_cost;
@@ -276,6 +285,11 @@ pub trait SimRouter {
     fn on_load_changed(&mut self, _w: usize, _workers: &[SimWorker]) {}
     /// A request routed with `token` finished on `w`.
     fn on_finished(&mut self, _w: usize, _token: usize, _workers: &[SimWorker]) {}
+    /// The pull the last [`route`](Self::route) planned: (worker to pull from, one
+    /// past the last block to pull); `None` for no pull (every baseline).
+    fn take_pull(&mut self) -> Option<(usize, usize)> {
+        None
+    }
 }
 
 /// Simulation settings.
@@ -292,6 +306,9 @@ pub struct SimConfig {
     /// How kvfleet's router scores host and disk hits (its bandwidths come from
     /// `cost`).
     pub tier_scoring: TierScoring,
+    /// kvfleet's router pulls a prefix from its holder when that saves at least this
+    /// many blocks (0: no pulls).
+    pub peer_pull_min_blocks: usize,
     /// Policy.
     pub policy: SimPolicy,
     /// Prefill/decode cost model.
@@ -315,6 +332,7 @@ impl SimConfig {
             host_blocks: 0,
             disk_blocks: 0,
             tier_scoring: TierScoring::LoadTime,
+            peer_pull_min_blocks: 0,
             policy,
             cost: CostModel::h200_llama8b(),
             router: RouterConfig::default(),
@@ -382,7 +400,12 @@ pub struct SimResult {
     pub host_hit_blocks: u64,
     /// Of those, blocks loaded from a disk tier.
     pub disk_hit_blocks: u64,
-    /// Time spent copying tier hits into the device, summed over requests, ms.
+    /// Of those, blocks pulled from another worker.
+    pub peer_hit_blocks: u64,
+    /// Pulls that moved at least one block.
+    pub peer_pulls: u64,
+    /// Time spent copying tier hits and pulled blocks into the device, summed over
+    /// requests, ms.
     pub tier_load_ms: f64,
     /// `hit_blocks / total_blocks`.
     pub hit_ratio: f64,
@@ -455,7 +478,9 @@ pub fn make_router(cfg: &SimConfig, block_size: usize) -> anyhow::Result<Box<dyn
             RouterConfig {
                 block_size,
                 cache_aware: kvfleet_routing::policy::CacheAwareConfig {
-                    tiers: cfg.cost.tier_pricing(cfg.tier_scoring),
+                    tiers: cfg
+                        .cost
+                        .tier_pricing(cfg.tier_scoring, cfg.peer_pull_min_blocks),
                     ..cfg.router.cache_aware.clone()
                 },
                 ..cfg.router.clone()
@@ -522,6 +547,7 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
     let (mut hit_blocks, mut total_blocks, mut cached_tokens, mut prompt_tokens) =
         (0u64, 0u64, 0u64, 0u64);
     let (mut host_hit_blocks, mut disk_hit_blocks, mut tier_load_ms) = (0u64, 0u64, 0.0f64);
+    let (mut peer_hit_blocks, mut peer_pulls) = (0u64, 0u64);
     let mut arrivals: Vec<(f64, usize, usize)> = Vec::with_capacity(recs.len());
     let mut now = t0;
     let mut served = 0usize;
@@ -549,14 +575,26 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                 let idle_elsewhere = prefilling < workers.len();
                 let (w, token) = router.route(&req, &workers, now);
                 anyhow::ensure!(w < workers.len(), "router chose a worker out of range");
+                let pull = router.take_pull();
+                let tier_hits = workers[w].tiered_match(chain);
+                // What a pull really brings: the source's device and host blocks now,
+                // past those the chosen worker has.
+                let peer = pull.map_or(0, |(src, end)| {
+                    let s = workers
+                        .get(src)
+                        .map_or(TierHits::default(), |s| s.tiered_match(chain));
+                    end.min(s.device + s.host).saturating_sub(tier_hits.total())
+                });
                 let wk = &mut workers[w];
-                let tier_hits = wk.tiered_match(chain);
-                let hits = tier_hits.total();
+                let hits = tier_hits.total() + peer;
                 let change = wk.admit(chain, tier_hits);
                 let cached = (hits * bs).min(r.input_length.saturating_sub(1));
                 let uncached = r.input_length - cached;
                 let load_ms = cfg.cost.host_load_ms(tier_hits.host * bs)
-                    + cfg.cost.disk_load_ms(tier_hits.disk * bs);
+                    + cfg.cost.disk_load_ms(tier_hits.disk * bs)
+                    + cfg.cost.peer_load_ms(peer * bs);
+                peer_hit_blocks += peer as u64;
+                peer_pulls += u64::from(peer > 0);
                 let lane_tokens =
                     uncached + (load_ms * cfg.cost.prefill_tokens_per_s / 1000.0).ceil() as usize;
                 host_hit_blocks += tier_hits.host as u64;
@@ -660,6 +698,8 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
         hit_blocks,
         host_hit_blocks,
         disk_hit_blocks,
+        peer_hit_blocks,
+        peer_pulls,
         tier_load_ms,
         hit_ratio: ratio(hit_blocks, total_blocks),
         prompt_tokens,
