@@ -18,6 +18,13 @@
 //! token of a 32-block prompt recomputed, against the same prompt with its 32 blocks
 //! promoted from the host tier.
 //!
+//! Then the write-behind's share of a serving engine's time: a stream of distinct
+//! prompts (4 at a time, 16 blocks each, 16 tokens generated) on a pool that holds
+//! about two of them, so every step's newly cached blocks are copied to host before
+//! they can be evicted. It prints the engine's own counters (`demotion_ns` against
+//! `forward_ns`) and the stream's wall time with the host tier against without,
+//! side by side.
+//!
 //! After criterion's groups a summary table prints blocks/s, GB/s and each operation's
 //! share of memcpy speed (medians of its own runs).
 //!
@@ -536,11 +543,71 @@ fn print_summary(rows: &Rows) {
     }
 }
 
+/// Serves 24 distinct prompts, 4 at a time, on `e`; returns the wall time.
+fn stream(e: &mut Engine, vocab: u32, seed: u32) -> Duration {
+    let params = SamplingParams {
+        max_tokens: 16,
+        ignore_eos: true,
+        ..SamplingParams::default()
+    };
+    let t = Instant::now();
+    for batch in 0..6u32 {
+        for i in 0..4u32 {
+            let id = u64::from(seed * 1_000 + batch * 4 + i);
+            let p = prompt(seed * 1_000 + batch * 4 + i, 16 * BS + 1, vocab);
+            e.add_request(Request::new(id, p, params.clone()))
+                .expect("add");
+        }
+        e.run_to_completion().expect("run");
+    }
+    t.elapsed()
+}
+
+fn write_behind_share() {
+    println!("\nWrite-behind share of engine time (24 prompts of 16 blocks, 4 at a time, pool of 40 blocks)");
+    println!(
+        "{:<8} {:>14} {:>14} {:>10} {:>16} {:>16} {:>8}",
+        "model", "demotion ms", "forward ms", "share", "wall tiers ms", "wall none ms", "ratio"
+    );
+    for (name, cfg) in [
+        ("tiny", ModelConfig::tiny()),
+        ("small", ModelConfig::small()),
+    ] {
+        let model = Arc::new(LlamaModel::seeded(cfg, 1).expect("model"));
+        let vocab = model.config().vocab_size as u32;
+        let (mut with, mut without) = (Vec::new(), Vec::new());
+        let (mut demotion, mut forward) = (0u64, 0u64);
+        // Interleaved runs, so drift on a noisy machine hits both alike.
+        for run in 0..3u32 {
+            let mut t = engine(&model, 40, 400);
+            with.push(stream(&mut t, vocab, run + 1).as_secs_f64());
+            demotion += t.stats().demotion_ns;
+            forward += t.stats().forward_ns;
+            assert!(t.tier_stats().is_some_and(|s| s.demoted_blocks > 0));
+            let mut n = engine(&model, 40, 0);
+            without.push(stream(&mut n, vocab, run + 1).as_secs_f64());
+        }
+        with.sort_by(f64::total_cmp);
+        without.sort_by(f64::total_cmp);
+        let (w, n) = (with[1], without[1]);
+        println!(
+            "{name:<8} {:>14.2} {:>14.2} {:>9.2}% {:>16.1} {:>16.1} {:>8.3}",
+            demotion as f64 / 3e6,
+            forward as f64 / 3e6,
+            100.0 * demotion as f64 / forward.max(1) as f64,
+            w * 1e3,
+            n * 1e3,
+            w / n
+        );
+    }
+}
+
 fn bench_all(c: &mut Criterion) {
     let rows = Rows::default();
     bench_moves(c, &rows);
     bench_prefill_vs_promote(c, &rows);
     print_summary(&rows);
+    write_behind_share();
 }
 
 criterion_group!(benches, bench_all);

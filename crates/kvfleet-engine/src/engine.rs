@@ -181,6 +181,11 @@ pub struct EngineStats {
     pub preemptions: u64,
     /// Disk reads of promoted prefix blocks that landed (progress without a step).
     pub tier_loads: u64,
+    /// Nanoseconds the engine thread spent copying blocks down to the host tier
+    /// (write-behind), between steps.
+    pub demotion_ns: u64,
+    /// Nanoseconds spent in the model's forward passes.
+    pub forward_ns: u64,
 }
 
 /// A continuous-batching engine over one backend.
@@ -459,6 +464,8 @@ impl Engine {
 
     /// Runs one step and returns what each request produced.
     pub fn step(&mut self) -> Result<Vec<StepOutput>> {
+        // Before anything below allocates (promotions, then the schedule).
+        self.write_behind(0);
         self.stats.tier_loads += self.promote(Duration::ZERO) as u64;
         let mut chunks = self.scheduler.schedule();
         if chunks.is_empty() && self.disk_reads_pending() {
@@ -496,7 +503,11 @@ impl Engine {
                     },
                 });
             }
-            self.backend.forward(&items)?
+            let started = std::time::Instant::now();
+            let logits = self.backend.forward(&items)?;
+            let ns = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
+            self.stats.forward_ns = self.stats.forward_ns.saturating_add(ns);
+            logits
         };
         let mut prefilled = Vec::new();
         for (chunk, row) in chunks.iter().zip(logits) {
@@ -514,7 +525,6 @@ impl Engine {
                 self.scheduler.remove(o.id);
             }
         }
-        self.write_behind();
         self.publish_events();
         Ok(outputs)
     }

@@ -100,6 +100,8 @@ impl Engine {
         if !self.scheduler.seqs.contains_key(&id) {
             return 0;
         }
+        // The imports allocate: what they may evict is copied down first.
+        self.write_behind(blocks.len());
         let mut n = 0;
         for b in blocks {
             let Some(blk) = self.import_block(b, id) else {
@@ -132,16 +134,23 @@ impl Engine {
         Some(id)
     }
 
-    /// Copies the cached blocks the next step could evict into the host tier, so an
-    /// eviction never drops a prefix (write-behind: between steps, not inside one).
-    pub(super) fn write_behind(&mut self) {
+    /// Copies the cached blocks that the next step, plus `extra` more allocations,
+    /// could evict into the host tier, so an eviction never drops a prefix.
+    ///
+    /// It runs at the start of a step, before anything in it allocates: the previous
+    /// step's tokens have gone out by then, so the copy never delays them, and no
+    /// block can be evicted while it is being written out. Its time is counted in
+    /// [`EngineStats::demotion_ns`](super::EngineStats::demotion_ns).
+    pub(super) fn write_behind(&mut self, extra: usize) {
         let Some(tiers) = self.tiers.as_mut() else {
             return;
         };
+        let started = std::time::Instant::now();
         let bs = self.config.block_size;
         // The most blocks one step can allocate: its token budget in blocks, one
         // partial block per sequence, and the promotions staged before it.
-        let horizon = self.config.max_batched_tokens / bs + 2 * self.config.max_num_seqs + 1;
+        let horizon =
+            self.config.max_batched_tokens / bs + 2 * self.config.max_num_seqs + 1 + extra;
         for (id, hash, parent) in self.scheduler.pool.next_evictions(horizon) {
             if tiers.holds(hash).is_some() {
                 continue;
@@ -155,6 +164,8 @@ impl Engine {
                 Err(_) => break,
             }
         }
+        let ns = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.stats.demotion_ns = self.stats.demotion_ns.saturating_add(ns);
     }
 
     /// Lands finished disk reads (waiting up to `wait` for one when a read is in
