@@ -10,6 +10,12 @@
 //! it. Then it stops the router and checks that the page says so: the counter stops
 //! and `data-state` turns to `error`. A page that stops updating fails it.
 //!
+//! Its workers have no KV tiers, and the page's "KV tiers" panel says so. A second
+//! case starts one worker with a 64-block pool and a host tier, pushes a prompt out
+//! of the pool and sends it again (promoted back from host memory), and checks that
+//! the panel shows the host hits and the bytes demoted and promoted that the worker's
+//! own `/metrics` counted.
+//!
 //! `KVFLEET_DASHBOARD_SCREENSHOT=path` keeps the screenshot taken under traffic
 //! (scripts/dashboard-screenshot.sh writes docs/dashboard.png this way).
 
@@ -18,12 +24,16 @@ mod support;
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, HashMap};
 use std::io::{BufRead, BufReader, Write};
-use std::path::Path;
-use std::process::{Command, Stdio};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdout, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use support::{chat, filler, Cluster};
+
+/// One browser case at a time: both cases start a cluster and Chromium, and the live
+/// one's "no stall" check needs the 2 CI cores to itself.
+static BROWSER: Mutex<()> = Mutex::new(());
 
 /// One request the test sent, as its response described it.
 #[derive(Clone, Debug)]
@@ -112,8 +122,8 @@ fn num(v: &Value) -> u64 {
     v.as_u64().unwrap_or_else(|| panic!("not a count: {v}"))
 }
 
-#[test]
-fn the_dashboard_shows_live_routing_in_headless_chromium() {
+/// The browser driver's directory and the Chromium binary, checked to exist.
+fn browser() -> (PathBuf, String) {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let browser_dir = root.join("tests/browser");
     assert!(
@@ -125,6 +135,35 @@ fn the_dashboard_shows_live_routing_in_headless_chromium() {
         Path::new(&chromium).exists(),
         "no Chromium at {chromium}: apt-get install chromium (scripts/test.sh does)"
     );
+    (browser_dir, chromium)
+}
+
+/// Starts tests/browser/dashboard.mjs on `url`'s dashboard, sampling for `sample_ms`.
+fn open_dashboard(url: &str, shot: &Path, sample_ms: u64) -> (Child, BufReader<ChildStdout>) {
+    let (browser_dir, chromium) = browser();
+    let mut node = Command::new("node")
+        .arg(browser_dir.join("dashboard.mjs"))
+        .args([
+            url,
+            shot.to_str().expect("utf-8 path"),
+            &sample_ms.to_string(),
+        ])
+        .env("KVFLEET_CHROMIUM", &chromium)
+        .current_dir(&browser_dir)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn node");
+    let out = BufReader::new(node.stdout.take().expect("stdout"));
+    (node, out)
+}
+
+#[test]
+fn the_dashboard_shows_live_routing_in_headless_chromium() {
+    let _one = BROWSER.lock().unwrap_or_else(|e| e.into_inner());
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    browser();
 
     let mut cluster = Cluster::up(&["--workers", "3"]);
     let html = cluster.get_text("/dashboard");
@@ -148,21 +187,7 @@ fn the_dashboard_shows_live_routing_in_headless_chromium() {
 
     let shot_dir = tempfile::tempdir().expect("tempdir");
     let shot = shot_dir.path().join("dashboard.png");
-    let mut node = Command::new("node")
-        .arg(browser_dir.join("dashboard.mjs"))
-        .args([
-            cluster.url.as_str(),
-            shot.to_str().expect("utf-8 path"),
-            "6000",
-        ])
-        .env("KVFLEET_CHROMIUM", &chromium)
-        .current_dir(&browser_dir)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("spawn node");
-    let mut out = BufReader::new(node.stdout.take().expect("stdout"));
+    let (mut node, mut out) = open_dashboard(&cluster.url, &shot, 6000);
     let mut line = String::new();
     out.read_line(&mut line).expect("phase 1");
     let p1 = phase(&line, "PHASE1 ");
@@ -296,6 +321,18 @@ fn the_dashboard_shows_live_routing_in_headless_chromium() {
         assert!(held >= 8, "{label}: {home} holds {held} blocks on the map");
     }
 
+    // None of these workers has a KV tier or pulled from a peer.
+    assert_eq!(last["tiers"], "off", "a KV tiers table without tiers");
+    assert!(
+        last["tiersText"]
+            .as_str()
+            .unwrap_or("")
+            .contains("no tiers"),
+        "{}",
+        last["tiersText"]
+    );
+    assert_eq!(last["tierRows"].as_array().map(Vec::len), Some(0));
+
     // And once the router is gone the page says so and stops counting.
     let after = p2["samples"].as_array().expect("samples");
     let end = after.last().expect("a sample");
@@ -312,4 +349,184 @@ fn the_dashboard_shows_live_routing_in_headless_chromium() {
         down.len() >= 2 && down.iter().all(|u| *u == down[0]),
         "updates kept counting with no router: {down:?}"
     );
+}
+
+/// Sum of the samples of `name` whose labels contain `label` (all, if empty).
+fn metric(text: &str, name: &str, label: &str) -> u64 {
+    text.lines()
+        .filter(|l| l.starts_with(&format!("{name}{{")) && l.contains(label))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
+}
+
+/// The page's `bytes()`: binary units, two decimals under 10, one under 100.
+fn human_bytes(n: u64) -> String {
+    let units = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let (mut x, mut i) = (n as f64, 0);
+    while x >= 1024.0 && i < units.len() - 1 {
+        x /= 1024.0;
+        i += 1;
+    }
+    if i == 0 {
+        format!("{n} B")
+    } else {
+        let d = if x >= 100.0 {
+            0
+        } else if x >= 10.0 {
+            1
+        } else {
+            2
+        };
+        format!("{x:.d$} {}", units[i])
+    }
+}
+
+#[test]
+fn the_dashboard_shows_host_tier_hits_and_bytes_moved() {
+    let _one = BROWSER.lock().unwrap_or_else(|e| e.into_inner());
+    browser();
+    // As tests/e2e_kv_tiers.rs: a 64-block pool and a host tier below it.
+    let mut c = Cluster::up(&[
+        "--workers",
+        "1",
+        "--num-blocks",
+        "64",
+        "--host-cache-gib",
+        "0.25",
+    ]);
+    let ask = |seed: u32, bytes: usize| {
+        let body = chat(json!([{"role": "user", "content": filler(seed, bytes)}]), 1);
+        let (status, _, r) = c.post("/v1/chat/completions", &body, &[]);
+        assert_eq!(status, 200, "{r}");
+        r["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .expect("cached_tokens")
+    };
+    // ~40 blocks, then three prompts of ~55 blocks that evict all of it, then the
+    // first again: promoted from host memory instead of recomputed.
+    let mut cached = ask(1, 640);
+    for seed in 2..5 {
+        cached += ask(seed, 880);
+    }
+    let warm = ask(1, 640);
+    cached += warm;
+    assert!(warm >= 600, "only {warm} tokens cached after eviction");
+
+    // The worker is idle now: its counters hold still. Wait until the router's load
+    // poll has caught up with them.
+    let m = c.get_text("/metrics");
+    let promoted_blocks = metric(
+        &m,
+        "kvfleet_worker_tier_promoted_blocks_total",
+        "tier=\"host\"",
+    );
+    let demoted_blocks = metric(&m, "kvfleet_worker_tier_demoted_blocks_total", "");
+    let promoted_bytes = metric(
+        &m,
+        "kvfleet_worker_tier_bytes_moved_total",
+        "direction=\"promote\"",
+    );
+    let demoted_bytes = metric(
+        &m,
+        "kvfleet_worker_tier_bytes_moved_total",
+        "direction=\"demote\"",
+    );
+    assert!(
+        promoted_blocks >= 30,
+        "host promotions in /metrics: {promoted_blocks}"
+    );
+    assert!(
+        demoted_bytes > 0 && promoted_bytes > 0,
+        "{demoted_bytes} / {promoted_bytes}"
+    );
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let block_size = loop {
+        let s = c.get("/dashboard/state");
+        let k = &s["kv_tiers"];
+        if k["bytes_moved"]["promoted"] == promoted_bytes
+            && k["hits"]["device"].as_u64().unwrap_or(0) + k["hits"]["host"].as_u64().unwrap_or(0)
+                == cached
+        {
+            break num(&s["block_size"]);
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the router's view never caught up with the worker: {k} vs /metrics promote {promoted_bytes}, {cached} cached"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+
+    let shot_dir = tempfile::tempdir().expect("tempdir");
+    let shot = shot_dir.path().join("dashboard.png");
+    let (mut node, mut out) = open_dashboard(&c.url, &shot, 1000);
+    let mut line = String::new();
+    out.read_line(&mut line).expect("phase 1");
+    let p1 = phase(&line, "PHASE1 ");
+    c.kill();
+    let mut stdin = node.stdin.take().expect("stdin");
+    writeln!(stdin, "done").expect("tell the driver");
+    line.clear();
+    out.read_line(&mut line).expect("phase 2");
+    assert!(
+        node.wait().expect("node").success(),
+        "the browser driver failed"
+    );
+    assert!(
+        p1["errors"].as_array().expect("errors").is_empty(),
+        "page errors: {}",
+        p1["errors"]
+    );
+
+    // What the page shows, read from its DOM.
+    let last = p1["samples"]
+        .as_array()
+        .and_then(|s| s.last())
+        .expect("a sample");
+    assert_eq!(last["state"], "ok");
+    assert_eq!(last["tiers"], "on", "{}", last["tiersText"]);
+    let rows = last["tierRows"].as_array().expect("tier rows");
+    let ids: Vec<&str> = rows
+        .iter()
+        .map(|r| r["id"].as_str().unwrap_or(""))
+        .collect();
+    assert_eq!(ids.len(), 2, "the fleet's row and the worker's: {ids:?}");
+    assert_eq!(ids[0], "fleet");
+    let (fleet, worker) = (&rows[0], &rows[1]);
+    for row in [fleet, worker] {
+        assert_eq!(num(&row["tiered"]), 1, "{row}");
+        let hits = &row["hits"];
+        let host = num(&hits["host"]);
+        // Every promoted host block's tokens were reported cached, and nothing else
+        // came from a lower tier: the rest of the cached tokens were device hits.
+        assert_eq!(host, promoted_blocks * block_size, "{row}");
+        assert!(
+            host > 0 && host <= warm,
+            "{host} host hits, {warm} cached on the warm turn"
+        );
+        assert_eq!((num(&hits["disk"]), num(&hits["peer"])), (0, 0));
+        assert_eq!(num(&hits["device"]) + host, cached, "{row}");
+        assert!(
+            row["hostHitsText"]
+                .as_str()
+                .unwrap_or("")
+                .starts_with(&host.to_string()),
+            "{row}"
+        );
+        // Bytes moved: the worker's own counters, in human units.
+        let bytes = &row["bytes"];
+        assert_eq!(num(&bytes["demoted"]), demoted_bytes, "{row}");
+        assert_eq!(num(&bytes["promoted"]), promoted_bytes, "{row}");
+        assert_eq!(num(&bytes["peer"]), 0);
+        assert_eq!(num(&row["promotedHostBlocks"]), promoted_blocks);
+        assert_eq!(num(&row["demotedBlocks"]), demoted_blocks);
+        assert_eq!(
+            row["bytesText"]["demoted"],
+            human_bytes(demoted_bytes).as_str()
+        );
+        assert_eq!(
+            row["bytesText"]["promoted"],
+            human_bytes(promoted_bytes).as_str()
+        );
+        assert_eq!(row["bytesText"]["peer"], "0 B");
+    }
 }

@@ -42,6 +42,33 @@ function sample() {
       hitRatio: Number(w.dataset.hitRatio),
       routed: Number(w.dataset.routed),
     })),
+    // The KV tiers table: "on"/"off", and per row (the fleet's, then each worker's)
+    // the raw counts it renders and the text shown for the bytes moved.
+    tiers: document.getElementById("tiers").dataset.tiers,
+    tiersText: document.getElementById("tiersbody").textContent,
+    tierRows: [...document.querySelectorAll("#tiers tr[data-tier-row]")].map((r) => ({
+      id: r.dataset.tierRow,
+      tiered: Number(r.dataset.tiered),
+      hits: {
+        device: Number(r.dataset.hitsDevice),
+        host: Number(r.dataset.hitsHost),
+        disk: Number(r.dataset.hitsDisk),
+        peer: Number(r.dataset.hitsPeer),
+      },
+      bytes: {
+        demoted: Number(r.dataset.bytesDemoted),
+        promoted: Number(r.dataset.bytesPromoted),
+        peer: Number(r.dataset.bytesPeer),
+      },
+      promotedHostBlocks: Number(r.dataset.promotedHostBlocks),
+      demotedBlocks: Number(r.dataset.demotedBlocks),
+      hostHitsText: r.querySelector(".hits-host").textContent,
+      bytesText: {
+        demoted: r.querySelector(".bytes-demoted").textContent,
+        promoted: r.querySelector(".bytes-promoted").textContent,
+        peer: r.querySelector(".bytes-peer").textContent,
+      },
+    })),
     heat: [...document.querySelectorAll("#heat tr[data-group]")].map((r) => ({
       group: r.dataset.group,
       label: r.dataset.label,

@@ -7,7 +7,8 @@
 //!
 //! - [`routing_state`]: the routing core behind a lock no guard of which leaves it.
 //! - [`supervision`]: worker connections ([`worker_conn`]), circuit breakers
-//!   ([`circuit_breaker`]), following each worker's KV events and load.
+//!   ([`circuit_breaker`]), following each worker's KV events and load (and its
+//!   KV-tier totals, [`worker_tiers`]).
 //! - [`sessions`] and [`prefix_breaks`]: per-session memory and the diagnostics that
 //!   name what broke a conversation's prefix cache.
 //! - [`decision_log`]: the bounded log of recent decisions behind `/dashboard`.
@@ -46,6 +47,7 @@ pub mod tenants;
 pub mod tokenizer_memo;
 pub mod wall_clock;
 pub mod worker_conn;
+pub mod worker_tiers;
 
 pub use fleet::{Fleet, FleetConfig};
 // Part of `FleetConfig`'s public surface.

@@ -10,6 +10,7 @@ use crate::circuit_breaker::{BreakerConfig, CircuitBreaker, CircuitState};
 use crate::fleet_metrics as m;
 use crate::routing_state::RoutingState;
 use crate::worker_conn::{ConnError, ConnTimeouts, WorkerConn};
+use crate::worker_tiers::WorkerTiers;
 use futures::StreamExt;
 use kvfleet_core::sync::lock;
 
@@ -47,6 +48,8 @@ pub struct WorkerStatus {
     pub healthy: bool,
     /// Last load report.
     pub load: Option<WorkerLoad>,
+    /// KV-tier totals from the same report.
+    pub tiers: Option<WorkerTiers>,
     /// Its circuit breaker's state.
     pub circuit: CircuitState,
 }
@@ -56,6 +59,7 @@ struct WorkerSlot {
     endpoint: String,
     healthy: bool,
     load: Option<WorkerLoad>,
+    tiers: Option<WorkerTiers>,
     task: Option<JoinHandle<()>>,
 }
 
@@ -84,6 +88,34 @@ pub fn worker_load(l: &pb::LoadResponse) -> WorkerLoad {
         generated_tokens: l.generated_tokens,
         preemptions: l.preemptions,
         ..WorkerLoad::default()
+    }
+}
+
+/// The router's view of the tier totals in a worker's `Load` answer (the one
+/// conversion from the wire; a worker without tiers reports only its usage totals).
+pub fn worker_tiers(l: &pb::LoadResponse) -> WorkerTiers {
+    let t = l.kv_tiers.unwrap_or_default();
+    WorkerTiers {
+        tiered_workers: u64::from(l.kv_tiers.is_some()),
+        prompt_tokens: l.prompt_tokens,
+        cached_tokens: l.cached_tokens,
+        host_cached_tokens: l.host_cached_tokens,
+        disk_cached_tokens: l.disk_cached_tokens,
+        peer_cached_tokens: l.peer_cached_tokens,
+        host_blocks: t.host_blocks,
+        host_bytes: t.host_bytes,
+        disk_blocks: t.disk_blocks,
+        disk_bytes: t.disk_bytes,
+        demoted_blocks: t.demoted_blocks,
+        demoted_bytes: t.demoted_bytes,
+        promoted_host_blocks: t.promoted_host_blocks,
+        promoted_disk_blocks: t.promoted_disk_blocks,
+        promoted_peer_blocks: t.promoted_peer_blocks,
+        promoted_bytes: t.promoted_bytes,
+        peer_pulled_blocks: l.peer_pulled_blocks,
+        peer_pulled_bytes: l.peer_pulled_bytes,
+        demotion_misses: t.demotion_misses,
+        disk_faults: t.disk_faults,
     }
 }
 
@@ -132,6 +164,7 @@ impl WorkerSupervision {
                     endpoint: endpoint.to_string(),
                     healthy: true,
                     load: None,
+                    tiers: None,
                     task: None,
                 },
             ) {
@@ -185,6 +218,7 @@ impl WorkerSupervision {
                 endpoint: s.endpoint.clone(),
                 healthy: s.healthy,
                 load: s.load,
+                tiers: s.tiers,
                 circuit: self.circuit_state(id),
             })
             .collect()
@@ -506,6 +540,7 @@ impl WorkerSupervision {
     async fn poll_load(&self, conn: &WorkerConn) -> Result<(), ConnError> {
         let l = conn.load().await?;
         let load = worker_load(&l);
+        let tiers = worker_tiers(&l);
         let Ok(applied_seq) = self.routing.update_load(conn.id(), load) else {
             // Dropped from routing after a failed request: the supervisor reconnects
             // and re-registers it.
@@ -527,6 +562,7 @@ impl WorkerSupervision {
         if let Ok(mut w) = self.workers.write() {
             if let Some(s) = w.get_mut(conn.id()) {
                 s.load = Some(load);
+                s.tiers = Some(tiers);
             }
         }
         Ok(())
@@ -576,5 +612,62 @@ mod tests {
         assert_eq!((l.generated_tokens, l.preemptions), (640, 1));
         assert_eq!(l.inflight_requests, 0, "router-side counters start at zero");
         assert_eq!(l.active_sequences(), 5);
+        let t = worker_tiers(&wire);
+        assert_eq!(t.tiered_workers, 0, "no kv_tiers: a worker without tiers");
+        assert_eq!((t.prompt_tokens, t.cached_tokens), (5_000, 3_800));
+        assert_eq!(t.device_cached_tokens(), 3_800);
+    }
+
+    #[test]
+    fn tier_totals_convert_from_the_load_answer() {
+        let wire = pb::LoadResponse {
+            prompt_tokens: 2_000,
+            cached_tokens: 1_500,
+            host_cached_tokens: 640,
+            disk_cached_tokens: 160,
+            peer_cached_tokens: 48,
+            peer_pulled_blocks: 3,
+            peer_pulled_bytes: 3 * 4096,
+            kv_tiers: Some(pb::KvTierTotals {
+                host_blocks: 90,
+                host_bytes: 90 * 4096,
+                disk_blocks: 200,
+                disk_bytes: 200 * 4200,
+                demoted_blocks: 120,
+                demoted_bytes: 120 * 4096,
+                promoted_host_blocks: 40,
+                promoted_disk_blocks: 10,
+                promoted_peer_blocks: 3,
+                promoted_bytes: 53 * 4096,
+                demotion_misses: 2,
+                disk_faults: 1,
+            }),
+            ..pb::LoadResponse::default()
+        };
+        let t = worker_tiers(&wire);
+        assert_eq!(t.tiered_workers, 1);
+        assert_eq!(
+            (
+                t.host_cached_tokens,
+                t.disk_cached_tokens,
+                t.peer_cached_tokens
+            ),
+            (640, 160, 48)
+        );
+        assert_eq!(t.device_cached_tokens(), 1_500 - 640 - 160 - 48);
+        assert_eq!((t.host_blocks, t.disk_blocks), (90, 200));
+        assert_eq!((t.host_bytes, t.disk_bytes), (90 * 4096, 200 * 4200));
+        assert_eq!((t.demoted_blocks, t.demoted_bytes), (120, 120 * 4096));
+        assert_eq!(
+            (
+                t.promoted_host_blocks,
+                t.promoted_disk_blocks,
+                t.promoted_peer_blocks
+            ),
+            (40, 10, 3)
+        );
+        assert_eq!(t.promoted_bytes, 53 * 4096);
+        assert_eq!((t.peer_pulled_blocks, t.peer_pulled_bytes), (3, 3 * 4096));
+        assert_eq!((t.demotion_misses, t.disk_faults), (2, 1));
     }
 }

@@ -2,7 +2,7 @@
 //! replies, and the handlers' end of the bounded command queue.
 
 use kvfleet_core::TokenId;
-use kvfleet_engine::{EngineLoad, EngineStats, SamplingParams};
+use kvfleet_engine::{EngineLoad, EngineStats, SamplingParams, TierStats};
 use kvfleet_proto::v1 as pb;
 use std::sync::mpsc::{self, SyncSender};
 use std::time::Instant;
@@ -80,6 +80,32 @@ pub(crate) struct LoadSnapshot {
     pub load: EngineLoad,
     /// Totals since start.
     pub stats: EngineStats,
+    /// The part of `stats.cached_tokens` promoted from a lower tier or a peer, summed
+    /// over the requests' usage.
+    pub cached_by_tier: CachedByTier,
+    /// The host and disk tiers' totals, when the engine has tiers.
+    pub tiers: Option<TierStats>,
+}
+
+/// Prompt tokens reported cached since start that were promoted from each source
+/// (the sum of the `Usage.{host,disk,peer}_cached_tokens` the worker sent).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct CachedByTier {
+    /// From the host-memory tier.
+    pub host: u64,
+    /// From the disk tier.
+    pub disk: u64,
+    /// From a peer worker.
+    pub peer: u64,
+}
+
+impl CachedByTier {
+    /// Adds one request's promoted tokens.
+    pub fn add(&mut self, p: &kvfleet_engine::PromotedTokens) {
+        self.host += p.host as u64;
+        self.disk += p.disk as u64;
+        self.peer += p.peer as u64;
+    }
 }
 
 /// What the gRPC side asks of the engine thread.

@@ -1,7 +1,8 @@
 //! Conversions between the gRPC messages (`kvfleet_proto::v1`) and the engine's types,
 //! with the checks only the wire format needs (signed counts, unset fields).
 
-use kvfleet_engine::{EngineLoad, EngineStats, FinishReason, KvEvent, KvEventKind, SamplingParams};
+use crate::commands::LoadSnapshot;
+use kvfleet_engine::{FinishReason, KvEvent, KvEventKind, SamplingParams, TierStats};
 use kvfleet_proto::kv_events::medium_to_wire;
 use kvfleet_proto::v1 as pb;
 use tonic::Status;
@@ -121,13 +122,15 @@ pub fn u32_of(n: usize) -> u32 {
     u32::try_from(n).unwrap_or(u32::MAX)
 }
 
-/// The `Load` answer from an engine snapshot and the seq of the newest KV event.
-pub fn load_response(
+/// The `Load` answer from the engine's published snapshot, the seq of the newest KV
+/// event, and the blocks and bytes pulled from peers so far.
+pub(crate) fn load_response(
     worker_id: &str,
-    load: &EngineLoad,
-    stats: &EngineStats,
+    snap: &LoadSnapshot,
     last_event_seq: u64,
+    (peer_pulled_blocks, peer_pulled_bytes): (u64, u64),
 ) -> pb::LoadResponse {
+    let (load, stats) = (&snap.load, &snap.stats);
     pb::LoadResponse {
         worker_id: worker_id.to_string(),
         running: u32_of(load.running),
@@ -143,6 +146,31 @@ pub fn load_response(
         preemptions: stats.preemptions,
         steps: stats.steps,
         last_event_seq,
+        host_cached_tokens: snap.cached_by_tier.host,
+        disk_cached_tokens: snap.cached_by_tier.disk,
+        peer_cached_tokens: snap.cached_by_tier.peer,
+        peer_pulled_blocks,
+        peer_pulled_bytes,
+        kv_tiers: snap.tiers.as_ref().map(kv_tier_totals),
+    }
+}
+
+/// The wire form of the engine's tier totals.
+fn kv_tier_totals(t: &TierStats) -> pb::KvTierTotals {
+    let d = &t.disk;
+    pb::KvTierTotals {
+        host_blocks: t.host_blocks,
+        host_bytes: t.host_bytes,
+        disk_blocks: t.disk_blocks,
+        disk_bytes: t.disk_bytes,
+        demoted_blocks: t.demoted_blocks,
+        demoted_bytes: t.demoted_bytes,
+        promoted_host_blocks: t.promoted_host,
+        promoted_disk_blocks: t.promoted_disk,
+        promoted_peer_blocks: t.promoted_peer,
+        promoted_bytes: t.promoted_bytes,
+        demotion_misses: t.demotion_misses,
+        disk_faults: d.full + d.write_errors + d.backlog_drops + d.missing + d.corrupt,
     }
 }
 
@@ -204,6 +232,76 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn load_reports_tier_totals_only_when_the_engine_has_tiers() {
+        use crate::commands::CachedByTier;
+        let mut snap = LoadSnapshot {
+            cached_by_tier: CachedByTier {
+                host: 640,
+                disk: 32,
+                peer: 16,
+            },
+            ..LoadSnapshot::default()
+        };
+        snap.stats.cached_tokens = 900;
+        let l = load_response("w0", &snap, 7, (1, 4096));
+        assert_eq!(l.kv_tiers, None, "no tiers, no tier totals");
+        assert_eq!(
+            (
+                l.cached_tokens,
+                l.host_cached_tokens,
+                l.disk_cached_tokens,
+                l.peer_cached_tokens
+            ),
+            (900, 640, 32, 16)
+        );
+        assert_eq!(
+            (l.peer_pulled_blocks, l.peer_pulled_bytes, l.last_event_seq),
+            (1, 4096, 7)
+        );
+        let mut t = TierStats {
+            demoted_blocks: 50,
+            demoted_bytes: 50 * 4096,
+            demotion_misses: 3,
+            promoted_host: 40,
+            promoted_disk: 2,
+            promoted_peer: 1,
+            promoted_bytes: 43 * 4096,
+            host_blocks: 48,
+            host_bytes: 48 * 4200,
+            disk_blocks: 9,
+            disk_bytes: 9 * 4300,
+            ..TierStats::default()
+        };
+        t.disk.full = 1;
+        t.disk.write_errors = 2;
+        t.disk.backlog_drops = 3;
+        t.disk.missing = 4;
+        t.disk.corrupt = 5;
+        t.disk.written_blocks = 60;
+        snap.tiers = Some(t);
+        let k = load_response("w0", &snap, 7, (0, 0))
+            .kv_tiers
+            .expect("tier totals");
+        assert_eq!(
+            k,
+            pb::KvTierTotals {
+                host_blocks: 48,
+                host_bytes: 48 * 4200,
+                disk_blocks: 9,
+                disk_bytes: 9 * 4300,
+                demoted_blocks: 50,
+                demoted_bytes: 50 * 4096,
+                promoted_host_blocks: 40,
+                promoted_disk_blocks: 2,
+                promoted_peer_blocks: 1,
+                promoted_bytes: 43 * 4096,
+                demotion_misses: 3,
+                disk_faults: 15,
+            }
+        );
     }
 
     #[test]

@@ -17,7 +17,7 @@
 //! the prefix computation is aborted too.
 
 use crate::commands::{
-    Command, EngineHandle, ForkCommand, GenerateCommand, LoadSnapshot, StreamSender,
+    CachedByTier, Command, EngineHandle, ForkCommand, GenerateCommand, LoadSnapshot, StreamSender,
 };
 use crate::config::{EngineFaults, WorkerConfig, WorkerModel};
 use crate::convert::{self, u32_of};
@@ -248,6 +248,9 @@ struct EngineLoop {
     progress: ProgressGuard,
     metrics: EngineMetrics,
     tier_metrics: TierMetrics,
+    /// Cached prompt tokens promoted from each lower tier or a peer, over every
+    /// request's usage (for `Load`).
+    cached_by_tier: CachedByTier,
     faults: EngineFaults,
     /// Engine steps run so far (for `EngineFaults::panic_after_steps`).
     steps: u64,
@@ -292,6 +295,7 @@ impl EngineLoop {
             progress: ProgressGuard::new(),
             metrics: EngineMetrics::new(worker_id),
             tier_metrics: TierMetrics::new(worker_id),
+            cached_by_tier: CachedByTier::default(),
             faults,
             steps: 0,
             state,
@@ -386,12 +390,15 @@ impl EngineLoop {
     fn publish_load(&mut self) {
         let load = self.engine.load();
         self.metrics.update(&load, self.engine.stats());
-        if let Some(t) = self.engine.tier_stats() {
-            self.tier_metrics.update(&t);
+        let tiers = self.engine.tier_stats();
+        if let Some(t) = &tiers {
+            self.tier_metrics.update(t);
         }
         self.state.publish_load(LoadSnapshot {
             load,
             stats: self.engine.stats().clone(),
+            cached_by_tier: self.cached_by_tier,
+            tiers,
         });
     }
 
@@ -852,7 +859,9 @@ impl EngineLoop {
 
     fn route(&mut self, o: StepOutput, now: Instant) {
         if o.finish == Some(FinishReason::Prefilled) {
-            // A fork's prefix: nobody's stream, its children carry on.
+            // A fork's prefix: nobody's stream, its children carry on. Its cached
+            // tokens are in the engine's total, so its promoted ones count here.
+            self.cached_by_tier.add(&o.promoted);
             self.prefix_computed(o.id);
             return;
         }
@@ -874,6 +883,7 @@ impl EngineLoop {
         if a.first_output_at.is_none() {
             // The prompt is computed: tell the router its cached share right away.
             a.first_output_at = Some(now);
+            self.cached_by_tier.add(&a.promoted);
             self.metrics
                 .first_token((now - a.received_at).as_secs_f64());
             msg.usage = Some(a.usage());

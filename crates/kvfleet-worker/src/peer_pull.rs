@@ -10,6 +10,7 @@ use kvfleet_proto::v1 as pb;
 use kvfleet_proto::v1::worker_client::WorkerClient;
 use metrics::counter;
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tonic::transport::{Channel, ClientTlsConfig, Endpoint};
@@ -29,6 +30,10 @@ pub struct PeerPuller {
     worker: String,
     tls: Option<ClientTlsConfig>,
     clients: Mutex<HashMap<String, WorkerClient<Channel>>>,
+    /// Blocks and bytes received whole since start (the metrics' totals, kept here
+    /// too so that `Load` can report them).
+    pulled_blocks: AtomicU64,
+    pulled_bytes: AtomicU64,
 }
 
 /// What a pull brought back.
@@ -47,7 +52,17 @@ impl PeerPuller {
             worker: worker.to_string(),
             tls,
             clients: Mutex::new(HashMap::new()),
+            pulled_blocks: AtomicU64::new(0),
+            pulled_bytes: AtomicU64::new(0),
         })
+    }
+
+    /// Blocks and bytes received whole and verified from peers since start.
+    pub fn pulled(&self) -> (u64, u64) {
+        (
+            self.pulled_blocks.load(Ordering::Relaxed),
+            self.pulled_bytes.load(Ordering::Relaxed),
+        )
     }
 
     /// Pulls `hashes` (a chain) from `endpoint`, expecting blocks of `format` and
@@ -63,10 +78,12 @@ impl PeerPuller {
             Ok(p) => (p.blocks, p.error),
             Err(_) => (Vec::new(), Some(format!("pull from {endpoint} timed out"))),
         };
-        counter!("kvfleet_worker_peer_pull_blocks_total", "worker" => w.clone())
-            .increment(blocks.len() as u64);
-        counter!("kvfleet_worker_peer_pull_bytes_total", "worker" => w.clone())
-            .increment(blocks.iter().map(|b| b.bytes.len() as u64).sum());
+        let n = blocks.len() as u64;
+        let bytes_in: u64 = blocks.iter().map(|b| b.bytes.len() as u64).sum();
+        self.pulled_blocks.fetch_add(n, Ordering::Relaxed);
+        self.pulled_bytes.fetch_add(bytes_in, Ordering::Relaxed);
+        counter!("kvfleet_worker_peer_pull_blocks_total", "worker" => w.clone()).increment(n);
+        counter!("kvfleet_worker_peer_pull_bytes_total", "worker" => w.clone()).increment(bytes_in);
         if let Some(e) = &error {
             counter!("kvfleet_worker_peer_pull_failures_total", "worker" => w).increment(1);
             tracing::warn!(worker = %self.worker, peer = %endpoint, got = blocks.len(), want = hashes.len(), "peer pull stopped short: {e}");

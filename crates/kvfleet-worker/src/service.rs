@@ -441,9 +441,9 @@ impl Worker for WorkerService {
         let snap = self.state.load();
         Ok(Response::new(convert::load_response(
             &self.info.worker_id,
-            &snap.load,
-            &snap.stats,
+            &snap,
             self.event_log().last_seq(),
+            self.peers.pulled(),
         )))
     }
 

@@ -17,7 +17,18 @@
 //!   `cached_tokens` (cumulative) and `hit_ratio_1m`, `requests_1m` (last minute);
 //!   from the worker's last load report `running`, `waiting`, `queued_prefill_tokens`,
 //!   `free_blocks`, `cached_blocks`, `total_blocks`; from the router's index
-//!   `indexed_blocks`, `reservations`, `inflight_requests`.
+//!   `indexed_blocks`, `reservations`, `inflight_requests`; `kv_tiers` (below;
+//!   `null` before its first load report).
+//! - `kv_tiers`: the fleet's sum of the workers' `kv_tiers`, from their load reports
+//!   (so it counts every router's traffic, since each worker started):
+//!   `tiered_workers` (workers with a host/disk tier), `prompt_tokens`,
+//!   `cached_tokens`; `hits` (cached prompt tokens by where they came from: `device`
+//!   = already in the pool, `host`, `disk`, `peer`) and `hit_ratio` (each ÷
+//!   `prompt_tokens`); `bytes_moved` (`demoted` pool → host, `promoted` host/disk/peer
+//!   → pool, `peer_pulled` received from peers); `blocks_moved` (`demoted`,
+//!   `promoted_host`, `promoted_disk`, `promoted_peer`, `peer_pulled`); `held`
+//!   (`host_blocks`, `host_bytes`, `disk_blocks`, `disk_bytes`); `demotion_misses`,
+//!   `disk_faults`.
 //! - `prefix_groups[]` (the [`GROUPS_SHOWN`](crate::decision_log::GROUPS_SHOWN) most
 //!   recently routed, newest first): `id` (hex), `label` (fork group or session),
 //!   `requests`, `hit_ratio`, `blocks` (blocks of its latest prompt, capped),
@@ -32,7 +43,9 @@
 
 use crate::decision_log::{LogSnapshot, DECISIONS_KEPT};
 use crate::fleet::Fleet;
+use crate::supervision::WorkerStatus;
 use crate::wall_clock::unix_ms;
+use crate::worker_tiers::WorkerTiers;
 use axum::extract::{RawQuery, State};
 use axum::http::header;
 use axum::response::{Html, IntoResponse, Response};
@@ -77,6 +90,58 @@ fn ratio(num: u64, den: u64) -> f64 {
     } else {
         num as f64 / den as f64
     }
+}
+
+/// The `kv_tiers` object of one worker or of the fleet (see the module docs).
+fn tiers_json(t: &WorkerTiers) -> Value {
+    let device = t.device_cached_tokens();
+    let share = |n: u64| ratio(n, t.prompt_tokens);
+    json!({
+        "tiered_workers": t.tiered_workers,
+        "prompt_tokens": t.prompt_tokens,
+        "cached_tokens": t.cached_tokens,
+        "hits": {
+            "device": device,
+            "host": t.host_cached_tokens,
+            "disk": t.disk_cached_tokens,
+            "peer": t.peer_cached_tokens,
+        },
+        "hit_ratio": {
+            "device": share(device),
+            "host": share(t.host_cached_tokens),
+            "disk": share(t.disk_cached_tokens),
+            "peer": share(t.peer_cached_tokens),
+        },
+        "bytes_moved": {
+            "demoted": t.demoted_bytes,
+            "promoted": t.promoted_bytes,
+            "peer_pulled": t.peer_pulled_bytes,
+        },
+        "blocks_moved": {
+            "demoted": t.demoted_blocks,
+            "promoted_host": t.promoted_host_blocks,
+            "promoted_disk": t.promoted_disk_blocks,
+            "promoted_peer": t.promoted_peer_blocks,
+            "peer_pulled": t.peer_pulled_blocks,
+        },
+        "held": {
+            "host_blocks": t.host_blocks,
+            "host_bytes": t.host_bytes,
+            "disk_blocks": t.disk_blocks,
+            "disk_bytes": t.disk_bytes,
+        },
+        "demotion_misses": t.demotion_misses,
+        "disk_faults": t.disk_faults,
+    })
+}
+
+/// The sum of the workers' tier totals (those that have reported load).
+fn fleet_tiers(statuses: &[WorkerStatus]) -> WorkerTiers {
+    let mut total = WorkerTiers::default();
+    for t in statuses.iter().filter_map(|s| s.tiers.as_ref()) {
+        total += t;
+    }
+    total
 }
 
 /// Builds the dashboard's JSON snapshot with at most `limit` decisions.
@@ -128,6 +193,7 @@ pub fn snapshot(fleet: &Fleet, limit: usize) -> Value {
                 "indexed_blocks": r.map_or(0, |r| r.cached_blocks),
                 "reservations": r.map_or(0, |r| r.reservations),
                 "inflight_requests": r.map_or(0, |r| r.load.inflight_requests),
+                "kv_tiers": s.tiers.as_ref().map(tiers_json),
             })
         })
         .collect();
@@ -177,6 +243,7 @@ pub fn snapshot(fleet: &Fleet, limit: usize) -> Value {
             "fork_group_requests": fork_requests,
         },
         "workers": workers,
+        "kv_tiers": tiers_json(&fleet_tiers(&statuses)),
         "prefix_groups": groups,
         "decisions": log.decisions,
     })
@@ -245,6 +312,119 @@ mod tests {
         assert_eq!(
             snapshot(&fleet, 5)["decisions"].as_array().map(Vec::len),
             Some(5)
+        );
+        // No worker has reported load: no tiers, nothing moved.
+        let k = &s["kv_tiers"];
+        assert_eq!(k["tiered_workers"], 0);
+        assert_eq!(k["hits"]["host"], 0);
+        assert_eq!(k["bytes_moved"]["promoted"], 0);
+    }
+
+    fn status(id: &str, tiers: Option<WorkerTiers>) -> WorkerStatus {
+        WorkerStatus {
+            id: id.into(),
+            endpoint: format!("{id}:50051"),
+            healthy: true,
+            load: None,
+            tiers,
+            circuit: crate::circuit_breaker::CircuitState::Closed,
+        }
+    }
+
+    #[test]
+    fn tier_hits_and_bytes_moved_per_worker_sum_into_the_fleet_totals() {
+        let tiered = WorkerTiers {
+            tiered_workers: 1,
+            prompt_tokens: 2_000,
+            cached_tokens: 1_200,
+            host_cached_tokens: 640,
+            disk_cached_tokens: 160,
+            peer_cached_tokens: 0,
+            host_blocks: 90,
+            host_bytes: 90 * 4096,
+            disk_blocks: 200,
+            disk_bytes: 200 * 4200,
+            demoted_blocks: 120,
+            demoted_bytes: 120 * 4096,
+            promoted_host_blocks: 40,
+            promoted_disk_blocks: 10,
+            promoted_peer_blocks: 0,
+            promoted_bytes: 50 * 4096,
+            demotion_misses: 2,
+            disk_faults: 1,
+            ..WorkerTiers::default()
+        };
+        // No tiers of its own, but it pulled 3 blocks from a peer.
+        let puller = WorkerTiers {
+            prompt_tokens: 1_000,
+            cached_tokens: 100,
+            peer_cached_tokens: 48,
+            peer_pulled_blocks: 3,
+            peer_pulled_bytes: 3 * 4096,
+            ..WorkerTiers::default()
+        };
+        let statuses = [
+            status("w0", Some(tiered)),
+            status("w1", Some(puller)),
+            status("w2", None),
+        ];
+        let one = tiers_json(&tiered);
+        assert_eq!(
+            one["hits"],
+            json!({"device": 400, "host": 640, "disk": 160, "peer": 0})
+        );
+        assert_eq!(one["hit_ratio"]["host"], 0.32);
+        assert_eq!(one["hit_ratio"]["device"], 0.2);
+        assert_eq!(
+            one["bytes_moved"],
+            json!({"demoted": 120 * 4096, "promoted": 50 * 4096, "peer_pulled": 0})
+        );
+        assert_eq!(one["blocks_moved"]["promoted_host"], 40);
+        assert_eq!(one["held"]["disk_bytes"], 200 * 4200);
+        let fleet = tiers_json(&fleet_tiers(&statuses));
+        assert_eq!(fleet["tiered_workers"], 1);
+        assert_eq!(
+            (
+                fleet["prompt_tokens"].clone(),
+                fleet["cached_tokens"].clone()
+            ),
+            (json!(3_000), json!(1_300))
+        );
+        assert_eq!(
+            fleet["hits"],
+            json!({"device": 452, "host": 640, "disk": 160, "peer": 48})
+        );
+        assert_eq!(fleet["hit_ratio"]["peer"], 0.016);
+        assert_eq!(
+            fleet["bytes_moved"],
+            json!({"demoted": 120 * 4096, "promoted": 50 * 4096, "peer_pulled": 3 * 4096})
+        );
+        assert_eq!(fleet["blocks_moved"]["peer_pulled"], 3);
+        assert_eq!(
+            (
+                fleet["demotion_misses"].clone(),
+                fleet["disk_faults"].clone()
+            ),
+            (json!(2), json!(1))
+        );
+        let keys: Vec<&str> = fleet
+            .as_object()
+            .map(|o| o.keys().map(String::as_str).collect())
+            .unwrap_or_default();
+        assert_eq!(
+            keys,
+            [
+                "tiered_workers",
+                "prompt_tokens",
+                "cached_tokens",
+                "hits",
+                "hit_ratio",
+                "bytes_moved",
+                "blocks_moved",
+                "held",
+                "demotion_misses",
+                "disk_faults"
+            ]
         );
     }
 }
