@@ -174,21 +174,29 @@ pub struct RoutingArgs {
     #[arg(long, default_value_t = 0)]
     pub peer_pull_min_blocks: usize,
     /// Worker-to-worker bandwidth (GB/s) that prices a pulled block's transfer.
-    #[arg(long, default_value_t = 12.5)]
+    #[arg(long, default_value_t = 12.5, value_parser = positive_f64)]
     pub peer_bandwidth_gbs: f64,
     /// Host-tier → device bandwidth (GB/s) that prices a host-tier hit's load.
-    #[arg(long, default_value_t = 50.0)]
+    #[arg(long, default_value_t = 50.0, value_parser = positive_f64)]
     pub host_bandwidth_gbs: f64,
     /// Disk-tier → device bandwidth (GB/s) that prices a disk-tier hit's load.
-    #[arg(long, default_value_t = 5.0)]
+    #[arg(long, default_value_t = 5.0, value_parser = positive_f64)]
     pub disk_bandwidth_gbs: f64,
     /// One worker's prefill throughput (tokens/s), against which tier loads and
     /// pulls are priced.
-    #[arg(long, default_value_t = 8_000.0)]
+    #[arg(long, default_value_t = 8_000.0, value_parser = positive_f64)]
     pub prefill_tokens_per_s: f64,
     /// On SIGTERM, how long (s) streams in flight may take to finish before exit.
     #[arg(long, default_value_t = 30)]
     pub drain_timeout: u64,
+}
+
+/// Parses a rate flag: a finite number above zero.
+fn positive_f64(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 => Ok(v),
+        _ => Err(format!("{s:?} is not a positive number")),
+    }
 }
 
 impl RoutingArgs {
