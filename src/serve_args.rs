@@ -94,6 +94,11 @@ pub struct EngineArgs {
     /// Most GiB of block files per worker in --disk-cache-dir.
     #[arg(long, default_value_t = 16.0)]
     pub disk_cache_gib: f64,
+    /// The share (0 to 1) of each worker's KV pool that pinned prefixes (Anthropic
+    /// `cache_control` with a ttl) may hold; a pin past it is refused, its request
+    /// served unpinned. The rest of the pool always stays for running requests.
+    #[arg(long, default_value_t = kvfleet_engine::DEFAULT_PIN_POOL_FRACTION)]
+    pub pin_pool_fraction: f64,
 }
 
 const GIB: f64 = (1u64 << 30) as f64;
@@ -112,6 +117,7 @@ impl EngineArgs {
         c.max_num_seqs = self.max_num_seqs;
         c.max_batched_tokens = self.max_batched_tokens;
         c.max_prefill_chunk = self.max_prefill_chunk;
+        c.pin_pool_fraction = self.pin_pool_fraction;
         c.kv_tiers = kvfleet_engine::TierConfig {
             host_bytes: (self.host_cache_gib.max(0.0) * GIB) as usize,
             disk: self
@@ -186,6 +192,12 @@ pub struct RoutingArgs {
     /// pulls are priced.
     #[arg(long, default_value_t = 8_000.0, value_parser = positive_f64)]
     pub prefill_tokens_per_s: f64,
+    /// Bytes of KV blocks each tenant may keep pinned (Anthropic `cache_control`
+    /// breakpoints pin their prefix for the `ttl`): a pin past it is served unpinned
+    /// and the response says so (`x-kvfleet-pin: refused; reason=over-budget`). A
+    /// block counts once however often it is pinned; 0 turns pins off.
+    #[arg(long, default_value_t = kvfleet_router::pin_table::DEFAULT_PIN_BUDGET_BYTES)]
+    pub pin_budget_bytes_per_tenant: u64,
     /// On SIGTERM, how long (s) streams in flight may take to finish before exit.
     #[arg(long, default_value_t = 30)]
     pub drain_timeout: u64,
@@ -237,6 +249,7 @@ impl RoutingArgs {
             },
             session_memory_bytes: self.session_memory_bytes,
             tokenizer_memo_bytes: self.tokenizer_memo_bytes,
+            pin_budget_bytes_per_tenant: self.pin_budget_bytes_per_tenant,
             ..FleetConfig::default()
         }
     }

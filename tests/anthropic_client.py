@@ -138,7 +138,47 @@ def main(url: str, model: str) -> None:
     assert auto2.usage.cache_read_input_tokens == auto1.usage.cache_creation_input_tokens, \
         (auto1.usage, auto2.usage)
 
+    # Breakpoints pin: the cached system block stays on the worker that computed it for
+    # its ttl (5m), never evicted, while enough other traffic to evict everything
+    # unpinned from both workers' pools (sized small by the test) goes by.
+    def pinned_ask(question: str, policy: str):
+        raw = client.messages.with_raw_response.create(
+            model=model, max_tokens=2, system=system, extra_body=GREEDY,
+            messages=[{"role": "user", "content": question}],
+            extra_headers={"x-kvfleet-policy": policy},
+        )
+        return raw.headers.get("x-kvfleet-worker"), raw.headers.get("x-kvfleet-pin", ""), raw.parse()
+
+    pinner, pin, _ = pinned_ask("Pin check.", "cache-aware")
+    assert pin.startswith("pinned; "), pin
+    pinned_tokens = int(pin.split("tokens=")[1].split(";")[0])
+    assert pinned_tokens == u1.cache_creation_input_tokens, (pin, u1)
+    # Its own system text, so that it shares no block with the traffic below (whose
+    # prompts start with the chat template's default system prompt).
+    unpinned = [{"role": "user", "content": "Describe the sea in winter, please. " * 30}]
+
+    def unpinned_read() -> int:
+        r = client.messages.create(model=model, max_tokens=1, messages=unpinned,
+                                   system="Unpinned: an old sailor's notes.", extra_body=GREEDY)
+        return r.usage.cache_read_input_tokens
+
+    unpinned_read()
+    assert unpinned_read() > 0, "an unpinned prompt is cached until evicted"
+    for i in range(16):
+        client.messages.create(
+            model=model, max_tokens=1, extra_body=GREEDY,
+            messages=[{"role": "user", "content": f"Traffic {i}: " + f"word{i} and more " * 80}],
+            extra_headers={"x-kvfleet-policy": "round-robin"},
+        )
+    assert unpinned_read() == 0, "the traffic evicted the unpinned prefix"
+    for q in ("After the traffic.", "Once more."):
+        worker, pin, after = pinned_ask(q, "round-robin")
+        assert worker == pinner, (worker, pinner)
+        assert after.usage.cache_read_input_tokens == pinned_tokens, (after.usage, pin)
+        assert pin.startswith("pinned; "), pin
+
     print(f"cache: first {u1}, second {u2}")
+    print(f"pin: {pinned_tokens} tokens pinned on {pinner}, read back after the traffic")
     print("anthropic client: ok")
 
 

@@ -8,7 +8,16 @@ use support::Cluster;
 
 #[test]
 fn the_official_anthropic_client_works() {
-    let c = Cluster::up(&["--workers", "2", "--model", "smollm2-135m"]);
+    // Small pools (128 blocks, 2,048 tokens per worker), so that the script's traffic
+    // evicts every unpinned block while its pinned prefix stays.
+    let c = Cluster::up(&[
+        "--workers",
+        "2",
+        "--model",
+        "smollm2-135m",
+        "--num-blocks",
+        "128",
+    ]);
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/anthropic_client.py");
     let out = Command::new("python3")
         .arg(script)

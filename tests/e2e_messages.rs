@@ -262,3 +262,219 @@ fn a_missing_key_is_an_anthropic_authentication_error() {
         (401, Some("invalid_api_key"))
     );
 }
+
+fn header(h: &reqwest::header::HeaderMap, name: &str) -> String {
+    h.get(name)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_string()
+}
+
+#[test]
+fn a_pinned_prefix_survives_traffic_that_evicts_everything_unpinned() {
+    // Two workers of 64 blocks (1,024 tokens) each: the traffic below cycles every
+    // unpinned block of both several times over.
+    let c = Cluster::up(&["--workers", "2", "--num-blocks", "64"]);
+    let system = filler(11, 300);
+    let ask = |q: &str, policy: &str| {
+        let body = msg(cached_system(&system), q, 2);
+        let (s, h, v) = c.post_with_headers("/v1/messages", &body, &[("x-kvfleet-policy", policy)]);
+        assert_eq!(s, 200, "{v}");
+        (
+            header(&h, "x-kvfleet-worker"),
+            header(&h, "x-kvfleet-pin"),
+            v,
+        )
+    };
+    let (pinner, pin, first) = ask("First question?", "cache-aware");
+    let (read1, created1, _) = usage(&first);
+    assert_eq!(read1, 0, "{first}");
+    assert!(created1 >= 256, "{first}");
+    assert!(
+        pin.starts_with(&format!(
+            "pinned; blocks={}; tokens={created1}; expires=",
+            created1 / 16
+        )),
+        "{pin}"
+    );
+    // An unpinned prompt is cached too, until the traffic comes.
+    let unpinned = msg(json!(filler(12, 300)), "Unpinned?", 2);
+    let (_, _, u1) = c.post_with_headers("/v1/messages", &unpinned, &[]);
+    let (_, _, u2) = c.post_with_headers("/v1/messages", &unpinned, &[]);
+    assert_eq!(usage(&u1).0, 0, "{u1}");
+    assert!(usage(&u2).0 >= 256, "cached before the traffic: {u2}");
+    // Traffic: twelve distinct ~32-block prompts, alternating between the workers.
+    for i in 0..12 {
+        let body = msg(json!(filler(100 + i, 500)), "Other traffic.", 1);
+        let (s, _, v) = c.post(
+            "/v1/messages",
+            &body,
+            &[("x-kvfleet-policy", "round-robin")],
+        );
+        assert_eq!(s, 200, "{v}");
+    }
+    // Evicted, all but the chat template's first block, which every prompt shares.
+    let (_, _, u3) = c.post_with_headers("/v1/messages", &unpinned, &[]);
+    assert!(usage(&u3).0 <= 16, "the unpinned prefix was evicted: {u3}");
+    // The pinned prefix is whole on the worker that pinned it, and requests within the
+    // ttl go there even under a policy that would alternate.
+    for q in ["Second question?", "Third question?"] {
+        let (worker, pin, v) = ask(q, "round-robin");
+        assert_eq!(worker, pinner, "{v}");
+        let (read, created, _) = usage(&v);
+        assert_eq!((read, created), (created1, 0), "{v}");
+        assert!(pin.starts_with("pinned; "), "{pin}");
+    }
+}
+
+#[test]
+fn a_pin_over_budget_or_capacity_is_served_unpinned_and_says_so() {
+    let system = filler(21, 300);
+    let body = msg(cached_system(&system), "Question?", 2);
+    let budget = Cluster::up(&["--workers", "1", "--pin-budget-bytes-per-tenant", "1"]);
+    let (s, h, v) = budget.post_with_headers("/v1/messages", &body, &[]);
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["content"][0]["type"], "text", "{v}");
+    assert_eq!(header(&h, "x-kvfleet-pin"), "refused; reason=over-budget");
+    // Streamed, the header comes with the event stream.
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let resp = budget
+        .http
+        .post(format!("{}/v1/messages", budget.url))
+        .json(&streamed)
+        .send()
+        .expect("request");
+    assert_eq!(resp.status(), 200);
+    assert_eq!(
+        header(resp.headers(), "x-kvfleet-pin"),
+        "refused; reason=over-budget"
+    );
+    assert!(resp.text().expect("body").contains("message_stop"));
+    drop(budget);
+    // The worker's cap (here 2 of its 2,048 blocks) refuses the ~19-block prefix.
+    let cap = Cluster::up(&["--workers", "1", "--pin-pool-fraction", "0.001"]);
+    let (s, h, v) = cap.post_with_headers("/v1/messages", &body, &[]);
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(
+        header(&h, "x-kvfleet-pin"),
+        "refused; reason=worker-capacity"
+    );
+    // A 1h ttl is granted for an hour.
+    let mut hour = msg(
+        json!([{"type": "text", "text": filler(22, 300),
+        "cache_control": {"type": "ephemeral", "ttl": "1h"}}]),
+        "Q?",
+        2,
+    );
+    hour["temperature"] = json!(0);
+    let roomy = Cluster::up(&["--workers", "1"]);
+    let (_, h, v) = roomy.post_with_headers("/v1/messages", &hour, &[]);
+    let pin = header(&h, "x-kvfleet-pin");
+    let expires: u64 = pin
+        .rsplit("expires=")
+        .next()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("{pin} {v}"));
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock")
+        .as_secs();
+    assert!(
+        (now + 3590..=now + 3601).contains(&expires),
+        "{pin} at {now}"
+    );
+}
+
+#[test]
+fn tool_choice_any_and_tool_force_a_valid_tool_use() {
+    let c = Cluster::up(&["--workers", "1"]);
+    let tools = json!([
+        {"name": "get_weather", "description": "Weather in a city", "input_schema": {
+            "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+            "required": ["city"], "additionalProperties": false}},
+        {"name": "get_time", "description": "Time in a zone", "input_schema": {
+            "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
+            "required": ["zone"], "additionalProperties": false}},
+    ]);
+    for (choice, names) in [
+        (json!({"type": "any"}), vec!["get_weather", "get_time"]),
+        (
+            json!({"type": "tool", "name": "get_time"}),
+            vec!["get_time"],
+        ),
+    ] {
+        let mut body = msg(json!("Use a tool."), "What now?", 200);
+        body["tools"] = tools.clone();
+        body["tool_choice"] = choice.clone();
+        let (s, v) = c.post_raw("/v1/messages", &body.to_string());
+        assert_eq!(s, 200, "{v}");
+        assert_eq!(v["stop_reason"], "tool_use", "{choice}: {v}");
+        let uses: Vec<&Value> = v["content"]
+            .as_array()
+            .expect("content")
+            .iter()
+            .filter(|b| b["type"] == "tool_use")
+            .collect();
+        assert_eq!(uses.len(), 1, "{v}");
+        let name = uses[0]["name"].as_str().expect("name");
+        assert!(names.contains(&name), "{name} for {choice}");
+        let input = uses[0]["input"].as_object().expect("input object");
+        match name {
+            "get_time" => assert!(matches!(input["zone"].as_str(), Some("UTC" | "CET")), "{v}"),
+            _ => assert!(input["city"].is_string(), "{v}"),
+        }
+    }
+    // `any` with no tools cannot be satisfied.
+    let mut none = msg(json!("s"), "hi", 4);
+    none["tool_choice"] = json!({"type": "any"});
+    let (s, v) = c.post_raw("/v1/messages", &none.to_string());
+    assert_eq!(
+        (s, v["error"]["type"].as_str()),
+        (400, Some("invalid_request_error")),
+        "{v}"
+    );
+}
+
+#[test]
+fn a_stop_sequence_is_reported_as_such() {
+    let c = Cluster::up(&["--workers", "1"]);
+    // What the model writes, greedily, without a stop sequence.
+    let free = msg(json!("s"), "Say something.", 24);
+    let (_, v) = c.post_raw("/v1/messages", &free.to_string());
+    let text = v["content"][0]["text"].as_str().expect("text").to_string();
+    assert!(text.chars().count() >= 8, "{v}");
+    // Its 5th..7th characters as the stop sequence (next to one that never occurs).
+    let stop: String = text.chars().skip(4).take(3).collect();
+    let mut body = free.clone();
+    body["stop_sequences"] = json!(["\u{1F600}never", stop]);
+    let (_, v) = c.post_raw("/v1/messages", &body.to_string());
+    assert_eq!(v["stop_reason"], "stop_sequence", "{v}");
+    assert_eq!(v["stop_sequence"], stop.as_str(), "{v}");
+    let cut = v["content"][0]["text"].as_str().expect("text");
+    assert!(
+        text.starts_with(cut) && !cut.contains(&stop),
+        "{cut:?} of {text:?}"
+    );
+    // Streamed: the message_delta says the same.
+    body["stream"] = json!(true);
+    let sse = c
+        .http
+        .post(format!("{}/v1/messages", c.url))
+        .json(&body)
+        .send()
+        .expect("request")
+        .text()
+        .expect("body");
+    let delta: Value = sse
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .find(|d| d["type"] == "message_delta")
+        .expect("message_delta");
+    assert_eq!(delta["delta"]["stop_reason"], "stop_sequence", "{delta}");
+    assert_eq!(delta["delta"]["stop_sequence"], stop.as_str(), "{delta}");
+    // Without stop sequences nothing changes.
+    let (_, v) = c.post_raw("/v1/messages", &free.to_string());
+    assert!(v["stop_sequence"].is_null(), "{v}");
+}

@@ -293,13 +293,14 @@ pub enum ToolChoice {
         #[serde(default)]
         disable_parallel_tool_use: Option<bool>,
     },
-    /// The model should use one of the tools (not enforced: no constrained decoding).
+    /// The model must use one of the tools (forced by constrained decoding).
     Any {
         /// Accepted; not enforced.
         #[serde(default)]
         disable_parallel_tool_use: Option<bool>,
     },
-    /// The model should use this tool: only it is shown to the model.
+    /// The model must use this tool: only it is shown to the model, and the call is
+    /// forced by constrained decoding.
     Tool {
         /// The tool's name.
         name: String,

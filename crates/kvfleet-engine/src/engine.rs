@@ -12,6 +12,7 @@ use crate::error::{EngineError, Result};
 use crate::kv_events::{DumpedBlock, KvEvent, KvEventSink};
 use crate::kv_tiers::KvTiers;
 use crate::model::{ForwardItem, LogitsRequest};
+use crate::pins::{PinOutcome, PinSet, PinSpec};
 use crate::sampling::{Sampler, SamplingParams};
 use crate::scheduler::{ScheduledChunk, Scheduler, SchedulerConfig};
 use crate::sequence::{FinishReason, PromotedTokens, RequestId, SeqStatus, Sequence};
@@ -21,9 +22,16 @@ use kvfleet_core::tokenizer::{StreamDecoder, Tokenizer};
 use kvfleet_core::{namespace_seed, BlockHash, TokenId};
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, OnceLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 mod tiering;
+
+/// The share of the pool pins may hold by default: the rest always stays for the
+/// sequences running.
+pub const DEFAULT_PIN_POOL_FRACTION: f64 = 0.5;
+
+/// The engine's clock for pin expiry (injectable, so tests need not sleep).
+pub type PinClock = Arc<dyn Fn() -> Instant + Send + Sync>;
 
 /// How an engine is sized.
 #[derive(Clone, Debug)]
@@ -67,6 +75,9 @@ pub struct Request {
     /// Prompt tokens from this index on never enter the shared prefix cache (a
     /// per-request status tail). `None`: the whole prompt is cacheable.
     pub cacheable_len: Option<usize>,
+    /// Pin the prompt's leading full blocks once computed (Anthropic's
+    /// `cache_control.ttl`); the outcome is reported with the first output.
+    pub pin: Option<PinSpec>,
 }
 
 impl Request {
@@ -78,6 +89,7 @@ impl Request {
             params,
             cache_salt: String::new(),
             cacheable_len: None,
+            pin: None,
         }
     }
 }
@@ -128,6 +140,11 @@ pub struct StepOutput {
     pub logits: Option<Vec<f32>>,
     /// The reported token's log-probabilities, when its request asked for them.
     pub logprobs: Option<crate::sampling::TokenLogprobs>,
+    /// What became of the request's pin: set on the output of the step its prompt was
+    /// first fully computed on, when the request asked for one.
+    pub pin: Option<PinOutcome>,
+    /// The stop string that ended the request (with `finish` `Stop`), if one did.
+    pub stop_sequence: Option<String>,
 }
 
 /// Everything a request produced, gathered by [`Engine::run_to_completion`].
@@ -210,6 +227,10 @@ pub struct Engine {
     tiers: Option<KvTiers>,
     /// Requests waiting on each block being read from disk.
     awaiting: HashMap<BlockHash, Vec<RequestId>>,
+    /// Pinned prefix blocks (see `pins`).
+    pins: PinSet,
+    /// The clock pins expire by.
+    clock: PinClock,
 }
 
 impl Engine {
@@ -234,6 +255,11 @@ impl Engine {
             .map(|t| t.eos_token_ids().into_iter().collect())
             .unwrap_or_default();
         eos.extend(backend.config().eos_token_ids());
+        let mut pins = PinSet::new();
+        pins.set_capacity(pin_capacity(
+            backend.num_blocks(),
+            DEFAULT_PIN_POOL_FRACTION,
+        ));
         let scheduler = Scheduler::new(
             SchedulerConfig {
                 block_size: config.block_size,
@@ -259,7 +285,31 @@ impl Engine {
             fork_constraints: HashMap::new(),
             tiers: None,
             awaiting: HashMap::new(),
+            pins,
+            clock: Arc::new(Instant::now),
         })
+    }
+
+    /// Lets pins hold at most `fraction` (0 to 1) of the pool; a pin past it is refused
+    /// and its request served unpinned. Pins already held stay until they expire.
+    pub fn set_pin_pool_fraction(&mut self, fraction: f64) {
+        let cap = pin_capacity(self.scheduler.pool.num_blocks(), fraction);
+        self.pins.set_capacity(cap);
+    }
+
+    /// Most blocks pins may hold at once.
+    pub fn pin_capacity(&self) -> usize {
+        self.pins.capacity()
+    }
+
+    /// Blocks pinned now.
+    pub fn pinned_blocks(&self) -> usize {
+        self.pins.len()
+    }
+
+    /// Replaces the clock pins expire by (tests drive it by hand).
+    pub fn set_pin_clock(&mut self, clock: PinClock) {
+        self.clock = clock;
     }
 
     /// Sends every future KV event to `sink`.
@@ -297,6 +347,15 @@ impl Engine {
     pub fn add_request(&mut self, req: Request) -> Result<()> {
         self.validate(req.id, &req.prompt, &req.params)?;
         let constraint = self.constraint(&req.params)?;
+        if let Some(pin) = &req.pin {
+            if pin.ttl.is_zero() || pin.ttl > crate::pins::MAX_PIN_TTL {
+                return Err(EngineError::InvalidRequest(format!(
+                    "a pin's ttl must be between 1 ms and {} s, got {:?}",
+                    crate::pins::MAX_PIN_TTL.as_secs(),
+                    pin.ttl
+                )));
+            }
+        }
         let cacheable = req.cacheable_len.unwrap_or(usize::MAX);
         let mut seq = self.new_sequence(
             req.id,
@@ -307,6 +366,7 @@ impl Engine {
             false,
         );
         seq.constraint = constraint;
+        seq.pin = req.pin;
         self.stats.prompt_tokens += seq.prompt_len as u64;
         self.scheduler.enqueue(seq);
         Ok(())
@@ -452,6 +512,7 @@ impl Engine {
 
     /// Drops the whole prefix cache, tiers included (a `Cleared` event follows).
     pub fn clear_cache(&mut self) {
+        self.pins.clear(&mut self.scheduler.pool);
         self.scheduler.pool.clear();
         self.clear_tiers();
         self.publish_events();
@@ -464,6 +525,9 @@ impl Engine {
 
     /// Runs one step and returns what each request produced.
     pub fn step(&mut self) -> Result<Vec<StepOutput>> {
+        if !self.pins.is_empty() {
+            self.pins.expire(&mut self.scheduler.pool, (self.clock)());
+        }
         // Before anything below allocates (promotions, then the schedule).
         self.write_behind(0);
         self.stats.tier_loads += self.promote(Duration::ZERO) as u64;
@@ -650,6 +714,7 @@ impl Engine {
             awaiting_loads: 0,
             tier_staged: false,
             promoted: Default::default(),
+            pin: None,
         };
         seq.extend_hashes();
         seq
@@ -673,10 +738,21 @@ impl Engine {
         if seq.num_computed < seq.tokens.len() {
             return;
         }
+        let mut pin = None;
         if seq.cached_tokens.is_none() {
             let cached = seq.prompt_len.saturating_sub(seq.prompt_tokens_computed);
             seq.cached_tokens = Some(cached);
             self.stats.cached_tokens += cached as u64;
+            // Every full block of the prompt is ready now: pin the leading ones asked for.
+            if let Some(spec) = seq.pin.take() {
+                let n = spec.blocks.min(seq.hashes.len());
+                let now = (self.clock)();
+                pin =
+                    Some(
+                        self.pins
+                            .pin(&mut self.scheduler.pool, &seq.hashes[..n], spec.ttl, now),
+                    );
+            }
         }
         let cached_tokens = seq.cached_tokens.unwrap_or(0);
         if seq.prefill_only {
@@ -692,6 +768,8 @@ impl Engine {
                 promoted: seq.promoted,
                 logits: None,
                 logprobs: None,
+                pin,
+                stop_sequence: None,
             });
             return;
         }
@@ -715,6 +793,8 @@ impl Engine {
             promoted: seq.promoted,
             logits: self.capture_logits.then(|| logits.to_vec()),
             logprobs: None,
+            pin,
+            stop_sequence: None,
         };
         let grammar_eos = seq.constraint.as_ref().map(|c| c.eos());
         let is_stop_token = seq.params.stop_token_ids.contains(&token)
@@ -768,6 +848,7 @@ impl Engine {
         }
         if let Some(f) = out.finish {
             seq.status = SeqStatus::Finished(f);
+            out.stop_sequence = seq.stop.matched().map(str::to_string);
         }
         outputs.push(out);
     }
@@ -795,6 +876,8 @@ impl Engine {
                     promoted: PromotedTokens::default(),
                     logits: None,
                     logprobs: None,
+                    pin: None,
+                    stop_sequence: None,
                 }));
             }
         } else {
@@ -816,6 +899,8 @@ impl Engine {
                 promoted: seq.promoted,
                 logits: None,
                 logprobs: None,
+                pin: None,
+                stop_sequence: seq.stop.matched().map(str::to_string),
             });
         }
         self.scheduler.remove(id);
@@ -891,6 +976,16 @@ impl Engine {
             }
         }
     }
+}
+
+/// Blocks pins may hold in a pool of `num_blocks` at `fraction` (clamped to 0..=1).
+fn pin_capacity(num_blocks: usize, fraction: f64) -> usize {
+    let f = if fraction.is_finite() {
+        fraction.clamp(0.0, 1.0)
+    } else {
+        0.0
+    };
+    (num_blocks as f64 * f).floor() as usize
 }
 
 /// Consecutive steps that scheduled nothing after which

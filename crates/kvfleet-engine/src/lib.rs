@@ -17,6 +17,8 @@
 //! - [`constrained`]: the structured-output hook, a per-sequence llguidance token
 //!   mask applied to the logits before sampling.
 //! - [`kv_events`]: `Stored` / `Removed` / `Cleared` events with sequence numbers.
+//! - [`pins`]: prefix blocks pinned for a TTL (never evicted until it ends), under a
+//!   cap on the pool's share.
 //! - [`kv_tiers`]: host-memory and disk tiers below the pool: evicted blocks are
 //!   demoted there and promoted back on a hit instead of being recomputed.
 
@@ -38,6 +40,7 @@ pub mod model;
 pub mod model_cache;
 pub mod model_config;
 pub mod model_source;
+pub mod pins;
 pub mod sampling;
 pub mod scheduler;
 pub mod sequence;
@@ -47,8 +50,8 @@ pub mod throughput;
 pub use backend::{CpuBackend, ModelBackend};
 pub use device::{new_backend, Device};
 pub use engine::{
-    Completion, Engine, EngineConfig, EngineLoad, EngineStats, ForkChild, ForkRequest,
-    ProgressGuard, Request, StepOutput, MAX_IDLE_STEPS,
+    Completion, Engine, EngineConfig, EngineLoad, EngineStats, ForkChild, ForkRequest, PinClock,
+    ProgressGuard, Request, StepOutput, DEFAULT_PIN_POOL_FRACTION, MAX_IDLE_STEPS,
 };
 pub use error::{EngineError, Result};
 pub use gguf::{GgufFile, GgufLoadOptions};
@@ -58,5 +61,6 @@ pub use kv_tiers::{DiskTierConfig, KvBlockPayload, TierConfig, TierStats};
 pub use model::{ForwardItem, LlamaModel, LogitsRequest};
 pub use model_config::ModelConfig;
 pub use model_source::{load_model, load_prompt_model, LoadedModel, PromptSide};
+pub use pins::{PinOutcome, PinRefusal, PinSpec, MAX_PIN_TTL};
 pub use sampling::{token_logprobs, Sampler, SamplingParams, TokenLogprobs};
 pub use sequence::{FinishReason, PromotedTokens, RequestId};

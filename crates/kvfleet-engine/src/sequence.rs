@@ -86,6 +86,8 @@ pub struct Sequence {
     pub tier_staged: bool,
     /// Prompt tokens of its prefix that came from each tier instead of the model.
     pub promoted: PromotedTokens,
+    /// The pin its request asked for, until its prompt is computed and it is applied.
+    pub pin: Option<crate::pins::PinSpec>,
 }
 
 pub use kvfleet_core::kv_events::PromotedTokens;

@@ -131,6 +131,8 @@ pub struct StopMatcher {
     max_len: usize,
     text: String,
     emitted: usize,
+    /// The stop string that ended the text, once one has.
+    matched: Option<String>,
 }
 
 /// What the matcher says after new text arrives.
@@ -157,7 +159,14 @@ impl StopMatcher {
             state: ROOT,
             text: String::new(),
             emitted: 0,
+            matched: None,
         }
+    }
+
+    /// The stop string that ended the text, once one has (Anthropic reports it as
+    /// `stop_sequence`).
+    pub fn matched(&self) -> Option<&str> {
+        self.matched.as_deref()
     }
 
     /// Adds newly decoded text and returns what may be emitted.
@@ -172,20 +181,25 @@ impl StopMatcher {
         }
         // The earliest-starting stop string completed by this delta. UTF-8 patterns
         // matched on UTF-8 text only ever match at character boundaries.
-        let mut hit: Option<usize> = None;
+        let mut hit: Option<(usize, usize)> = None;
         for (i, &b) in delta.as_bytes().iter().enumerate() {
             let end = base + i + 1;
-            if hit.is_some_and(|h| end >= h + self.max_len) {
+            if hit.is_some_and(|(h, _)| end >= h + self.max_len) {
                 // Any later match starts after the one found.
                 break;
             }
             self.state = self.automaton.step(self.state, b);
             if let Some(len) = self.automaton.node(self.state).longest_match {
                 let start = end - len;
-                hit = Some(hit.map_or(start, |h| h.min(start)));
+                // The earliest start wins (of two starting there, the one found first).
+                hit = match hit {
+                    Some((h, l)) if h <= start => Some((h, l)),
+                    _ => Some((start, len)),
+                };
             }
         }
-        if let Some(pos) = hit {
+        if let Some((pos, len)) = hit {
+            self.matched = self.text.get(pos..pos + len).map(str::to_string);
             let emit = self.take_until(pos.max(self.emitted));
             return StopCheck {
                 emit,
@@ -239,6 +253,15 @@ mod tests {
         assert!(c.stopped);
         assert_eq!(c.emit, "");
         assert_eq!(m.emitted_text(), "hello ");
+    }
+
+    #[test]
+    fn the_matched_stop_string_is_the_earliest() {
+        let mut m = StopMatcher::new(&["lo w".to_string(), "hel".to_string(), "o".to_string()]);
+        assert_eq!(m.matched(), None);
+        assert!(m.push("say hello world").stopped);
+        assert_eq!(m.matched(), Some("hel"));
+        assert_eq!(m.emitted_text(), "say ");
     }
 
     #[test]

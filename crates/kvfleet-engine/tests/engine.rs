@@ -486,3 +486,129 @@ fn reported_logprobs_are_the_log_softmax_of_the_step_logits() {
     }
     assert_eq!(checked, 8);
 }
+
+/// Runs one request to its end, step by step; returns (cached tokens, pin outcome).
+fn run_pinned(
+    engine: &mut Engine,
+    id: u64,
+    tokens: Vec<u32>,
+    pin: Option<kvfleet_engine::PinSpec>,
+) -> (usize, Option<kvfleet_engine::PinOutcome>) {
+    let mut req = Request::new(id, tokens, greedy(1));
+    req.pin = pin;
+    engine.add_request(req).expect("add");
+    let (mut cached, mut outcome) = (0, None);
+    while engine.has_unfinished() {
+        for o in engine.step().expect("step") {
+            cached = o.cached_tokens;
+            outcome = outcome.or(o.pin);
+        }
+    }
+    (cached, outcome)
+}
+
+#[test]
+fn a_pinned_prefix_survives_traffic_that_evicts_everything_else_until_it_expires() {
+    use kvfleet_engine::{PinOutcome, PinSpec};
+    use std::sync::Mutex;
+    use std::time::{Duration, Instant};
+    let m = model();
+    // 24 blocks, pins capped at half of them.
+    let mut e = engine_with(&m, 24, 512, 4);
+    e.set_pin_pool_fraction(0.5);
+    assert_eq!(e.pin_capacity(), 12);
+    let t0 = Instant::now();
+    let now = Arc::new(Mutex::new(t0));
+    let clock = now.clone();
+    e.set_pin_clock(Arc::new(move || *clock.lock().unwrap()));
+    // A 4-block system prefix, pinned for 300 s, then a question.
+    let system = prompt(1, 4 * BS);
+    let ask = |tail: u32| {
+        let mut p = system.clone();
+        p.extend(prompt(100 + tail, 7));
+        p
+    };
+    let ttl = Duration::from_secs(300);
+    let spec = PinSpec { blocks: 4, ttl };
+    let (cached, outcome) = run_pinned(&mut e, 1, ask(0), Some(spec));
+    assert_eq!(cached, 0);
+    assert_eq!(
+        outcome,
+        Some(PinOutcome::Pinned {
+            blocks: 4,
+            expires: t0 + ttl
+        })
+    );
+    assert_eq!(e.pinned_blocks(), 4);
+    // An unpinned prompt, then enough other traffic to cycle every unpinned block.
+    let unpinned = prompt(2, 4 * BS + 7);
+    run_pinned(&mut e, 2, unpinned.clone(), None);
+    for i in 0..6 {
+        run_pinned(&mut e, 10 + i, prompt(50 + i as u32, 10 * BS), None);
+    }
+    e.check_invariants().expect("invariants");
+    let (cached, _) = run_pinned(&mut e, 20, unpinned.clone(), None);
+    assert_eq!(cached, 0, "the unpinned prefix was evicted");
+    // The pinned prefix is still whole: a new question reads all four blocks.
+    let (cached, _) = run_pinned(&mut e, 21, ask(1), None);
+    assert_eq!(cached, 4 * BS);
+    // A re-pin extends the pin without a second reference.
+    *now.lock().unwrap() = t0 + Duration::from_secs(100);
+    let (_, again) = run_pinned(&mut e, 22, ask(2), Some(spec));
+    let extended = t0 + Duration::from_secs(100) + ttl;
+    assert_eq!(
+        again,
+        Some(PinOutcome::Pinned {
+            blocks: 4,
+            expires: extended
+        })
+    );
+    assert_eq!(e.pinned_blocks(), 4);
+    // Past the first expiry it holds; past the extended one it is released, and the
+    // same traffic evicts it like any other prefix.
+    *now.lock().unwrap() = t0 + ttl + Duration::from_secs(1);
+    run_pinned(&mut e, 23, prompt(60, 10 * BS), None);
+    assert_eq!(e.pinned_blocks(), 4);
+    *now.lock().unwrap() = extended;
+    for i in 0..6 {
+        run_pinned(&mut e, 30 + i, prompt(70 + i as u32, 10 * BS), None);
+    }
+    assert_eq!(e.pinned_blocks(), 0);
+    let (cached, _) = run_pinned(&mut e, 40, ask(3), None);
+    assert_eq!(cached, 0, "expired: evicted by the traffic since");
+    e.check_invariants().expect("invariants");
+}
+
+#[test]
+fn pins_past_the_pool_cap_are_refused_and_served() {
+    use kvfleet_engine::{PinOutcome, PinRefusal, PinSpec};
+    use std::time::Duration;
+    let m = model();
+    let mut e = engine_with(&m, 16, 512, 4);
+    e.set_pin_pool_fraction(0.25);
+    let spec = PinSpec {
+        blocks: 3,
+        ttl: Duration::from_secs(60),
+    };
+    let (_, a) = run_pinned(&mut e, 1, prompt(1, 3 * BS + 2), Some(spec));
+    assert!(
+        matches!(a, Some(PinOutcome::Pinned { blocks: 3, .. })),
+        "{a:?}"
+    );
+    // Three more would make six of a cap of four: refused, yet the request ran.
+    let mut req = Request::new(2, prompt(2, 3 * BS + 2), greedy(3));
+    req.pin = Some(spec);
+    e.add_request(req).expect("add");
+    let done = e.run_to_completion().expect("run");
+    assert_eq!(done[0].tokens.len(), 3);
+    let (_, b) = run_pinned(&mut e, 3, prompt(3, 3 * BS + 2), Some(spec));
+    assert_eq!(b, Some(PinOutcome::Refused(PinRefusal::Capacity)));
+    assert_eq!(e.pinned_blocks(), 3);
+    // A ttl over an hour is a bad request.
+    let mut bad = Request::new(4, prompt(4, 20), greedy(1));
+    bad.pin = Some(PinSpec {
+        blocks: 1,
+        ttl: Duration::from_secs(3601),
+    });
+    assert!(e.add_request(bad).is_err());
+}

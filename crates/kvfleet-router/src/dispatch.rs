@@ -56,6 +56,8 @@ pub struct GenerationSpec {
     /// The HTTP endpoint it came in on (`chat`, `completions`, `forks`), for the
     /// decision log.
     pub endpoint: &'static str,
+    /// Pin the prompt's leading blocks on the worker (budget already reserved).
+    pub pin: Option<pb::PinRequest>,
 }
 
 /// A request the chosen worker accepted: its first message is in hand. `T` is the
@@ -127,6 +129,7 @@ pub async fn dispatch(fleet: &Arc<Fleet>, spec: &GenerationSpec) -> Result<Dispa
             sampling: Some(spec.sampling.clone()),
             fork_group: spec.fork_group.clone(),
             report_acceptance: true,
+            pin: spec.pin,
         };
         async move { conn.generate(req).await }
     })
@@ -197,6 +200,12 @@ where
         (Some(h), Some(key)) => h.placed_worker(key),
         _ => None,
     };
+    // A live pinned prefix names the worker holding it (and nothing evicts it there).
+    if let Some(w) = fleet.pins.worker_for(&spec.hashes, fleet.now_ms()) {
+        if fleet.conn(&w).is_some() {
+            pin = Some(w.to_string());
+        }
+    }
     let mut claim_pending = placement.is_some() && pin.is_none();
     // Workers this request already failed on: a retry goes elsewhere.
     let mut tried: Vec<String> = Vec::new();

@@ -9,6 +9,7 @@
 //! | [`Fleet::decisions`] ([`Decisions`]) | the decision log and fork-group co-location |
 //! | [`Fleet::tokens`] ([`TokenizerMemo`]) | the incremental tokenizer's conversation memo |
 //! | [`Fleet::control`] ([`ControlLink`]) | control-plane hooks and component reachability |
+//! | [`Fleet::pins`] ([`PinTable`]) | pinned prefixes (worker, expiry) and each tenant's pin budget |
 //!
 //! The parts do not reach into each other's locks: supervision feeds the routing core
 //! through its methods, and no part hands out a lock guard.
@@ -16,6 +17,7 @@
 use crate::circuit_breaker::BreakerConfig;
 use crate::control_hooks::{ComponentStatus, ControlHooks, ControlLink};
 use crate::decision_log::Decisions;
+use crate::pin_table::PinTable;
 use crate::prompt_model::PromptModel;
 use crate::routing_state::RoutingState;
 use crate::sessions::Sessions;
@@ -81,6 +83,11 @@ pub struct FleetConfig {
     /// require one); `None`: plaintext. With it, an endpoint without a scheme is
     /// reached as `https://`.
     pub worker_tls: Option<tonic::transport::ClientTlsConfig>,
+    /// Bytes of KV blocks each tenant may keep pinned (Anthropic `cache_control` ttl);
+    /// a pin past it is not asked for, and the response says so.
+    pub pin_budget_bytes_per_tenant: u64,
+    /// Most pinned blocks the router tracks, all tenants together.
+    pub pin_table_blocks: usize,
 }
 
 impl Default for FleetConfig {
@@ -102,6 +109,8 @@ impl Default for FleetConfig {
             fork_children_per_worker: 32,
             follow_worker_events: true,
             worker_tls: None,
+            pin_budget_bytes_per_tenant: crate::pin_table::DEFAULT_PIN_BUDGET_BYTES,
+            pin_table_blocks: crate::pin_table::DEFAULT_PIN_TABLE_BLOCKS,
         }
     }
 }
@@ -124,6 +133,8 @@ pub struct Fleet {
     pub tokens: TokenizerMemo,
     /// The control-plane link.
     pub control: ControlLink,
+    /// Pinned prefixes and pin budgets.
+    pub pins: Arc<PinTable>,
     draining: AtomicBool,
 }
 
@@ -146,6 +157,10 @@ impl Fleet {
             decisions: Decisions::new(),
             tokens: TokenizerMemo::new(config.tokenizer_memo_bytes),
             control: ControlLink::new(),
+            pins: Arc::new(PinTable::new(
+                config.pin_budget_bytes_per_tenant,
+                config.pin_table_blocks,
+            )),
             prompt,
             config,
             draining: AtomicBool::new(false),

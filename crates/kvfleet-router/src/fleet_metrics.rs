@@ -137,6 +137,10 @@ fn describe() {
         "Prefix-index resyncs from a worker's CacheDump."
     );
     describe_counter!(
+        "kvfleet_pins_total",
+        "Requests that asked to pin their prefix (Anthropic cache_control ttl), by outcome: pinned, or why not."
+    );
+    describe_counter!(
         "kvfleet_prefix_breaks_total",
         "Session turns whose prompt diverged before the end of the previous turn's, by likely reason."
     );
@@ -238,6 +242,11 @@ pub fn request_seconds(seconds: f64) {
 /// A session turn that lost the cache of the turn before it.
 pub fn prefix_break(reason: &'static str) {
     counter!("kvfleet_prefix_breaks_total", "reason" => reason).increment(1);
+}
+
+/// A request that asked for a pin, by outcome (`pinned`, or the refusal's reason).
+pub fn pin(outcome: &'static str) {
+    counter!("kvfleet_pins_total", "outcome" => outcome).increment(1);
 }
 
 /// A request carrying an agent status, by mode.

@@ -14,6 +14,8 @@
 //! - [`decision_log`]: the bounded log of recent decisions behind `/dashboard`.
 //! - [`tokenizer_memo`] and [`prompt_model`]: the served model's tokenizer and chat
 //!   template, and the conversation memo that tokenizes only a new turn's tail.
+//! - [`pin_table`]: pinned prefixes (which worker, until when) and each tenant's pin
+//!   budget.
 //! - [`control_hooks`]: where a control plane (placement shared by several routers,
 //!   usage records) joins the request path; [`control_plane`] is the etcd/Kafka
 //!   implementation of it.
@@ -38,6 +40,7 @@ pub mod fleet;
 pub mod fleet_metrics;
 pub mod http_front;
 pub mod openai;
+pub mod pin_table;
 pub mod prefix_breaks;
 pub mod prompt_model;
 pub mod routing_state;

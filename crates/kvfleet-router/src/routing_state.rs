@@ -12,6 +12,7 @@ use kvfleet_routing::{
     RouteDecision, RouteError, RouterConfig, RouterKvEvent, RouterSnapshot, UnknownWorker,
     WorkerIdx, WorkerLoad,
 };
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Instant;
 
@@ -21,6 +22,8 @@ pub struct RoutingState {
     kv: Mutex<KvRouter>,
     block_size: usize,
     started: Instant,
+    /// Bytes of one KV block as the workers last reported it (0 before any).
+    kv_block_bytes: AtomicU64,
 }
 
 /// What a request asks of [`RoutingState::route`].
@@ -44,6 +47,7 @@ impl RoutingState {
             block_size: config.block_size,
             kv: Mutex::new(KvRouter::new(config)),
             started: Instant::now(),
+            kv_block_bytes: AtomicU64::new(0),
         }
     }
 
@@ -135,7 +139,14 @@ impl RoutingState {
     /// Prices tier hits with the KV size a worker reported (see
     /// [`KvRouter::set_kv_block_bytes`]).
     pub fn set_kv_block_bytes(&self, block_bytes: u64, block_size: usize) {
+        self.kv_block_bytes.store(block_bytes, Ordering::Relaxed);
         lock(&self.kv).set_kv_block_bytes(block_bytes, block_size);
+    }
+
+    /// Bytes of one KV block as the workers last reported it (0 before any, or from
+    /// workers that cannot copy blocks out).
+    pub fn kv_block_bytes(&self) -> u64 {
+        self.kv_block_bytes.load(Ordering::Relaxed)
     }
 
     /// Worker `id`'s blocks as the index has them, or `None` if it is not in routing.

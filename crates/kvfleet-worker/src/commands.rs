@@ -38,6 +38,8 @@ pub(crate) struct GenerateCommand {
     pub accepted: oneshot::Sender<Result<(), Status>>,
     /// Prefix blocks pulled from a peer, to import for this request.
     pub pulled: Vec<kvfleet_engine::KvBlockPayload>,
+    /// The pin the caller asked for, already checked.
+    pub pin: Option<kvfleet_engine::PinSpec>,
 }
 
 /// A validated `Fork` call, on its way to the engine.

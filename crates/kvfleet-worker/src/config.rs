@@ -100,6 +100,9 @@ pub struct WorkerConfig {
     pub kv_tiers: TierConfig,
     /// TLS for pulling blocks from `https://` peers (`FetchBlocks`).
     pub peer_tls: Option<tonic::transport::ClientTlsConfig>,
+    /// The share of the KV pool pinned prefixes may hold (0 to 1); a pin past it is
+    /// refused and its request served unpinned.
+    pub pin_pool_fraction: f64,
 }
 
 impl WorkerConfig {
@@ -124,6 +127,7 @@ impl WorkerConfig {
             faults: EngineFaults::default(),
             kv_tiers: TierConfig::default(),
             peer_tls: None,
+            pin_pool_fraction: kvfleet_engine::DEFAULT_PIN_POOL_FRACTION,
         }
     }
 
@@ -147,6 +151,12 @@ impl WorkerConfig {
                     "gpu_memory_utilization must be in (0, 1], got {u}"
                 )));
             }
+        }
+        if !(0.0..=1.0).contains(&self.pin_pool_fraction) {
+            return Err(WorkerError::Config(format!(
+                "pin_pool_fraction must be in [0, 1], got {}",
+                self.pin_pool_fraction
+            )));
         }
         if self.worker_id.is_empty() {
             return Err(WorkerError::Config("worker_id must not be empty".into()));

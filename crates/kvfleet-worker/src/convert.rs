@@ -42,6 +42,45 @@ pub fn sampling_params(p: Option<&pb::SamplingParams>) -> Result<SamplingParams,
     })
 }
 
+/// The engine's pin from the request's; a ttl of 0 or over an hour is refused here,
+/// before the request is queued.
+pub fn pin_spec(p: Option<&pb::PinRequest>) -> Result<Option<kvfleet_engine::PinSpec>, Status> {
+    let Some(p) = p else {
+        return Ok(None);
+    };
+    let ttl = std::time::Duration::from_secs(u64::from(p.ttl_s));
+    if p.ttl_s == 0 || ttl > kvfleet_engine::MAX_PIN_TTL {
+        return Err(Status::invalid_argument(format!(
+            "pin.ttl_s must be between 1 and {}, got {}",
+            kvfleet_engine::MAX_PIN_TTL.as_secs(),
+            p.ttl_s
+        )));
+    }
+    Ok(Some(kvfleet_engine::PinSpec {
+        blocks: p.blocks as usize,
+        ttl,
+    }))
+}
+
+/// The wire form of a pin's outcome, its expiry counted from now.
+pub fn pin_result(o: kvfleet_engine::PinOutcome) -> pb::PinResult {
+    use kvfleet_engine::{PinOutcome, PinRefusal};
+    match o {
+        PinOutcome::Pinned { blocks, expires } => pb::PinResult {
+            blocks: u32::try_from(blocks).unwrap_or(u32::MAX),
+            expires_in_ms: expires
+                .saturating_duration_since(std::time::Instant::now())
+                .as_millis() as u64,
+            refusal: pb::PinRefusal::Unspecified as i32,
+        },
+        PinOutcome::Refused(PinRefusal::Capacity) => pb::PinResult {
+            blocks: 0,
+            expires_in_ms: 0,
+            refusal: pb::PinRefusal::Capacity as i32,
+        },
+    }
+}
+
 /// The engine's grammar from the wire form; a message without a kind is refused.
 pub fn output_grammar(
     g: &pb::OutputGrammar,
@@ -188,6 +227,9 @@ pub fn merge_response(into: &mut pb::GenerateResponse, next: pb::GenerateRespons
     }
     if next.timings.is_some() {
         into.timings = next.timings;
+    }
+    if next.stop_sequence.is_some() {
+        into.stop_sequence = next.stop_sequence;
     }
 }
 

@@ -145,6 +145,7 @@ fn build_engine(
     )?;
     engine.set_event_sink(events);
     engine.set_kv_tiers(&config.kv_tiers)?;
+    engine.set_pin_pool_fraction(config.pin_pool_fraction);
     let (block_format, block_bytes) = engine.block_format();
     let mc = engine.model_config();
     let info = pb::InfoResponse {
@@ -177,11 +178,14 @@ struct Active {
     /// The part of `cached_tokens` promoted from a lower tier or a peer.
     promoted: kvfleet_engine::PromotedTokens,
     completion_tokens: usize,
+    /// What became of the request's pin, once its prompt is computed.
+    pin: Option<kvfleet_engine::PinOutcome>,
 }
 
 impl Active {
     fn usage(&self) -> pb::Usage {
         pb::Usage {
+            pin: self.pin.map(convert::pin_result),
             prompt_tokens: u32_of(self.prompt_tokens),
             cached_tokens: u32_of(self.cached_tokens),
             completion_tokens: u32_of(self.completion_tokens),
@@ -464,6 +468,7 @@ impl EngineLoop {
             report_acceptance,
             accepted,
             pulled,
+            pin,
         } = cmd;
         if stream.is_closed() {
             let _ = accepted.send(Err(Status::cancelled("the client went away")));
@@ -494,6 +499,7 @@ impl EngineLoop {
             params,
             cache_salt,
             cacheable_len,
+            pin,
         };
         if let Err(e) = self.engine.add_request(req) {
             let _ = accepted.send(Err(engine_status(e)));
@@ -538,6 +544,7 @@ impl EngineLoop {
                 cached_tokens: 0,
                 promoted: Default::default(),
                 completion_tokens: 0,
+                pin: None,
             },
         );
         if report_acceptance {
@@ -677,6 +684,7 @@ impl EngineLoop {
                     cached_tokens: 0,
                     promoted: Default::default(),
                     completion_tokens: 0,
+                    pin: None,
                 },
             );
         }
@@ -871,6 +879,7 @@ impl EngineLoop {
         a.prompt_tokens = o.prompt_tokens;
         a.cached_tokens = o.cached_tokens;
         a.promoted = o.promoted;
+        a.pin = a.pin.or(o.pin);
         let mut msg = pb::GenerateResponse {
             token_ids: o.token.into_iter().collect(),
             text: o.text,
@@ -891,6 +900,7 @@ impl EngineLoop {
         let finish = o.finish.map(convert::finish_reason);
         if let Some(f) = finish {
             msg.finish_reason = f as i32;
+            msg.stop_sequence = o.stop_sequence;
             msg.usage = Some(a.usage());
             msg.timings = Some(a.timings(now));
         }

@@ -264,6 +264,7 @@ impl Worker for WorkerService {
         let req = request.into_inner();
         self.check_request(&req.model, req.block_size, &req.block_hashes)?;
         let params = convert::sampling_params(req.sampling.as_ref())?;
+        let pin = convert::pin_spec(req.pin.as_ref())?;
         let pulled = match &req.pull {
             Some(p) => self.pull(p, &req.block_hashes).await,
             None => Vec::new(),
@@ -273,6 +274,7 @@ impl Worker for WorkerService {
         self.engine
             .send(Command::Generate(Box::new(GenerateCommand {
                 pulled,
+                pin,
                 request_id: req.request_id,
                 prompt: req.token_ids,
                 block_hashes: req.block_hashes,

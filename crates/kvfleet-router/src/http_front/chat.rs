@@ -61,6 +61,7 @@ pub async fn chat_completions(
         status: req.status,
         cache_end: None,
         grammar,
+        pin_ttl_s: None,
     };
     let StartedTurn {
         dispatched,

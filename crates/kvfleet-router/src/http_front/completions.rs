@@ -55,7 +55,7 @@ pub async fn completions(
         more,
         worker_header,
         want_logprobs,
-    } = prepare(&fleet, &meta, ids, None, &req.sampling, grammar).await?;
+    } = prepare(&fleet, &meta, ids, None, &req.sampling, grammar, None).await?;
     // The router's request id, so a response can be found in the decision log.
     let id = format!("cmpl-{}", dispatched.request_id);
     let created = unix_now();

@@ -219,6 +219,7 @@ pub async fn forks(
             session: meta.session.clone(),
             policy: meta.policy,
             endpoint: "forks",
+            pin: None,
         };
         let fleet = fleet.clone();
         let part = part.to_vec();

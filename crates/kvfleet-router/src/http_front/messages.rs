@@ -9,6 +9,12 @@
 //! the whole blocks between that hit and the last `cache_control` breakpoint, which
 //! this request computed and wrote, and `input_tokens` the rest. With breakpoints, the
 //! prompt past the last one is kept out of the cache, as Anthropic does.
+//!
+//! Breakpoints also *pin* (docs/agents.md): the prompt's full blocks up to the last
+//! breakpoint stay on the worker that computed them, never evicted, for the longest
+//! `ttl` any breakpoint asks (`5m` unless `1h`), within the tenant's pin budget; a
+//! later request within the TTL is routed there. The `x-kvfleet-pin` header says
+//! whether the pin was granted (a refused pin is still served).
 
 use super::anthropic_error::error_response;
 use super::relay::{collect, relay_sse, usage_of, ChunkWriter};
@@ -25,7 +31,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use kvfleet_core::anthropic::{
     breakpoint_tokens, BlockDelta, Conversation, ErrorDetail, MessageDelta, MessagesError,
-    MessagesRequest, MessagesResponse, MessagesUsage, ResponseBlock, StreamEvent,
+    MessagesRequest, MessagesResponse, MessagesUsage, ResponseBlock, StreamEvent, ToolChoice,
 };
 use kvfleet_core::chat::ToolCall;
 use kvfleet_core::openai::Usage;
@@ -72,9 +78,24 @@ async fn serve(
         &req.model,
         req.cache_salt.as_deref(),
     )?;
+    // `any` and a named `tool` force a tool call by constrained decoding, as OpenAI's
+    // `required` and a named function do (`conv.tools` holds only the named one).
+    let forced = match &req.tool_choice {
+        Some(ToolChoice::Any { .. }) => Some(serde_json::json!("required")),
+        Some(ToolChoice::Tool { name, .. }) => {
+            Some(serde_json::json!({"type": "function", "function": {"name": name}}))
+        }
+        _ => None,
+    };
+    let grammar = super::checked_grammar(None, forced.as_ref(), &conv.tools).await?;
     let session = session_id(&headers, sampling.user.as_deref())?;
     let meta = RequestMeta { session, ..meta };
     let want_tools = !conv.tools.is_empty();
+    let pin_ttl_s = conv
+        .breakpoints
+        .iter()
+        .map(|p| u32::try_from(p.ttl_s).unwrap_or(u32::MAX))
+        .max();
     let cache_end: Option<CacheEnd> = conv.last_breakpoint().map(|point| {
         let req = req.clone();
         let find: CacheEnd = Box::new(move |prompt, ids| {
@@ -94,7 +115,8 @@ async fn serve(
         tools: conv.tools,
         status: req.status(),
         cache_end,
-        grammar: None,
+        grammar,
+        pin_ttl_s,
     };
     let StartedTurn {
         dispatched,
@@ -126,6 +148,7 @@ async fn serve(
             in_tool_call: false,
             open_text: None,
             blocks: 0,
+            stop: None,
         };
         return Ok(sse_response(worker_header, move |tx| {
             relay_sse(fleet, dispatched, writer, true, tx)
@@ -137,6 +160,7 @@ async fn serve(
         false => (out.text, Vec::new()),
     };
     let (content, stop_reason) = answer_blocks(text, &calls, out.finish, &id);
+    let (stop_reason, stop_sequence) = with_stop_sequence(stop_reason, out.stop_sequence);
     let body = MessagesResponse {
         id,
         kind: "message",
@@ -144,7 +168,7 @@ async fn serve(
         model,
         content,
         stop_reason: Some(stop_reason),
-        stop_sequence: None,
+        stop_sequence,
         usage: split(&out.usage, cache_end, block_size),
     };
     Ok((worker_header, Json(body)).into_response())
@@ -165,8 +189,19 @@ fn stop_reason(finish: Option<&str>, tool_calls: bool) -> &'static str {
     match finish {
         _ if tool_calls => "tool_use",
         Some("length") => "max_tokens",
-        // The worker does not say whether a stop string or end-of-turn ended it.
         _ => "end_turn",
+    }
+}
+
+/// `stop_sequence` (and the stop string) when one of the request's stop sequences
+/// ended an answer that would otherwise have ended its turn.
+fn with_stop_sequence(
+    reason: &'static str,
+    stop: Option<String>,
+) -> (&'static str, Option<String>) {
+    match (reason, stop) {
+        ("end_turn", Some(s)) => ("stop_sequence", Some(s)),
+        (r, _) => (r, None),
     }
 }
 
@@ -224,6 +259,8 @@ struct MessageEvents {
     open_text: Option<usize>,
     /// Blocks begun so far.
     blocks: usize,
+    /// The stop sequence that ended the answer, once the relay says.
+    stop: Option<String>,
 }
 
 impl MessageEvents {
@@ -301,6 +338,7 @@ impl ChunkWriter for MessageEvents {
             false => (held, Vec::new()),
         };
         let (blocks, stop_reason) = answer_blocks(text, &calls, Some(reason), &self.message.id);
+        let (stop_reason, stop_sequence) = with_stop_sequence(stop_reason, self.stop.take());
         for block in blocks {
             match block {
                 ResponseBlock::Text { text } => {
@@ -338,12 +376,16 @@ impl ChunkWriter for MessageEvents {
         out.push(Self::json(&StreamEvent::MessageDelta {
             delta: MessageDelta {
                 stop_reason: Some(stop_reason),
-                stop_sequence: None,
+                stop_sequence,
             },
             usage,
         }));
         out.push(Self::json(&StreamEvent::MessageStop));
         out
+    }
+
+    fn stop_sequence(&mut self, stop: &str) {
+        self.stop = Some(stop.to_string());
     }
 
     fn error(&mut self, message: &str) -> String {
@@ -408,6 +450,7 @@ mod tests {
             in_tool_call: false,
             open_text: None,
             blocks: 0,
+            stop: None,
         }
     }
 

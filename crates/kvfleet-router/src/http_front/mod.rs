@@ -25,6 +25,7 @@ use crate::fleet::Fleet;
 use crate::fleet_metrics as m;
 use crate::openai::error::ApiError;
 use crate::openai::params::{choices, sampling_params, Api};
+use crate::pin_table::PinOutcome;
 use crate::wall_clock::{unix_ms as unix_now_ms, unix_secs as unix_now};
 use axum::extract::DefaultBodyLimit;
 use axum::http::{HeaderMap, HeaderName, HeaderValue};
@@ -57,6 +58,9 @@ pub const SESSION_HEADER: &str = "x-kvfleet-session";
 pub const PREFIX_BREAK_HEADER: &str = "x-kvfleet-prefix-break";
 /// Response header: this request's turn number in its session.
 pub const SESSION_TURN_HEADER: &str = "x-kvfleet-session-turn";
+/// Response header: what became of the request's pin (`pinned; blocks=N; tokens=T;
+/// expires=UNIX` or `refused; reason=R`), when it asked for one.
+pub const PIN_HEADER: &str = "x-kvfleet-pin";
 
 /// Largest request body accepted by default (long agent prompts run to hundreds of KB).
 pub const MAX_BODY_BYTES: usize = 32 << 20;
@@ -293,7 +297,9 @@ struct Prepared {
 }
 
 /// Validates sampling, hashes the prompt's cacheable part (all of it unless
-/// `cacheable_len` says where an uncacheable tail starts), routes and starts it.
+/// `cacheable_len` says where an uncacheable tail starts), routes and starts it. With
+/// `pin_ttl_s`, the cacheable part's full blocks are pinned on the worker, within the
+/// tenant's pin budget; the outcome goes in the [`PIN_HEADER`] header.
 async fn prepare(
     fleet: &Arc<Fleet>,
     meta: &RequestMeta,
@@ -301,6 +307,7 @@ async fn prepare(
     cacheable_len: Option<usize>,
     sampling: &SamplingFields,
     grammar: Option<OutputGrammar>,
+    pin_ttl_s: Option<u32>,
 ) -> Result<Prepared, ApiError> {
     let api = match meta.endpoint {
         "completions" => Api::Completions,
@@ -318,7 +325,25 @@ async fn prepare(
     let cacheable = cacheable_len.unwrap_or(ids.len()).min(ids.len());
     let hashes = kvfleet_core::hash_blocks(seed, &ids[..cacheable], fleet.routing.block_size());
     m::decision_phase("hashing", t.elapsed().as_nanos() as u64);
+    let mut pin_refused = None;
+    let ticket = match pin_ttl_s.filter(|_| !hashes.is_empty()) {
+        None => None,
+        Some(ttl_s) => match fleet.pins.reserve(
+            meta.tenant_name(),
+            &hashes,
+            fleet.routing.kv_block_bytes(),
+            ttl_s,
+            fleet.now_ms(),
+        ) {
+            Ok(t) => Some(t),
+            Err(r) => {
+                pin_refused = Some(PinOutcome::Refused(r));
+                None
+            }
+        },
+    };
     let spec = GenerationSpec {
+        pin: ticket.as_ref().map(|t| t.request()),
         request_id: request_id(),
         token_ids: ids,
         hashes,
@@ -355,12 +380,29 @@ async fn prepare(
         .outcome(dispatched.guard.decision_seq, cached, None);
     let mut worker_header = HeaderMap::new();
     insert_header(&mut worker_header, WORKER_HEADER, &dispatched.worker);
+    let pin = match ticket {
+        Some(t) => {
+            let result = dispatched.first.usage.as_ref().and_then(|u| u.pin.as_ref());
+            Some(t.settle(&dispatched.worker, result, fleet.now_ms()))
+        }
+        None => pin_refused,
+    };
+    if let Some(p) = pin {
+        m::pin(match p {
+            PinOutcome::Pinned { .. } => "pinned",
+            PinOutcome::Refused(r) => r.as_str(),
+        });
+        let value = p.header_value(fleet.routing.block_size(), unix_now());
+        insert_header(&mut worker_header, PIN_HEADER, &value);
+    }
     // Further choices start once the first has computed the prompt, so that they find
     // its blocks cached (or reserved) on its worker and compute only what is left.
     let mut more = Vec::with_capacity(n - 1);
     for i in 1..n {
         let mut spec = spec.clone();
         spec.request_id = request_id();
+        // The first choice pinned what there was to pin.
+        spec.pin = None;
         // A choice's seed is the request's plus its index: the same request reproduces
         // every choice.
         spec.sampling.seed = spec.sampling.seed.map(|s| s.wrapping_add(i as u64));

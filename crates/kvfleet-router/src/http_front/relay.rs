@@ -24,6 +24,8 @@ pub struct Collected {
     pub usage: Usage,
     /// Each generated token's log-probabilities, when the request asked for them.
     pub logprobs: Vec<pb::TokenLogprob>,
+    /// The stop string that ended the answer, if one did.
+    pub stop_sequence: Option<String>,
 }
 
 /// Builds the SSE chunks of one endpoint's response format.
@@ -35,6 +37,9 @@ pub trait ChunkWriter: Send + 'static {
     fn text(&mut self, delta: &str, logprobs: &[pb::TokenLogprob]) -> Vec<String>;
     /// Chunks closing the answer; `usage` is set when the client asked for it.
     fn finish(&mut self, reason: &'static str, usage: Option<&Usage>) -> Vec<String>;
+    /// Told, just before [`ChunkWriter::finish`], the stop string that ended the answer
+    /// (OpenAI's formats do not report it).
+    fn stop_sequence(&mut self, _stop: &str) {}
     /// The chunk that reports a failure after the stream began.
     fn error(&mut self, message: &str) -> String {
         error_chunk(message)
@@ -214,6 +219,7 @@ pub async fn collect(fleet: &Fleet, mut d: Dispatched) -> Result<(Collected, Str
         out.logprobs.extend(cur.logprobs);
         if let Some(f) = finish_reason_name(cur.finish_reason) {
             out.finish = Some(f);
+            out.stop_sequence = cur.stop_sequence;
             break;
         }
         match next_message(fleet, &mut d).await {
@@ -283,6 +289,9 @@ pub async fn relay_sse(
         }
         if let Some(reason) = finish_reason_name(cur.finish_reason) {
             let usage = tally.close(&fleet, &d, "ok");
+            if let Some(stop) = &cur.stop_sequence {
+                writer.stop_sequence(stop);
+            }
             let mut chunks = writer.finish(reason, include_usage.then_some(&usage));
             chunks.extend(writer.done());
             send(events(&writer, chunks)).await;

@@ -40,6 +40,8 @@ pub(super) struct TurnInput {
     pub cache_end: Option<CacheEnd>,
     /// The grammar the output must follow (structured outputs), already checked.
     pub grammar: Option<kvfleet_core::structured_output::OutputGrammar>,
+    /// Pin the cacheable prefix (up to [`TurnInput::cache_end`]) for this many seconds.
+    pub pin_ttl_s: Option<u32>,
 }
 
 /// A started turn.
@@ -73,6 +75,7 @@ pub(super) async fn start_turn(
         status: status_req,
         cache_end,
         grammar,
+        pin_ttl_s,
     } = input;
     let session = meta.session.clone();
     status_req.validate(session.as_deref())?;
@@ -152,7 +155,16 @@ pub(super) async fn start_turn(
         more,
         mut worker_header,
         want_logprobs,
-    } = prepare(fleet, meta, prompt.ids, cacheable_len, sampling, grammar).await?;
+    } = prepare(
+        fleet,
+        meta,
+        prompt.ids,
+        cacheable_len,
+        sampling,
+        grammar,
+        pin_ttl_s,
+    )
+    .await?;
     if let (Some(s), Some(turn)) = (session.as_deref(), turn.as_ref()) {
         let cached = dispatched
             .first

@@ -44,6 +44,7 @@ pub fn chat_spec(id: &str, tokens: Vec<u32>) -> kvfleet_router::dispatch::Genera
         session: None,
         policy: kvfleet_router::PolicyKind::CacheAware,
         endpoint: "chat",
+        pin: None,
     }
 }
 
