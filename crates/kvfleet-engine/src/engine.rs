@@ -567,7 +567,7 @@ impl Engine {
                     },
                 });
             }
-            let started = std::time::Instant::now();
+            let started = Instant::now();
             let logits = self.backend.forward(&items)?;
             let ns = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
             self.stats.forward_ns = self.stats.forward_ns.saturating_add(ns);

@@ -617,16 +617,18 @@ impl KvRouter {
         // Any policy's choice pulls what a peer holds beyond it (cache-aware chose
         // knowing it would).
         let min_pull = self.config.cache_aware.tiers.peer_pull_min_blocks;
-        let pull = peer_source
-            .filter(|src| src.worker != worker && src.blocks >= have + min_pull.max(1))
-            .and_then(|src| {
-                Some(PullPlan {
-                    from: self.registry.name(src.worker)?.clone(),
-                    from_idx: src.worker,
-                    first_block: have,
-                    end_block: src.blocks,
-                })
-            });
+        let pull = peer_source.and_then(|src| {
+            let blocks = src.pull_blocks(&chosen, min_pull);
+            if blocks == 0 {
+                return None;
+            }
+            Some(PullPlan {
+                from: self.registry.name(src.worker)?.clone(),
+                from_idx: src.worker,
+                first_block: have,
+                end_block: have + blocks,
+            })
+        });
         let peer_blocks = pull.as_ref().map_or(0, |p| p.end_block - p.first_block);
         let predicted_cached_tokens = (have + peer_blocks) * bs;
         let prefill_tokens = prompt_tokens.saturating_sub(predicted_cached_tokens);

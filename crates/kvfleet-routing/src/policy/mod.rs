@@ -93,14 +93,21 @@ impl RouteContext<'_> {
     /// holds itself, when the source is another worker ahead by at least
     /// `min_blocks` (0 otherwise, and always 0 with `min_blocks` 0).
     pub fn pull_blocks(&self, c: &Candidate, min_blocks: usize) -> usize {
-        let Some(src) = self.peer_source else {
-            return 0;
-        };
+        self.peer_source
+            .map_or(0, |src| src.pull_blocks(c, min_blocks))
+    }
+}
+
+impl PeerSource {
+    /// Blocks `c` would pull from this source: those after everything `c` holds
+    /// itself, when the source is another worker ahead by at least `min_blocks` (0
+    /// otherwise, and always 0 with `min_blocks` 0).
+    pub fn pull_blocks(&self, c: &Candidate, min_blocks: usize) -> usize {
         let have = c.matched_blocks + c.host_blocks + c.disk_blocks;
-        if min_blocks == 0 || src.worker == c.worker || src.blocks < have + min_blocks {
+        if min_blocks == 0 || self.worker == c.worker || self.blocks < have + min_blocks {
             return 0;
         }
-        src.blocks - have
+        self.blocks - have
     }
 }
 
