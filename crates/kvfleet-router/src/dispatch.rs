@@ -77,6 +77,10 @@ pub struct Dispatched<T = pb::GenerateResponse> {
     pub started: Instant,
     /// What the control plane's usage records need.
     pub facts: RequestFacts,
+    /// What [`dispatch`] started, so that a generation whose worker fails before it
+    /// reached the client can start over elsewhere ([`dispatch_excluding`]); `None`
+    /// for a fork, whose children are the fork's.
+    pub spec: Option<Arc<GenerationSpec>>,
 }
 
 /// Keeps a request counted as in flight on its worker until dropped.
@@ -114,9 +118,21 @@ impl Drop for InflightGuard {
 }
 
 /// Routes and starts `spec`, retrying elsewhere while no worker has started it.
-pub async fn dispatch(fleet: &Arc<Fleet>, spec: &GenerationSpec) -> Result<Dispatched, ApiError> {
+pub async fn dispatch(
+    fleet: &Arc<Fleet>,
+    spec: &Arc<GenerationSpec>,
+) -> Result<Dispatched, ApiError> {
+    dispatch_excluding(fleet, spec, &[]).await
+}
+
+/// [`dispatch`] on any worker but those in `exclude` (which already failed it).
+pub async fn dispatch_excluding(
+    fleet: &Arc<Fleet>,
+    spec: &Arc<GenerationSpec>,
+    exclude: &[String],
+) -> Result<Dispatched, ApiError> {
     let block_size = fleet.config.router.block_size as u32;
-    dispatch_with(fleet, spec, |conn, pull| {
+    let mut d = dispatch_with(fleet, spec, exclude, |conn, pull| {
         let req = pb::GenerateRequest {
             pull,
             request_id: spec.request_id.clone(),
@@ -133,7 +149,9 @@ pub async fn dispatch(fleet: &Arc<Fleet>, spec: &GenerationSpec) -> Result<Dispa
         };
         async move { conn.generate(req).await }
     })
-    .await
+    .await?;
+    d.spec = Some(spec.clone());
+    Ok(d)
 }
 
 /// The pull hint of `decision` (the routing core's [`PullPlan`]), addressed to the
@@ -171,11 +189,13 @@ impl WorkerMessage for pb::ForkResponse {
 }
 
 /// Routes `spec` (its hashes, length, policy and fork group) and starts it with
-/// `start` on the chosen worker, retrying elsewhere while no worker has accepted it.
-/// `start` should ask for an acknowledgement (`report_acceptance`).
+/// `start` on the chosen worker (never one in `exclude`), retrying elsewhere while no
+/// worker has accepted it. `start` should ask for an acknowledgement
+/// (`report_acceptance`).
 pub async fn dispatch_with<T, F, Fut>(
     fleet: &Arc<Fleet>,
     spec: &GenerationSpec,
+    exclude: &[String],
     start: F,
 ) -> Result<Dispatched<T>, ApiError>
 where
@@ -208,7 +228,7 @@ where
     }
     let mut claim_pending = placement.is_some() && pin.is_none();
     // Workers this request already failed on: a retry goes elsewhere.
-    let mut tried: Vec<String> = Vec::new();
+    let mut tried: Vec<String> = exclude.to_vec();
     let route = |pin: Option<&str>, tried: &[String]| {
         fleet.routing.route(&RouteRequest {
             hashes: &spec.hashes,
@@ -367,6 +387,7 @@ where
                     guard,
                     started,
                     facts,
+                    spec: None,
                 });
             }
             Ok(Ok((_, None))) => {

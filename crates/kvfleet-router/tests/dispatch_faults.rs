@@ -7,6 +7,7 @@ mod support;
 use kvfleet_core::{hash_blocks, namespace_seed};
 use kvfleet_router::circuit_breaker::{BreakerConfig, CircuitState};
 use kvfleet_router::dispatch::{dispatch, GenerationSpec};
+use kvfleet_router::http_front::collect;
 use kvfleet_router::{Fleet, FleetConfig, RouterConfig};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -33,7 +34,7 @@ fn cached_chain() -> Vec<(u64, Option<u64>)> {
         .collect()
 }
 
-fn spec(id: &str) -> GenerationSpec {
+fn spec(id: &str) -> Arc<GenerationSpec> {
     chat_spec(id, prompt().0)
 }
 
@@ -220,4 +221,39 @@ async fn a_cut_connection_is_a_transport_error_and_retried_elsewhere() {
     let d = call.await.unwrap().expect("retried");
     assert_eq!(d.worker, "w1");
     assert_eq!(fleet.workers.circuit_state("w0"), CircuitState::Open);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_generation_whose_worker_fails_mid_way_is_redone_elsewhere_before_the_client_sees_it() {
+    // A non-streamed answer has reached no client yet: a worker that hangs (SIGSTOP)
+    // or drops the connection after its first token costs a retry, not the request.
+    let fleet = fleet(5, |c| c.stall_timeout = Duration::from_millis(300));
+    let (w0, w1) = two_workers(&fleet, Script::StallAfterFirst, Script::Answer).await;
+    let scripts = [
+        Script::StallAfterFirst,
+        Script::FailAfterFirst(tonic::Code::Unavailable),
+    ];
+    for (i, script) in scripts.into_iter().enumerate() {
+        w0.set_script(script.clone());
+        let d = dispatch(&fleet, &spec(&format!("m{i}"))).await.unwrap();
+        assert_eq!(d.worker, "w0", "{script:?}: w0 holds the prefix");
+        let (out, worker) = collect(&fleet, d).await.expect("redone on w1");
+        assert_eq!(worker, "w1", "{script:?}");
+        // w0's partial "y" is dropped: the answer is w1's alone.
+        assert_eq!(out.text, "x", "{script:?}");
+        assert_eq!(out.finish, Some("length"), "{script:?}");
+        assert_eq!((w0.generates(), w1.generates()), (i + 1, i + 1));
+    }
+    // A failure of the request itself is not the worker's: not resent.
+    w0.set_script(Script::FailAfterFirst(tonic::Code::Internal));
+    let d = dispatch(&fleet, &spec("request-level")).await.unwrap();
+    let err = collect(&fleet, d).await.expect_err("502");
+    assert_eq!(err.status.as_u16(), 502);
+    assert_eq!(w1.generates(), 2, "not resent to w1");
+    // Every worker failing it: the client gets the error once the attempts run out.
+    w1.set_script(Script::StallAfterFirst);
+    w0.set_script(Script::StallAfterFirst);
+    let d = dispatch(&fleet, &spec("everywhere")).await.unwrap();
+    let err = collect(&fleet, d).await.expect_err("502");
+    assert_eq!(err.status.as_u16(), 502, "{err:?}");
 }

@@ -83,7 +83,9 @@ pub async fn completions(
             include_usage,
         ));
     }
-    let (outs, usage) = collect_choices(&fleet, dispatched, more).await?;
+    let (outs, usage, served_by) = collect_choices(&fleet, dispatched, more).await?;
+    let mut worker_header = worker_header;
+    super::insert_header(&mut worker_header, super::WORKER_HEADER, &served_by);
     let choices = outs
         .into_iter()
         .enumerate()

@@ -227,7 +227,7 @@ pub async fn forks(
         async move {
             let block_size = fleet.routing.block_size() as u32;
             // A fork computes its prefix where it lands: no peer pull.
-            let mut d = dispatch_with(&fleet, &spec, |conn, _pull| {
+            let mut d = dispatch_with(&fleet, &spec, &[], |conn, _pull| {
                 let req = pb::ForkRequest {
                     request_id: spec.request_id.clone(),
                     model: String::new(),

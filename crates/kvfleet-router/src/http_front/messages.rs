@@ -154,7 +154,9 @@ async fn serve(
             relay_sse(fleet, dispatched, writer, true, tx)
         }));
     }
-    let (out, _) = collect(&fleet, dispatched).await?;
+    let (out, served_by) = collect(&fleet, dispatched).await?;
+    let mut worker_header = worker_header;
+    super::insert_header(&mut worker_header, super::WORKER_HEADER, &served_by);
     let (text, calls) = match want_tools {
         true => parse_tool_calls(&out.text, &id),
         false => (out.text, Vec::new()),

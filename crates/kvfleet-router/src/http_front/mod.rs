@@ -19,6 +19,8 @@ pub mod openapi;
 mod relay;
 mod turn;
 
+pub use relay::{collect, Collected};
+
 use crate::admission::{Admission, Limits};
 use crate::dispatch::{dispatch, Dispatched, GenerationSpec};
 use crate::fleet::Fleet;
@@ -342,7 +344,7 @@ async fn prepare(
             }
         },
     };
-    let spec = GenerationSpec {
+    let spec = Arc::new(GenerationSpec {
         pin: ticket.as_ref().map(|t| t.request()),
         request_id: request_id(),
         token_ids: ids,
@@ -354,7 +356,7 @@ async fn prepare(
         session: meta.session.clone(),
         policy: meta.policy,
         endpoint: meta.endpoint,
-    };
+    });
     let dispatched = match dispatch(fleet, &spec).await {
         Ok(mut d) => {
             d.facts.cache_salt = meta.usage_tenant.clone();
@@ -399,14 +401,14 @@ async fn prepare(
     // its blocks cached (or reserved) on its worker and compute only what is left.
     let mut more = Vec::with_capacity(n - 1);
     for i in 1..n {
-        let mut spec = spec.clone();
+        let mut spec = GenerationSpec::clone(&spec);
         spec.request_id = request_id();
         // The first choice pinned what there was to pin.
         spec.pin = None;
         // A choice's seed is the request's plus its index: the same request reproduces
         // every choice.
         spec.sampling.seed = spec.sampling.seed.map(|s| s.wrapping_add(i as u64));
-        let mut d = dispatch(fleet, &spec).await?;
+        let mut d = dispatch(fleet, &Arc::new(spec)).await?;
         d.facts.cache_salt = meta.usage_tenant.clone();
         more.push(d);
     }

@@ -1,7 +1,9 @@
 //! Relaying a worker's Generate stream to an HTTP client: collected into one JSON
 //! body, or re-encoded as server-sent events chunk by chunk.
 
-use crate::dispatch::{finish_reason_name, report_usage, Dispatched};
+use crate::dispatch::{
+    classify, dispatch_excluding, finish_reason_name, report_usage, Dispatched, Fault,
+};
 use crate::fleet::Fleet;
 use crate::fleet_metrics as m;
 use crate::openai::error::ApiError;
@@ -208,8 +210,58 @@ pub(super) async fn next_message<T: prost::Message + Default>(
     Err(err)
 }
 
-/// Reads the whole stream.
-pub async fn collect(fleet: &Fleet, mut d: Dispatched) -> Result<(Collected, String), ApiError> {
+/// Reads a generation to its end. Nothing has reached the client yet, so a worker that
+/// fails, stalls or ends the stream early mid-generation does not fail the request: it
+/// starts over on another worker (at most `max_attempts` workers in all), as a request
+/// no worker accepted would. A failure of the request itself (not its worker's) is not
+/// resent.
+pub async fn collect(
+    fleet: &Arc<Fleet>,
+    mut d: Dispatched,
+) -> Result<(Collected, String), ApiError> {
+    let mut failed: Vec<String> = Vec::new();
+    loop {
+        let unfinished = match collect_once(fleet, &mut d).await {
+            Ok(out) => return Ok((out, d.worker)),
+            Err(u) => u,
+        };
+        let spec = match d.spec.take() {
+            Some(spec) if unfinished.worker_fault => spec,
+            _ => return Err(unfinished.error),
+        };
+        failed.push(d.worker.clone());
+        if failed.len() >= fleet.config.max_attempts.max(1) {
+            return Err(unfinished.error);
+        }
+        m::retry();
+        let (started, tenant) = (d.started, std::mem::take(&mut d.facts.cache_salt));
+        // Dropping the call aborts the request on the failed worker.
+        drop(d);
+        // Its pin, if any, was settled on the first worker: the new one computes the
+        // prefix without pinning it again outside the tenant's budget.
+        let mut spec = spec;
+        if spec.pin.is_some() {
+            Arc::make_mut(&mut spec).pin = None;
+        }
+        d = match dispatch_excluding(fleet, &spec, &failed).await {
+            Ok(d) => d,
+            Err(_) => return Err(unfinished.error),
+        };
+        d.started = started;
+        d.facts.cache_salt = tenant;
+    }
+}
+
+/// Why [`collect_once`] has no answer.
+struct Unfinished {
+    /// What the client is told if the request is not redone.
+    error: ApiError,
+    /// The worker (or its connection) failed, not the request: it may be redone.
+    worker_fault: bool,
+}
+
+/// Reads the whole stream of one worker's attempt.
+async fn collect_once(fleet: &Fleet, d: &mut Dispatched) -> Result<Collected, Unfinished> {
     let mut tally = Tally::new(d.started);
     let mut out = Collected::default();
     let mut msg = Some(std::mem::take(&mut d.first));
@@ -222,27 +274,30 @@ pub async fn collect(fleet: &Fleet, mut d: Dispatched) -> Result<(Collected, Str
             out.stop_sequence = cur.stop_sequence;
             break;
         }
-        match next_message(fleet, &mut d).await {
+        match next_message(fleet, d).await {
             Ok(next) => msg = next,
             Err(e) => {
-                tally.close(fleet, &d, "worker_error");
-                return Err(ApiError::worker_failed(e.message(&d.worker)));
+                tally.close(fleet, d, "worker_error");
+                let worker_fault = match &e {
+                    NextError::Stalled(_) => true,
+                    NextError::Failed(s) => classify(s) == Fault::Transport,
+                };
+                return Err(Unfinished {
+                    error: ApiError::worker_failed(e.message(&d.worker)),
+                    worker_fault,
+                });
             }
         }
     }
-    let outcome = if out.finish.is_some() {
-        "ok"
-    } else {
-        "worker_error"
-    };
-    out.usage = tally.close(fleet, &d, outcome);
     if out.finish.is_none() {
-        return Err(ApiError::worker_failed(format!(
-            "worker {} ended the stream early",
-            d.worker
-        )));
+        tally.close(fleet, d, "worker_error");
+        return Err(Unfinished {
+            error: ApiError::worker_failed(format!("worker {} ended the stream early", d.worker)),
+            worker_fault: true,
+        });
     }
-    Ok((out, d.worker))
+    out.usage = tally.close(fleet, d, "ok");
+    Ok(out)
 }
 
 /// Relays the stream as SSE events into `tx` until it ends or the client goes away
@@ -315,21 +370,29 @@ fn events(w: &impl ChunkWriter, chunks: Vec<String>) -> Vec<Event> {
 }
 
 /// Collects every choice of a request (`first`, then `more` for `n > 1`), in order,
-/// with their usage combined by [`choices_usage`]; the first failed choice's error
-/// fails the request.
+/// with their usage combined by [`choices_usage`] and the worker that served the first
+/// (another than it was sent to, when [`collect`] redid it); the first failed choice's
+/// error fails the request.
 pub(super) async fn collect_choices(
-    fleet: &Fleet,
+    fleet: &Arc<Fleet>,
     first: Dispatched,
     more: Vec<Dispatched>,
-) -> Result<(Vec<Collected>, Usage), ApiError> {
+) -> Result<(Vec<Collected>, Usage, String), ApiError> {
     let ds = std::iter::once(first).chain(more);
     let outs = futures::future::join_all(ds.map(|d| collect(fleet, d))).await;
     let mut collected = Vec::with_capacity(outs.len());
+    let mut served_by = None;
     for r in outs {
-        collected.push(r?.0);
+        let (out, worker) = r?;
+        served_by.get_or_insert(worker);
+        collected.push(out);
     }
     let usages: Vec<Usage> = collected.iter().map(|c| c.usage.clone()).collect();
-    Ok((collected, choices_usage(&usages)))
+    Ok((
+        collected,
+        choices_usage(&usages),
+        served_by.unwrap_or_default(),
+    ))
 }
 
 /// Streams a request's choices as one SSE response: [`relay_sse`] for a single choice,

@@ -25,8 +25,11 @@ pub const MODEL: &str = "fake-model";
 
 /// A one-token chat request for `tokens` (hashed as a fake worker's model), as the
 /// router's tests dispatch it.
-pub fn chat_spec(id: &str, tokens: Vec<u32>) -> kvfleet_router::dispatch::GenerationSpec {
-    kvfleet_router::dispatch::GenerationSpec {
+pub fn chat_spec(
+    id: &str,
+    tokens: Vec<u32>,
+) -> std::sync::Arc<kvfleet_router::dispatch::GenerationSpec> {
+    std::sync::Arc::new(kvfleet_router::dispatch::GenerationSpec {
         request_id: id.to_string(),
         hashes: kvfleet_core::hash_blocks(
             kvfleet_core::namespace_seed(MODEL, ""),
@@ -45,7 +48,7 @@ pub fn chat_spec(id: &str, tokens: Vec<u32>) -> kvfleet_router::dispatch::Genera
         policy: kvfleet_router::PolicyKind::CacheAware,
         endpoint: "chat",
         pin: None,
-    }
+    })
 }
 
 /// How a fake worker answers `Generate`.
@@ -63,6 +66,12 @@ pub enum Script {
     Reject(Code),
     /// Acknowledges (when asked), then ends the stream with this code.
     FailAfterAccept(Code),
+    /// Acknowledges (when asked), sends the prompt's usage and a first token "y", then
+    /// nothing more (a worker hung mid-generation).
+    StallAfterFirst,
+    /// Acknowledges (when asked), sends the first token "y", then ends the stream with
+    /// this code.
+    FailAfterFirst(Code),
 }
 
 /// What a fake worker counted.
@@ -174,6 +183,16 @@ fn answer(prompt_tokens: usize) -> pb::GenerateResponse {
     }
 }
 
+/// The first message of an unfinished generation: the prompt's usage and token "y".
+fn first_token(prompt_tokens: usize) -> pb::GenerateResponse {
+    pb::GenerateResponse {
+        token_ids: vec![8],
+        text: "y".into(),
+        finish_reason: pb::FinishReason::Unspecified as i32,
+        ..answer(prompt_tokens)
+    }
+}
+
 type Sender = mpsc::Sender<Result<pb::GenerateResponse, Status>>;
 
 async fn ack(tx: &Sender, asked: bool) {
@@ -226,6 +245,18 @@ impl Worker for Fake {
                 Script::Silent => tx.closed().await,
                 Script::FailAfterAccept(code) => {
                     ack(&tx, asked).await;
+                    let _ = tx
+                        .send(Err(Status::new(code, format!("scripted {code:?}"))))
+                        .await;
+                }
+                Script::StallAfterFirst => {
+                    ack(&tx, asked).await;
+                    let _ = tx.send(Ok(first_token(n))).await;
+                    tx.closed().await;
+                }
+                Script::FailAfterFirst(code) => {
+                    ack(&tx, asked).await;
+                    let _ = tx.send(Ok(first_token(n))).await;
                     let _ = tx
                         .send(Err(Status::new(code, format!("scripted {code:?}"))))
                         .await;
