@@ -101,9 +101,8 @@ pub async fn chat_completions(
             include_usage,
         ));
     }
-    let (outs, usage, served_by) = collect_choices(&fleet, dispatched, more).await?;
-    let mut worker_header = worker_header;
-    super::insert_header(&mut worker_header, super::WORKER_HEADER, &served_by);
+    let (outs, usage, worker) = collect_choices(&fleet, dispatched, more).await?;
+    let worker_header = super::served_by(worker_header, &worker);
     let choices = outs
         .into_iter()
         .enumerate()

@@ -154,9 +154,8 @@ async fn serve(
             relay_sse(fleet, dispatched, writer, true, tx)
         }));
     }
-    let (out, served_by) = collect(&fleet, dispatched).await?;
-    let mut worker_header = worker_header;
-    super::insert_header(&mut worker_header, super::WORKER_HEADER, &served_by);
+    let (out, worker) = collect(&fleet, dispatched).await?;
+    let worker_header = super::served_by(worker_header, &worker);
     let (text, calls) = match want_tools {
         true => parse_tool_calls(&out.text, &id),
         false => (out.text, Vec::new()),

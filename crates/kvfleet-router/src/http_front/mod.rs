@@ -445,6 +445,13 @@ fn session_id(headers: &HeaderMap, user: Option<&str>) -> Result<Option<String>,
     Ok(id.filter(|s| !s.is_empty()))
 }
 
+/// `headers` naming `worker` as the one that served the request (the one it was
+/// dispatched to, or another when a non-streamed answer was redone there).
+fn served_by(mut headers: HeaderMap, worker: &str) -> HeaderMap {
+    insert_header(&mut headers, WORKER_HEADER, worker);
+    headers
+}
+
 /// Adds a response header, skipping values that are not valid header text.
 fn insert_header(headers: &mut HeaderMap, name: &'static str, value: &str) {
     if let Ok(v) = HeaderValue::from_str(value) {

@@ -212,8 +212,8 @@ pub(super) async fn next_message<T: prost::Message + Default>(
 
 /// Reads a generation to its end. Nothing has reached the client yet, so a worker that
 /// fails, stalls or ends the stream early mid-generation does not fail the request: it
-/// starts over on another worker (at most `max_attempts` workers in all), as a request
-/// no worker accepted would. A failure of the request itself (not its worker's) is not
+/// starts over on a worker it has not been on (until `max_attempts` workers failed it
+/// mid-generation), as a request no worker accepted would. A failure of the request itself (not its worker's) is not
 /// resent.
 pub async fn collect(
     fleet: &Arc<Fleet>,
@@ -225,7 +225,7 @@ pub async fn collect(
             Ok(out) => return Ok((out, d.worker)),
             Err(u) => u,
         };
-        let spec = match d.spec.take() {
+        let mut spec = match d.spec.take() {
             Some(spec) if unfinished.worker_fault => spec,
             _ => return Err(unfinished.error),
         };
@@ -239,7 +239,6 @@ pub async fn collect(
         drop(d);
         // Its pin, if any, was settled on the first worker: the new one computes the
         // prefix without pinning it again outside the tenant's budget.
-        let mut spec = spec;
         if spec.pin.is_some() {
             Arc::make_mut(&mut spec).pin = None;
         }
