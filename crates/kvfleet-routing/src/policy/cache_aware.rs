@@ -35,10 +35,17 @@
 //! ratio and a higher p99 excess over the no-queue floor, the two targets that come
 //! first.
 //!
-//! **Ties** go to the candidate chosen least recently (with `near_tie_tokens` /
-//! `near_tie_ratio`, costs that close to the cheapest count as ties too; off by
-//! default, as the sweep found no gain). Cold prefixes on equally loaded workers then
-//! spread over every worker's cache instead of filling the lowest-index one.
+//! **Ties** (with `near_tie_tokens` / `near_tie_ratio`, costs that close to the
+//! cheapest count as ties too) are broken by rendezvous hashing on the prompt's
+//! *anchor*: the chained hash of its block `2^⌊log2 n⌋ − 1` (`n` full blocks), which
+//! covers at least half the prompt. Every router replica computes the same anchor and
+//! the same scores from the workers' string ids, so fork siblings that reach two
+//! routers at the same instant, with no header, land on one worker. Conversations
+//! that share only a system prompt (under half their length) get different anchors,
+//! so where their costs tie they spread over the tied workers rather than following
+//! one; a conversation keeps its anchor from turn to turn until its length doubles.
+//! A prompt shorter than one block has nothing to keep together: its ties go to the
+//! candidate chosen least recently.
 //!
 //! Bounded-load guard: a worker is skipped in favour of the next cheapest when its
 //! active sequences after taking the request would exceed
@@ -50,7 +57,7 @@
 //! prefix, and later requests for it see both. If every worker is over its bound, the
 //! cheapest is used.
 
-use super::{Candidate, RouteContext, RoutingPolicy, Selection, TierCostConfig};
+use super::{mix64, Candidate, RouteContext, RoutingPolicy, Selection, TierCostConfig};
 use crate::registry::WorkerIdx;
 use kvfleet_core::kv_events::Medium;
 use serde::{Deserialize, Serialize};
@@ -200,9 +207,10 @@ impl CacheAware {
     }
 }
 
-/// (cost, active sequences, worker): the order in which candidates are preferred
-/// before near ties are broken.
-type Key = (f64, usize, WorkerIdx);
+/// (cost, active sequences, worker, the worker's id hash): the order in which
+/// candidates are preferred before near ties are broken (the id hash only scores
+/// them in the tie pass).
+type Key = (f64, usize, WorkerIdx, u64);
 
 fn lt(a: &Key, b: &Key) -> bool {
     a.0 < b.0 || (a.0 == b.0 && (a.1, a.2) < (b.1, b.2))
@@ -224,7 +232,12 @@ impl RoutingPolicy for CacheAware {
             busy += usize::from(c.load.prefill_backlog_tokens() > 0);
         }
         let key = |c: &Candidate| -> Key {
-            (self.cost(ctx, c, busy), c.load.active_sequences(), c.worker)
+            (
+                self.cost(ctx, c, busy),
+                c.load.active_sequences(),
+                c.worker,
+                c.id_hash,
+            )
         };
         let bound = (1.0 + self.config.balance_epsilon) * (total + 1) as f64 / n.max(1) as f64
             + self.config.balance_slack;
@@ -253,7 +266,8 @@ impl RoutingPolicy for CacheAware {
                 }
             }
         }
-        let picked = self.pick(best, best_ok, &within);
+        let anchor = prompt_anchor(ctx.hashes);
+        let picked = self.pick(best, best_ok, &within, anchor);
         self.within = within;
         picked
     }
@@ -261,12 +275,13 @@ impl RoutingPolicy for CacheAware {
 
 impl CacheAware {
     /// The end of [`RoutingPolicy::select`]: `best` overall, `best_ok` within bounds,
-    /// `within` every candidate within bounds.
+    /// `within` every candidate within bounds; near ties are broken on `anchor`.
     fn pick(
         &mut self,
         best: Option<Key>,
         best_ok: Option<Key>,
         within: &[Key],
+        anchor: Option<u64>,
     ) -> Option<Selection> {
         let best = best?;
         // Every worker over its bound: the cheapest takes it.
@@ -275,22 +290,28 @@ impl CacheAware {
             return Some(Selection::to(best.2));
         };
 
-        // Pass 3: among the near ties of the target (within bounds), the one chosen
-        // least recently.
+        // Pass 3: among the near ties of the target (within bounds), the highest
+        // rendezvous score of the prompt's anchor (the least recently chosen without
+        // one).
         let band = self
             .config
             .near_tie_tokens
             .max(self.config.near_tie_ratio * target.0);
+        // Higher is preferred.
+        let score = |this: &Self, k: &Key| match anchor {
+            Some(a) => rendezvous_score(a, k.3),
+            None => u64::MAX - this.last_chosen(k.2),
+        };
         let mut pick = target;
-        let mut pick_last = self.last_chosen(target.2);
-        for &k in within {
+        let mut pick_score = score(self, &target);
+        for k in within {
             if k.0 > target.0 + band {
                 continue;
             }
-            let last = self.last_chosen(k.2);
-            if last < pick_last || (last == pick_last && lt(&k, &pick)) {
-                pick = k;
-                pick_last = last;
+            let sc = score(self, k);
+            if sc > pick_score || (sc == pick_score && lt(k, &pick)) {
+                pick = *k;
+                pick_score = sc;
             }
         }
         self.mark_chosen(pick.2);
@@ -301,11 +322,31 @@ impl CacheAware {
     }
 }
 
+/// The prompt's anchor: the chained hash of block `2^⌊log2 n⌋ − 1` of its `n` full
+/// blocks (it covers at least half of them), `None` without a full block. Prompts that
+/// differ only in a short tail share it; prompts that share less than half their
+/// blocks do not.
+pub fn prompt_anchor(hashes: &[kvfleet_core::BlockHash]) -> Option<u64> {
+    let n = hashes.len();
+    if n == 0 {
+        return None;
+    }
+    let at = (1usize << (usize::BITS - 1 - n.leading_zeros())) - 1;
+    hashes.get(at).map(|h| h.0)
+}
+
+/// Rendezvous (highest random weight) score of a worker for an anchor: every replica
+/// computes the same from the worker's string-id hash.
+pub fn rendezvous_score(anchor: u64, worker_id_hash: u64) -> u64 {
+    mix64(anchor ^ mix64(worker_id_hash))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::load::WorkerLoad;
     use crate::policy::PeerSource;
+    use kvfleet_core::BlockHash;
 
     fn cand(i: u32, backlog: usize, active: usize, matched: usize) -> Candidate {
         Candidate {
@@ -332,6 +373,30 @@ mod tests {
         }
     }
 
+    fn chain(seed: u64, n: usize) -> Vec<BlockHash> {
+        (0..n as u64)
+            .map(|i| BlockHash(mix64(seed ^ mix64(i + 1))))
+            .collect()
+    }
+
+    /// Routes `prompts` in turn over idle, equal workers, counting each choice as one
+    /// more running sequence there (as the router's in-flight bookkeeping does).
+    fn route_in_turn(p: &mut CacheAware, workers: u32, prompts: &[Vec<BlockHash>]) -> Vec<u32> {
+        let mut c: Vec<Candidate> = (0..workers).map(|i| cand(i, 0, 0, 0)).collect();
+        prompts
+            .iter()
+            .map(|h| {
+                let ctx = RouteContext {
+                    hashes: h,
+                    ..ctx(&c, h.len())
+                };
+                let w = p.select(&ctx).unwrap().worker.0;
+                c[w as usize].load.running += 1;
+                w
+            })
+            .collect()
+    }
+
     #[test]
     fn cold_prompts_on_an_idle_fleet_spread_over_every_worker() {
         // Eight idle, equal workers and no cache anywhere: the old tie-break (fewer
@@ -342,6 +407,66 @@ mod tests {
             .map(|_| p.select(&ctx(&c, 100)).unwrap().worker.0)
             .collect();
         assert_eq!(chosen.len(), 8, "{chosen:?}");
+        // With real prompts the anchors pick: eight different prompts on eight idle
+        // workers still take one worker each.
+        let prompts: Vec<Vec<BlockHash>> = (0..8).map(|s| chain(s, 100)).collect();
+        let chosen: std::collections::BTreeSet<u32> =
+            route_in_turn(&mut CacheAware::default(), 8, &prompts)
+                .into_iter()
+                .collect();
+        assert_eq!(chosen.len(), 8, "{chosen:?}");
+    }
+
+    #[test]
+    fn two_routers_put_cold_siblings_on_one_worker_and_spread_a_herd() {
+        // Fork siblings: 120 shared blocks, then 1 to 5 blocks of their own. Each goes
+        // to its own router replica (no shared state, no header), each of which has
+        // routed a different number of unrelated prompts before: all pick the same
+        // worker. (Choosing the least recently chosen worker split them.)
+        let shared = chain(7, 120);
+        let sibling = |k: u64| {
+            let mut h = shared.clone();
+            h.extend(chain(100 + k, 1 + k as usize % 5));
+            h
+        };
+        let alone: Vec<u32> = (0..6u64)
+            .map(|k| {
+                let mut replica = CacheAware::default();
+                let before: Vec<Vec<BlockHash>> = (0..k).map(|u| chain(500 + u, 30)).collect();
+                route_in_turn(&mut replica, 8, &before);
+                route_in_turn(&mut replica, 8, &[sibling(k)])[0]
+            })
+            .collect();
+        assert!(alone.iter().all(|w| *w == alone[0]), "{alone:?}");
+        // A herd: 64 conversations sharing a 40-block system prompt, each 100 blocks
+        // long. Their anchors differ, so one router spreads them evenly over 8 idle
+        // workers (the load bookkeeping breaks the remaining ties).
+        let herd: Vec<Vec<BlockHash>> = (0..64)
+            .map(|s| {
+                let mut h = shared[..40].to_vec();
+                h.extend(chain(1_000 + s, 60));
+                h
+            })
+            .collect();
+        let anchors: std::collections::BTreeSet<u64> =
+            herd.iter().filter_map(|h| prompt_anchor(h)).collect();
+        assert_eq!(anchors.len(), 64);
+        let mut per = [0u32; 8];
+        for w in route_in_turn(&mut CacheAware::default(), 8, &herd) {
+            per[w as usize] += 1;
+        }
+        assert_eq!(per, [8; 8]);
+    }
+
+    #[test]
+    fn the_anchor_covers_at_least_half_the_prompt() {
+        let h = chain(3, 1_000);
+        assert_eq!(prompt_anchor(&h[..0]), None);
+        assert_eq!(prompt_anchor(&h[..1]), Some(h[0].0));
+        assert_eq!(prompt_anchor(&h[..3]), Some(h[1].0));
+        assert_eq!(prompt_anchor(&h[..511]), Some(h[255].0));
+        assert_eq!(prompt_anchor(&h[..512]), Some(h[511].0));
+        assert_eq!(prompt_anchor(&h[..1_000]), Some(h[511].0));
     }
 
     #[test]
