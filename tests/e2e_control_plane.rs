@@ -227,6 +227,48 @@ fn two_routers_three_workers_on_etcd_and_kafka() {
         index_view(&r1.addr)
     );
 
+    // 2b. Siblings as an agent SDK sends them, with no fork header: 20 agents, each
+    // forking 6 children whose prompts share the agent's ~1.9k-token history and
+    // differ in a short directive, sent concurrently and alternately to both routers.
+    // Every agent's children must land on one worker, which computes the shared
+    // prefix once: at most one child per agent finds less than the history cached.
+    let agent_child = |agent: u32, child: u32| {
+        chat(
+            json!([
+                {"role": "system", "content": format!("agent {agent}: {}", filler(2_000 + agent, 1_900))},
+                {"role": "user", "content": format!("sub-task {child}: {}", filler(3_000 + agent * 10 + child, 40))},
+            ]),
+            2,
+        )
+    };
+    let mut one_worker = 0;
+    let mut computed_once = 0;
+    for agent in 0..20u32 {
+        let handles: Vec<_> = (0..6u32)
+            .map(|child| {
+                let router = if child % 2 == 0 { &r1.addr } else { &r2.addr }.clone();
+                let body = agent_child(agent, child);
+                std::thread::spawn(move || send(&router, &body, &[]))
+            })
+            .collect();
+        let served: Vec<(u16, Option<String>, u64)> = handles
+            .into_iter()
+            .map(|h| h.join().expect("child thread"))
+            .collect();
+        assert!(served.iter().all(|s| s.0 == 200), "{served:?}");
+        let ws: HashSet<&Option<String>> = served.iter().map(|s| &s.1).collect();
+        let cold = served.iter().filter(|s| s.2 < 1_800).count();
+        one_worker += usize::from(ws.len() == 1);
+        computed_once += usize::from(cold <= 1);
+        if ws.len() != 1 || cold > 1 {
+            eprintln!("agent {agent}: children on {ws:?}, {cold} computed the prefix: {served:?}");
+        }
+    }
+    eprintln!(
+        "header-less siblings through two routers: one worker in {one_worker} of 20 agents, prefix computed once in {computed_once} of 20"
+    );
+    assert_eq!((one_worker, computed_once), (20, 20));
+
     // 3. SIGKILL the worker holding fork group 0; keep sending through both routers.
     let victim = placed[&0].clone();
     let mut workers = workers;
