@@ -5,8 +5,9 @@
 //! tenant's pinned bytes (its live pinned blocks, counted once each, times the KV size
 //! of a block) stay within its budget; the worker may still refuse when its own cap on
 //! pinned blocks is reached. A pin the worker grants is recorded here, block hash →
-//! worker and expiry, so that a later request whose prefix matches a live pin is
-//! routed to that worker ([`PinTable::worker_for`]).
+//! worker and expiry, so that a later request that reuses a live pinned prefix up to
+//! its breakpoint (its last pinned block) is routed to that worker
+//! ([`PinTable::worker_for`]); one that shares only its first blocks is not.
 //!
 //! The budget is reserved when the pin is asked for and settled when the worker
 //! answers, so concurrent requests of one tenant cannot overshoot it together. The
@@ -90,6 +91,9 @@ struct Entry {
     worker: Arc<str>,
     tenant: Arc<str>,
     expires_ms: u64,
+    /// The last block of a pinned prefix (a breakpoint): only a prompt that reaches
+    /// it reuses that prefix.
+    breakpoint: bool,
 }
 
 #[derive(Debug, Default)]
@@ -214,13 +218,16 @@ impl PinTable {
         })
     }
 
-    /// The worker holding the longest live pinned prefix of `hashes`, if any.
+    /// The worker holding the longest live pinned prefix of `hashes` that `hashes`
+    /// reuse whole (up to its breakpoint), if any. A prompt sharing only the first
+    /// blocks of a pinned prefix (a chat template's opening) is not steered by it.
     pub fn worker_for(&self, hashes: &[BlockHash], now_ms: u64) -> Option<Arc<str>> {
         let inner = lock(&self.inner);
         let mut worker = None;
         for h in hashes {
             match inner.live(h, now_ms) {
-                Some(e) => worker = Some(e.worker.clone()),
+                Some(e) if e.breakpoint => worker = Some(e.worker.clone()),
+                Some(_) => {}
                 None => break,
             }
         }
@@ -302,10 +309,12 @@ impl PinTicket {
         let expires_ms = now_ms + r.expires_in_ms;
         let worker: Arc<str> = Arc::from(worker);
         let n = (r.blocks as usize).min(self.hashes.len());
-        for h in &self.hashes[..n] {
+        for (i, h) in self.hashes[..n].iter().enumerate() {
             let live = inner.live(h, now_ms).is_some();
+            let breakpoint = i + 1 == n;
             match inner.blocks.get_mut(h) {
                 Some(e) if live => {
+                    e.breakpoint |= breakpoint;
                     // A re-pin moves the expiry later; the block still counts once,
                     // for the tenant that pinned it first.
                     if e.expires_ms < expires_ms {
@@ -328,6 +337,7 @@ impl PinTicket {
                             worker: worker.clone(),
                             tenant: self.tenant.clone(),
                             expires_ms,
+                            breakpoint,
                         },
                     );
                     inner.tenants.entry(self.tenant.clone()).or_default().pinned += 1;
@@ -391,6 +401,27 @@ mod tests {
         assert_eq!(t.worker_for(&hs(50, 3), 1000), None);
         assert_eq!(t.worker_for(&a, 300_000), None, "expired");
         assert_eq!(t.tenant_bytes("acme", 100), 400);
+    }
+
+    #[test]
+    fn only_a_prompt_that_reaches_the_pinned_breakpoint_is_routed_by_it() {
+        // A 4-block pin. Prompts that share its first blocks only (a chat template's
+        // opening, say) but not the whole pinned prefix are routed on their own: the
+        // pin once pulled every such prompt onto its worker, even under round-robin.
+        let t = Arc::new(PinTable::new(10_000, 100));
+        let a = hs(1, 4);
+        let ticket = t.reserve("acme", &a, 100, 300, 0).unwrap();
+        ticket.settle("w1", Some(&granted(4, 300_000)), 0);
+        let mut shares_two = a[..2].to_vec();
+        shares_two.extend(hs(500, 10));
+        assert_eq!(t.worker_for(&shares_two, 1000), None);
+        assert_eq!(t.worker_for(&a[..3], 1000), None);
+        assert_eq!(t.worker_for(&a, 1000).as_deref(), Some("w1"));
+        // A second, shorter pin on another worker ends at block 2: a prompt reaching
+        // block 2 but not 4 follows it; one reaching block 4 follows the deeper pin.
+        let ticket = t.reserve("acme", &a[..2], 100, 300, 0).unwrap();
+        ticket.settle("w2", Some(&granted(2, 300_000)), 0);
+        assert_eq!(t.worker_for(&shares_two, 1000).as_deref(), Some("w2"));
     }
 
     #[test]
