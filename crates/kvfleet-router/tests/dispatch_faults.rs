@@ -182,7 +182,9 @@ async fn request_level_errors_reach_the_client_and_leave_the_worker_alone() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn transport_errors_are_the_workers_retried_and_charged_once() {
-    let fleet = fleet(3, |_| {});
+    // w1's reservation from each retry lapses at the next route (the fake worker sends no KV
+    // events to confirm it): w0 stays the only holder, so each request tries w0 first.
+    let fleet = fleet(3, |c| c.router.reservation_ttl_ms = 0);
     let (w0, w1) = two_workers(&fleet, Script::Answer, Script::Answer).await;
     for (i, code) in [tonic::Code::Unavailable, tonic::Code::DeadlineExceeded]
         .into_iter()
@@ -227,7 +229,12 @@ async fn a_cut_connection_is_a_transport_error_and_retried_elsewhere() {
 async fn a_generation_whose_worker_fails_mid_way_is_redone_elsewhere_before_the_client_sees_it() {
     // A non-streamed answer has reached no client yet: a worker that hangs (SIGSTOP)
     // or drops the connection after its first token costs a retry, not the request.
-    let fleet = fleet(5, |c| c.stall_timeout = Duration::from_millis(300));
+    // As above, w1's reservations from the redos lapse at the next route: w0 stays the only
+    // holder of the prefix.
+    let fleet = fleet(5, |c| {
+        c.stall_timeout = Duration::from_millis(300);
+        c.router.reservation_ttl_ms = 0;
+    });
     let (w0, w1) = two_workers(&fleet, Script::StallAfterFirst, Script::Answer).await;
     let scripts = [
         Script::StallAfterFirst,
