@@ -4,6 +4,9 @@
 //! - Fork siblings sent alternately (and concurrently) to router 1 and router 2 all
 //!   land on one worker: the first router to route the group places it with a
 //!   compare-and-set, the other follows.
+//! - Fork children with no header, and a herd behind one shared system prompt, sent
+//!   through both routers: each agent's children on one worker (the prompt's anchor is
+//!   placed with one compare-and-set), the herd spread (busiest ≤ 1.5 × the mean).
 //! - Both routers converge to the same index from the KV event stream.
 //! - SIGKILL a worker: no request that had not started is lost, and the lease's expiry
 //!   (3 s here) removes it from both routers.
@@ -268,6 +271,40 @@ fn two_routers_three_workers_on_etcd_and_kafka() {
         "header-less siblings through two routers: one worker in {one_worker} of 20 agents, prefix computed once in {computed_once} of 20"
     );
     assert_eq!((one_worker, computed_once), (20, 20));
+
+    // 2c. A herd: 12 sessions behind one shared ~1.2k-token system prompt, each with
+    // ~1.5k tokens of its own, sent concurrently through both routers. The shared
+    // prompt is cached on one worker first; the sessions must not all pile onto it.
+    let herd_system = format!("shared agent rules: {}", filler(7_777, 1_200));
+    let herd = |s: u32| {
+        chat(
+            json!([
+                {"role": "system", "content": herd_system},
+                {"role": "user", "content": format!("session {s}: {}", filler(9_000 + s, 1_500))},
+            ]),
+            2,
+        )
+    };
+    let (status, holder, _) = send(&r1.addr, &herd(999), &[]);
+    assert_eq!(status, 200);
+    let handles: Vec<_> = (0..12u32)
+        .map(|s| {
+            let router = if s % 2 == 0 { &r1.addr } else { &r2.addr }.clone();
+            let body = herd(s);
+            std::thread::spawn(move || send(&router, &body, &[]))
+        })
+        .collect();
+    let mut per_worker: BTreeMap<String, usize> = BTreeMap::new();
+    for h in handles {
+        let (status, w, _) = h.join().expect("herd thread");
+        assert_eq!(status, 200);
+        *per_worker.entry(w.unwrap_or_default()).or_default() += 1;
+    }
+    let busiest = per_worker.values().copied().max().unwrap_or(0);
+    eprintln!(
+        "herd of 12 through two routers (system prompt cached on {holder:?}): {per_worker:?}, busiest {busiest} against a mean of 4"
+    );
+    assert!(busiest <= 6, "the herd piled up: {per_worker:?}");
 
     // 3. SIGKILL the worker holding fork group 0; keep sending through both routers.
     let victim = placed[&0].clone();

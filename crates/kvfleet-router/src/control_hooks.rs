@@ -2,10 +2,10 @@
 //! records; see `kvfleet-control`) joins the request path. A fleet without hooks —
 //! the embedded default — routes on its own index alone.
 //!
-//! - Placement: a request's fork group (or, for a prompt no worker is known to hold,
-//!   its prefix root) may already be placed on a worker by another router; the
-//!   request is then pinned there. If not, the worker this router chose is claimed
-//!   with one compare-and-set, and the request follows the winner.
+//! - Placement: a request's fork group (or, for a prompt no worker is known to hold
+//!   up to its anchor block, that anchor) may already be placed on a worker by another
+//!   router; the request is then pinned there. If not, the worker this router chose
+//!   is claimed with one compare-and-set, and the request follows the winner.
 //! - Usage: every finished request is reported once, without text.
 
 use crate::fleet_metrics as m;
@@ -20,7 +20,9 @@ use std::time::{Duration, Instant};
 pub enum PlacementRef {
     /// A client-named fork group.
     ForkGroup(String),
-    /// The first block hash of a prompt.
+    /// A prompt's anchor block hash (`kvfleet_routing::policy::prompt_anchor`: the
+    /// block that covers at least half of it), shared by fork siblings, not by
+    /// sessions that share only a system prompt.
     PrefixRoot(u64),
 }
 

@@ -599,7 +599,7 @@ mod tests {
         rc.apply_record(&record("w0", 7, 2, &[12])).await;
         assert_eq!(fleet.routing.last_seq("w0"), Some(2));
         let chain = [10, 11, 12].map(BlockHash);
-        assert!(fleet.routing.is_known_prefix(&chain));
+        assert!(fleet.routing.holds_prefix(&chain));
 
         // A worker this router does not follow: ignored, nothing registered.
         rc.apply_record(&record("w9", 7, 1, &[10])).await;

@@ -22,6 +22,7 @@ use crate::worker_conn::WorkerConn;
 use kvfleet_core::openai::Usage;
 use kvfleet_core::BlockHash;
 use kvfleet_proto::v1 as pb;
+use kvfleet_routing::policy::anchor_block;
 use kvfleet_routing::policy::PolicyKind;
 use kvfleet_routing::RouteDecision;
 use std::future::Future;
@@ -206,14 +207,17 @@ where
     let started = Instant::now();
     let mut last_error = String::from("no worker is available");
     let hooks = fleet.control.hooks();
-    // A placement shared with other routers: the fork group, else the prefix root of a
-    // prompt no worker is known to hold yet.
+    // A placement shared with other routers: the fork group, else the prompt's anchor
+    // block (covering at least half of it) while no worker is known to hold the prompt
+    // up to it. Siblings share their anchor, so the routers they reach agree on one
+    // worker; sessions behind one system prompt have different anchors, so a shared
+    // prompt never places them all on one worker.
     let placement = hooks.as_ref().and_then(|_| match &spec.fork_group {
         Some(g) => Some(PlacementRef::ForkGroup(g.clone())),
         None => {
-            let first = spec.hashes.first()?;
-            let known = fleet.routing.is_known_prefix(&spec.hashes);
-            (!known).then_some(PlacementRef::PrefixRoot(first.0))
+            let at = anchor_block(spec.hashes.len())?;
+            let known = fleet.routing.holds_prefix(&spec.hashes[..=at]);
+            (!known).then_some(PlacementRef::PrefixRoot(spec.hashes[at].0))
         }
     });
     let mut pin = match (&hooks, &placement) {

@@ -68,10 +68,10 @@ impl RoutingState {
         lock(&self.kv).route_excluding(r.hashes, r.prompt_tokens, r.pin, r.policy, now, r.exclude)
     }
 
-    /// Whether any worker holds (or is about to hold) the first block of `hashes`.
-    pub fn is_known_prefix(&self, hashes: &[BlockHash]) -> bool {
+    /// Whether some worker holds (or is about to hold) every block of `hashes`.
+    pub fn holds_prefix(&self, hashes: &[BlockHash]) -> bool {
         let now = self.now_ms();
-        lock(&self.kv).matches(hashes, now).deepest() > 0
+        lock(&self.kv).matches(hashes, now).deepest() >= hashes.len()
     }
 
     /// Ends a reservation early (the request never reached the worker).
@@ -203,16 +203,16 @@ mod tests {
             policy: PolicyKind::CacheAware,
             exclude: &[],
         };
-        assert!(!r.is_known_prefix(&chain));
+        assert!(!r.holds_prefix(&chain));
         let d = r.route(&req).unwrap();
         // The reservation makes the chain known before any event confirms it.
-        assert!(r.is_known_prefix(&chain));
+        assert!(r.holds_prefix(&chain));
         // What dispatch does for a request that never reached its worker: the
         // reservation is cancelled and its in-flight guard dropped.
         r.cancel_reservation(d.reservation.unwrap());
         r.request_finished(&d.worker, d.prefill_tokens);
         assert!(
-            !r.is_known_prefix(&chain),
+            !r.holds_prefix(&chain),
             "abandoned reservation still steers"
         );
         let snap = r.snapshot();

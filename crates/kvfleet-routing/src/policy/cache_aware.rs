@@ -323,12 +323,13 @@ impl CacheAware {
 /// differ only in a short tail share it; prompts that share less than half their
 /// blocks do not.
 pub fn prompt_anchor(hashes: &[kvfleet_core::BlockHash]) -> Option<u64> {
-    let n = hashes.len();
-    if n == 0 {
-        return None;
-    }
-    let at = (1usize << (usize::BITS - 1 - n.leading_zeros())) - 1;
-    hashes.get(at).map(|h| h.0)
+    anchor_block(hashes.len()).and_then(|at| hashes.get(at).map(|h| h.0))
+}
+
+/// The index of the anchor block among `blocks` full blocks: `2^⌊log2 blocks⌋ − 1`
+/// (`None` for none). See [`prompt_anchor`].
+pub fn anchor_block(blocks: usize) -> Option<usize> {
+    (blocks > 0).then(|| (1usize << (usize::BITS - 1 - blocks.leading_zeros())) - 1)
 }
 
 /// Rendezvous (highest random weight) score of a worker for an anchor: every replica

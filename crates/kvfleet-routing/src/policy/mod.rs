@@ -18,7 +18,9 @@ mod random;
 mod round_robin;
 mod tier_cost;
 
-pub use cache_aware::{prompt_anchor, rendezvous_score, CacheAware, CacheAwareConfig};
+pub use cache_aware::{
+    anchor_block, prompt_anchor, rendezvous_score, CacheAware, CacheAwareConfig,
+};
 pub use consistent_hash::{ConsistentHash, ConsistentHashConfig};
 pub use least_loaded::LeastLoaded;
 pub use random::RandomPolicy;
