@@ -81,7 +81,7 @@ impl ModelArgs {
                 tokenizer: sim.prompt.tokenizer.clone(),
                 chat_template: sim.prompt.chat_template.clone(),
             },
-            worker: WorkerModel::Simulated(sim),
+            worker: WorkerModel::Simulated(Box::new(sim)),
         })
     }
 }

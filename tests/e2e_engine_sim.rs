@@ -87,7 +87,10 @@ fn sim_workers_serve_and_keep_shared_prefixes_together() {
         // ~40 blocks of shared system prompt per group, then a per-request question.
         let system = filler(100 + group, 640);
         let (first, v) = send(&system, "question zero");
-        assert_eq!(v["usage"]["completion_tokens"], 5, "max_tokens ends it: {v}");
+        assert_eq!(
+            v["usage"]["completion_tokens"], 5,
+            "max_tokens ends it: {v}"
+        );
         let text = v["choices"][0]["message"]["content"]
             .as_str()
             .expect("content");

@@ -6,8 +6,12 @@
 //! async runtime, so sleeping there blocks nothing else).
 //!
 //! A step of the engine takes
-//! `prefill tokens ÷ prefill_tokens_per_s + prefill_overhead_ms × prompts finished
-//! + (decode_step_base_ms + decode_step_per_seq_ms × decode rows, when there are any)`,
+//!
+//! ```text
+//! prefill tokens ÷ prefill_tokens_per_s + prefill_overhead_ms × prompts finished
+//!     + decode_step_base_ms + decode_step_per_seq_ms × decode rows   (when any decode)
+//! ```
+//!
 //! the per-request figures of [`CostModel`] spread over the steps that do the work: a
 //! request's whole prefill costs `prefill_overhead_ms + uncached tokens ÷ rate`, as in
 //! the fleet simulator (`kvfleet sim`), and each decode step costs what the simulator's

@@ -28,8 +28,9 @@ pub enum WorkerModel {
     /// A model already loaded; several in-process workers can share its weights.
     Loaded(LoadedModel),
     /// No model: the simulated engine (`--engine sim`), whose steps sleep as long as
-    /// its cost model says instead of computing.
-    Simulated(SimModel),
+    /// its cost model says instead of computing. Boxed: a model config and a cost model
+    /// are much larger than the other variants.
+    Simulated(Box<SimModel>),
 }
 
 impl std::fmt::Debug for WorkerModel {
@@ -60,7 +61,7 @@ impl From<String> for WorkerModel {
 
 impl From<SimModel> for WorkerModel {
     fn from(model: SimModel) -> Self {
-        WorkerModel::Simulated(model)
+        WorkerModel::Simulated(Box::new(model))
     }
 }
 

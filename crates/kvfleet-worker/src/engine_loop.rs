@@ -119,18 +119,22 @@ fn build_engine(
     config: &WorkerConfig,
     events: Arc<EventLog>,
 ) -> Result<(Engine, pb::InfoResponse), WorkerError> {
-    let (model_id, tokenizer, backend): (_, _, Box<dyn ModelBackend>) = match &config.model {
+    let Served {
+        model_id,
+        tokenizer,
+        backend,
+    } = match &config.model {
         // The simulator has no device memory to size a pool from: it takes the block
         // count, whatever the device.
-        WorkerModel::Simulated(sim) => (
-            sim.prompt.id.clone(),
-            Arc::clone(&sim.prompt.tokenizer),
-            Box::new(SimBackend::new(
+        WorkerModel::Simulated(sim) => Served {
+            model_id: sim.prompt.id.clone(),
+            tokenizer: Arc::clone(&sim.prompt.tokenizer),
+            backend: Box::new(SimBackend::new(
                 sim.config.clone(),
                 config.num_blocks,
                 sim.cost.clone(),
             )),
-        ),
+        },
         WorkerModel::Spec(spec) => model_backend(config, load_model(spec)?)?,
         WorkerModel::Loaded(m) => model_backend(config, m.clone())?,
     };
@@ -165,18 +169,27 @@ fn build_engine(
     Ok((engine, info))
 }
 
-/// The id, tokenizer and compute backend of a real model on the worker's device.
-fn model_backend(
-    config: &WorkerConfig,
-    model: LoadedModel,
-) -> Result<(String, Arc<dyn Tokenizer>, Box<dyn ModelBackend>), WorkerError> {
+/// What the engine is built from: the served model's id and tokenizer, and the
+/// backend that runs its steps.
+struct Served {
+    model_id: String,
+    tokenizer: Arc<dyn Tokenizer>,
+    backend: Box<dyn ModelBackend>,
+}
+
+/// A real model on the worker's device.
+fn model_backend(config: &WorkerConfig, model: LoadedModel) -> Result<Served, WorkerError> {
     let backend = new_backend(
         config.device,
         Arc::clone(&model.model),
         config.kv_pool(),
         config.block_size,
     )?;
-    Ok((model.id, model.tokenizer, backend))
+    Ok(Served {
+        model_id: model.id,
+        tokenizer: model.tokenizer,
+        backend,
+    })
 }
 
 /// An unfinished request.
