@@ -41,6 +41,51 @@ impl ModelArgs {
     }
 }
 
+/// What a serving command's workers serve, and the prompt side its router takes.
+#[derive(Clone)]
+pub struct ServedModel {
+    /// The id clients name and responses report.
+    pub id: String,
+    /// What each worker runs.
+    pub worker: WorkerModel,
+    /// Tokenizer and chat template, for an in-process router.
+    pub prompt: kvfleet_router::prompt_model::PromptModel,
+}
+
+impl ModelArgs {
+    /// The model under `engine`: its weights loaded (`--engine model`), or the preset
+    /// the simulated engine stands in for with its cost model (`--engine sim`).
+    pub fn served(&self, engine: &EngineArgs) -> anyhow::Result<ServedModel> {
+        use anyhow::Context;
+        let cost = engine.cost_model()?;
+        let Some(cost) = cost else {
+            let model = self.load()?;
+            return Ok(ServedModel {
+                id: model.id.clone(),
+                prompt: prompt_model_of(&model),
+                worker: WorkerModel::Loaded(model),
+            });
+        };
+        let mut sim = kvfleet_engine::load_sim_model(&self.model, cost)
+            .with_context(|| format!("--engine sim with --model {}", self.model))?;
+        if let Some(name) = &self.served_model_name {
+            anyhow::ensure!(
+                !name.trim().is_empty(),
+                "--served-model-name must not be empty"
+            );
+            sim.prompt.id = name.clone();
+        }
+        Ok(ServedModel {
+            id: sim.prompt.id.clone(),
+            prompt: kvfleet_router::prompt_model::PromptModel {
+                tokenizer: sim.prompt.tokenizer.clone(),
+                chat_template: sim.prompt.chat_template.clone(),
+            },
+            worker: WorkerModel::Simulated(Box::new(sim)),
+        })
+    }
+}
+
 /// The prompt side (tokenizer, chat template) of a loaded model, as the router takes it.
 pub fn prompt_model_of(
     model: &kvfleet_engine::LoadedModel,
@@ -53,9 +98,30 @@ pub fn prompt_model_of(
 /// KV blocks of a worker without `--num-blocks` on the CPU.
 const CPU_DEFAULT_BLOCKS: usize = 2048;
 
+/// What computes a worker's engine steps.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum EngineKind {
+    /// The model itself, on --device.
+    #[default]
+    Model,
+    /// No compute: each step sleeps as long as --cost-model says (load tests).
+    Sim,
+}
+
 /// Engine sizing of a worker.
 #[derive(Args, Clone, Debug)]
 pub struct EngineArgs {
+    /// What computes each step: `model` runs the model on --device; `sim` runs the
+    /// real scheduler, block pool, prefix cache and KV events but no model: each
+    /// step sleeps as long as --cost-model prices it (the seeded presets only, e.g.
+    /// --model tiny; no KV tiers or peer pulls), so many workers fit on one machine.
+    #[arg(long, value_enum, default_value_t = EngineKind::Model)]
+    pub engine: EngineKind,
+    /// With --engine sim: the cost model, a JSON file like
+    /// crates/kvfleet-bench/cost-models/h200-llama8b.json (default: that built-in
+    /// H200 estimate).
+    #[arg(long)]
+    pub cost_model: Option<std::path::PathBuf>,
     /// Compute device of each worker: cpu or cuda:N (CUDA needs the NVIDIA driver,
     /// NVRTC and cuBLAS 13; a missing one is reported at start).
     #[arg(long, default_value = "cpu")]
@@ -104,6 +170,18 @@ pub struct EngineArgs {
 const GIB: f64 = (1u64 << 30) as f64;
 
 impl EngineArgs {
+    /// The simulated engine's cost model (`None` for the real engine).
+    pub fn cost_model(&self) -> anyhow::Result<Option<kvfleet_core::CostModel>> {
+        match (self.engine, &self.cost_model) {
+            (EngineKind::Model, None) => Ok(None),
+            (EngineKind::Model, Some(_)) => {
+                anyhow::bail!("--cost-model prices the simulated engine: add --engine sim")
+            }
+            (EngineKind::Sim, None) => Ok(Some(kvfleet_core::CostModel::h200_llama8b())),
+            (EngineKind::Sim, Some(path)) => Ok(Some(kvfleet_core::CostModel::read_path(path)?)),
+        }
+    }
+
     /// A worker configuration with these sizes.
     pub fn worker_config(&self, worker_id: String, model: WorkerModel) -> WorkerConfig {
         let mut c = WorkerConfig::new(worker_id, model);

@@ -5,7 +5,7 @@ use crate::serve_args::{init_logging, serve_http_with_drain, EngineArgs, Routing
 use anyhow::{Context, Result};
 use clap::Args;
 use kvfleet_router::{fleet_metrics, Fleet};
-use kvfleet_worker::{spawn_worker, WorkerModel};
+use kvfleet_worker::spawn_worker;
 use std::io::Write;
 
 /// Arguments of `kvfleet up`.
@@ -42,13 +42,13 @@ async fn serve(args: UpArgs) -> Result<()> {
     let tls = args.tls.server_config()?;
     fleet_metrics::prometheus_handle();
     kvfleet_worker::describe_metrics();
-    // Load the weights once; every in-process worker shares them.
-    let model = args.model.load()?;
+    // Load the weights once (none for --engine sim); every in-process worker shares them.
+    let model = args.model.served(&args.engine)?;
     let mut workers = Vec::new();
     for i in 0..args.workers {
         let mut config = args
             .engine
-            .worker_config(format!("worker-{i}"), WorkerModel::Loaded(model.clone()));
+            .worker_config(format!("worker-{i}"), model.worker.clone());
         // The workers share one device and start one after another, each measuring what
         // the ones before it hold: worker i may bring the process to (i+1)/n of the
         // fraction, so each gets about an n-th.
@@ -57,10 +57,10 @@ async fn serve(args: UpArgs) -> Result<()> {
             .map(|u| u * (i + 1) as f64 / args.workers as f64);
         workers.push(spawn_worker(config).await.context("starting a worker")?);
     }
-    let fleet = Fleet::new(args.routing.fleet_config(
-        crate::serve_args::prompt_model_of(&model),
-        args.engine.block_size,
-    ))
+    let fleet = Fleet::new(
+        args.routing
+            .fleet_config(model.prompt.clone(), args.engine.block_size),
+    )
     .map_err(anyhow::Error::msg)?;
     for w in &workers {
         fleet

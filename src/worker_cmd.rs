@@ -4,7 +4,7 @@ use crate::control_plane::{ControlArgs, WorkerControl};
 use crate::serve_args::{init_logging, shutdown_signal, EngineArgs};
 use anyhow::{Context, Result};
 use clap::Args;
-use kvfleet_worker::{serve_service_tls, WorkerModel, WorkerService};
+use kvfleet_worker::{serve_service_tls, WorkerService};
 use std::io::Write;
 
 /// Arguments of `kvfleet worker`.
@@ -83,10 +83,8 @@ pub fn run(args: WorkerArgs) -> Result<()> {
             .clone()
             .unwrap_or_else(|| format!("worker-{}", addr.port()));
         // Loaded here, not on the engine thread, so --served-model-name applies.
-        let model = args.model.load()?;
-        let mut config = args
-            .engine
-            .worker_config(id.clone(), WorkerModel::Loaded(model));
+        let model = args.model.served(&args.engine)?;
+        let mut config = args.engine.worker_config(id.clone(), model.worker);
         config.faults.panic_after_steps = args.fault_panic_after_steps;
         config.faults.exit_mid_fetch_after = args.fault_exit_mid_fetch;
         config.peer_tls = args.peer_tls.client_config()?;

@@ -7,12 +7,15 @@
 //!
 //! Also here, because they are pure and both the serving router and the fuzz targets
 //! need them: the OpenAI request/response bodies ([`openai`]) and the incremental
-//! tokenizer's conversation memo ([`incremental_tokenizer`]).
+//! tokenizer's conversation memo ([`incremental_tokenizer`]). And a worker's cost model
+//! ([`cost_model`]), shared by the fleet simulator and the simulated engine; reading
+//! its JSON file is this crate's one other file read.
 
 pub mod anthropic;
 pub mod block_hash;
 pub mod byte_lru;
 pub mod chat;
+pub mod cost_model;
 pub mod incremental_tokenizer;
 pub mod kv_events;
 pub mod openai;
@@ -26,5 +29,6 @@ pub use block_hash::{
     DEFAULT_BLOCK_SIZE,
 };
 pub use chat::{ChatError, ChatMessage, ChatTemplate, Role, ToolDefinition};
+pub use cost_model::{CostModel, CostModelError};
 pub use tokenizer::{ByteTokenizer, HfTokenizer, StreamDecoder, Tokenizer, TokenizerError};
 pub use tokens::{blocks_needed, full_blocks, TokenId};

@@ -9,6 +9,19 @@ use crate::model::{ForwardItem, LlamaModel};
 use crate::model_config::ModelConfig;
 use std::sync::Arc;
 
+/// What one engine step computes, counted by the engine (which knows each sequence's
+/// prompt length): backends that price a step instead of computing it
+/// ([`crate::sim_backend::SimBackend`]) need it; the others ignore it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StepShape {
+    /// Prompt tokens computed (prefill chunks, recomputed ones included).
+    pub prefill_tokens: usize,
+    /// Sequences whose prompt's last chunk runs in this step.
+    pub prompts_finished: usize,
+    /// Sequences computing one generated token.
+    pub decode_rows: usize,
+}
+
 /// Runs model steps over a paged KV cache it owns.
 pub trait ModelBackend: Send {
     /// The model's architecture.
@@ -17,6 +30,12 @@ pub trait ModelBackend: Send {
     fn num_blocks(&self) -> usize;
     /// One batched step (see [`LlamaModel::forward`]).
     fn forward(&mut self, items: &[ForwardItem]) -> Result<Vec<Vec<f32>>>;
+    /// One batched step, told its [`StepShape`]; the engine calls this one. Backends
+    /// that compute ignore the shape.
+    fn forward_step(&mut self, items: &[ForwardItem], shape: StepShape) -> Result<Vec<Vec<f32>>> {
+        let _ = shape;
+        self.forward(items)
+    }
     /// Copies one block's K/V (all layers) into another: copy-on-write for forks.
     fn copy_block(&mut self, src: u32, dst: u32);
     /// Short name for logs and metrics ("cpu", "cuda:0").

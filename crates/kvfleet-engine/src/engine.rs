@@ -5,7 +5,7 @@
 //! publishes the KV events the step caused, and returns what each request produced.
 //! A worker drives it in a loop on its own thread.
 
-use crate::backend::ModelBackend;
+use crate::backend::{ModelBackend, StepShape};
 use crate::block_pool::BlockId;
 use crate::constrained::SeqConstraint;
 use crate::error::{EngineError, Result};
@@ -551,11 +551,19 @@ impl Engine {
         let logits = {
             let seqs = &self.scheduler.seqs;
             let mut items = Vec::with_capacity(chunks.len());
+            let mut shape = StepShape::default();
             for c in &chunks {
                 let s = seqs.get(&c.seq).ok_or_else(|| {
                     EngineError::InvalidRequest(format!("lost sequence {}", c.seq))
                 })?;
-                let last = c.start + c.len == s.tokens.len() && !s.prefill_only;
+                let ends = c.start + c.len == s.tokens.len();
+                let last = ends && !s.prefill_only;
+                if c.len == 1 && c.start >= s.prompt_len {
+                    shape.decode_rows += 1;
+                } else {
+                    shape.prefill_tokens += c.len;
+                    shape.prompts_finished += usize::from(ends);
+                }
                 items.push(ForwardItem {
                     tokens: &s.tokens[c.start..c.start + c.len],
                     start_pos: c.start,
@@ -568,7 +576,7 @@ impl Engine {
                 });
             }
             let started = Instant::now();
-            let logits = self.backend.forward(&items)?;
+            let logits = self.backend.forward_step(&items, shape)?;
             let ns = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
             self.stats.forward_ns = self.stats.forward_ns.saturating_add(ns);
             logits

@@ -21,6 +21,8 @@
 //!   cap on the pool's share.
 //! - [`kv_tiers`]: host-memory and disk tiers below the pool: evicted blocks are
 //!   demoted there and promoted back on a hit instead of being recomputed.
+//! - [`sim_backend`]: a backend whose steps sleep as long as a cost model says instead
+//!   of computing (`kvfleet worker --engine sim`), for load tests of real fleets.
 
 pub mod backend;
 pub mod block_pool;
@@ -44,10 +46,11 @@ pub mod pins;
 pub mod sampling;
 pub mod scheduler;
 pub mod sequence;
+pub mod sim_backend;
 pub mod stop_matcher;
 pub mod throughput;
 
-pub use backend::{CpuBackend, ModelBackend};
+pub use backend::{CpuBackend, ModelBackend, StepShape};
 pub use device::{new_backend, Device};
 pub use engine::{
     Completion, Engine, EngineConfig, EngineLoad, EngineStats, ForkChild, ForkRequest, PinClock,
@@ -60,7 +63,10 @@ pub use kv_sizing::{KvPool, KvSizing};
 pub use kv_tiers::{DiskTierConfig, KvBlockPayload, TierConfig, TierStats};
 pub use model::{ForwardItem, LlamaModel, LogitsRequest};
 pub use model_config::ModelConfig;
-pub use model_source::{load_model, load_prompt_model, LoadedModel, PromptSide};
+pub use model_source::{
+    load_model, load_prompt_model, load_sim_model, LoadedModel, PromptSide, SimModel,
+};
 pub use pins::{PinOutcome, PinRefusal, PinSpec, MAX_PIN_TTL};
 pub use sampling::{token_logprobs, Sampler, SamplingParams, TokenLogprobs};
 pub use sequence::{FinishReason, PromotedTokens, RequestId};
+pub use sim_backend::SimBackend;

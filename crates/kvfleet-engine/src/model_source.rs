@@ -8,7 +8,9 @@ use crate::gguf::{GgufFile, GgufLoadOptions};
 use crate::gguf_tokenizer::tokenizer_from_gguf;
 use crate::model::LlamaModel;
 use crate::model_cache::{gguf_model_id, locate_model, ModelLocation};
+use crate::model_config::ModelConfig;
 use kvfleet_core::chat::ChatTemplate;
+use kvfleet_core::cost_model::CostModel;
 use kvfleet_core::tokenizer::{ByteTokenizer, HfTokenizer, Tokenizer};
 use std::path::Path;
 use std::sync::Arc;
@@ -71,6 +73,41 @@ pub fn load_model(spec: &str) -> Result<LoadedModel> {
                 chat_template: side.chat_template,
             })
         }
+    }
+}
+
+/// A model served by the simulated engine ([`crate::sim_backend::SimBackend`]): the
+/// prompt side and architecture of a seeded preset, no weights, and the cost model
+/// that times its steps.
+#[derive(Clone)]
+pub struct SimModel {
+    /// Id, tokenizer and chat template: the preset's, so a router started with the
+    /// same `--model` tokenizes and hashes exactly as for the real preset.
+    pub prompt: PromptSide,
+    /// The preset's architecture (vocabulary size, context length).
+    pub config: ModelConfig,
+    /// What each engine step costs.
+    pub cost: CostModel,
+}
+
+/// The simulated model for `spec`, timed by `cost`. Only the seeded presets (`tiny`,
+/// `small`) are simulated: their byte-level tokenizer decodes the simulator's output
+/// bytes as themselves and has no end-of-sequence token to stumble on.
+pub fn load_sim_model(spec: &str, cost: CostModel) -> Result<SimModel> {
+    match locate_model(spec)? {
+        ModelLocation::Preset(name, config) => Ok(SimModel {
+            prompt: PromptSide {
+                id: name.to_string(),
+                tokenizer: Arc::new(ByteTokenizer::new()),
+                chat_template: ChatTemplate::ChatMl,
+            },
+            config: *config,
+            cost,
+        }),
+        ModelLocation::Gguf(_) | ModelLocation::HfDir(_) => Err(EngineError::Config(format!(
+            "the sim engine serves the seeded presets only (--model tiny or small), not \
+             `{spec}`"
+        ))),
     }
 }
 

@@ -2,7 +2,7 @@
 //! batches, and how many KV events it keeps for late subscribers.
 
 use crate::error::WorkerError;
-use kvfleet_engine::{Device, EngineConfig, KvPool, LoadedModel, TierConfig};
+use kvfleet_engine::{Device, EngineConfig, KvPool, LoadedModel, SimModel, TierConfig};
 use std::time::Duration;
 
 /// Faults the engine thread injects on purpose, for fault tests only (set directly, or
@@ -27,6 +27,10 @@ pub enum WorkerModel {
     Spec(String),
     /// A model already loaded; several in-process workers can share its weights.
     Loaded(LoadedModel),
+    /// No model: the simulated engine (`--engine sim`), whose steps sleep as long as
+    /// its cost model says instead of computing. Boxed: a model config and a cost model
+    /// are much larger than the other variants.
+    Simulated(Box<SimModel>),
 }
 
 impl std::fmt::Debug for WorkerModel {
@@ -34,6 +38,11 @@ impl std::fmt::Debug for WorkerModel {
         match self {
             WorkerModel::Spec(s) => f.debug_tuple("Spec").field(s).finish(),
             WorkerModel::Loaded(m) => f.debug_tuple("Loaded").field(&m.id).finish(),
+            WorkerModel::Simulated(m) => f
+                .debug_tuple("Simulated")
+                .field(&m.prompt.id)
+                .field(&m.cost.name)
+                .finish(),
         }
     }
 }
@@ -47,6 +56,12 @@ impl From<&str> for WorkerModel {
 impl From<String> for WorkerModel {
     fn from(spec: String) -> Self {
         WorkerModel::Spec(spec)
+    }
+}
+
+impl From<SimModel> for WorkerModel {
+    fn from(model: SimModel) -> Self {
+        WorkerModel::Simulated(Box::new(model))
     }
 }
 

@@ -28,10 +28,11 @@ use crate::error::WorkerError;
 use crate::event_log::EventLog;
 use crate::outbox::{Delivery, Outbox};
 use crate::tier_metrics::TierMetrics;
-use kvfleet_core::{hash_blocks, TokenId};
+use kvfleet_core::{hash_blocks, TokenId, Tokenizer};
 use kvfleet_engine::{
     load_model, new_backend, Engine, EngineError, FinishReason, ForkChild, ForkRequest,
-    ProgressGuard, Request, RequestId, StepOutput, MAX_IDLE_STEPS,
+    LoadedModel, ModelBackend, ProgressGuard, Request, RequestId, SimBackend, StepOutput,
+    MAX_IDLE_STEPS,
 };
 use kvfleet_proto::v1 as pb;
 use std::collections::HashMap;
@@ -118,16 +119,25 @@ fn build_engine(
     config: &WorkerConfig,
     events: Arc<EventLog>,
 ) -> Result<(Engine, pb::InfoResponse), WorkerError> {
-    let model = match &config.model {
-        WorkerModel::Spec(spec) => load_model(spec)?,
-        WorkerModel::Loaded(m) => m.clone(),
+    let Served {
+        model_id,
+        tokenizer,
+        backend,
+    } = match &config.model {
+        // The simulator has no device memory to size a pool from: it takes the block
+        // count, whatever the device.
+        WorkerModel::Simulated(sim) => Served {
+            model_id: sim.prompt.id.clone(),
+            tokenizer: Arc::clone(&sim.prompt.tokenizer),
+            backend: Box::new(SimBackend::new(
+                sim.config.clone(),
+                config.num_blocks,
+                sim.cost.clone(),
+            )),
+        },
+        WorkerModel::Spec(spec) => model_backend(config, load_model(spec)?)?,
+        WorkerModel::Loaded(m) => model_backend(config, m.clone())?,
     };
-    let backend = new_backend(
-        config.device,
-        Arc::clone(&model.model),
-        config.kv_pool(),
-        config.block_size,
-    )?;
     let device = backend.device_name();
     if let Some(sizing) = backend.kv_sizing() {
         tracing::info!(
@@ -138,11 +148,7 @@ fn build_engine(
             "KV pool sized from device memory: {sizing}"
         );
     }
-    let mut engine = Engine::new(
-        config.engine_config(&model.id),
-        backend,
-        Some(Arc::clone(&model.tokenizer)),
-    )?;
+    let mut engine = Engine::new(config.engine_config(&model_id), backend, Some(tokenizer))?;
     engine.set_event_sink(events);
     engine.set_kv_tiers(&config.kv_tiers)?;
     engine.set_pin_pool_fraction(config.pin_pool_fraction);
@@ -150,7 +156,7 @@ fn build_engine(
     let mc = engine.model_config();
     let info = pb::InfoResponse {
         worker_id: config.worker_id.clone(),
-        model_id: model.id.clone(),
+        model_id,
         block_size: u32_of(config.block_size),
         num_blocks: u32_of(engine.load().total_blocks),
         max_context: u32_of(mc.max_position_embeddings),
@@ -161,6 +167,29 @@ fn build_engine(
         kv_block_bytes: block_bytes as u64,
     };
     Ok((engine, info))
+}
+
+/// What the engine is built from: the served model's id and tokenizer, and the
+/// backend that runs its steps.
+struct Served {
+    model_id: String,
+    tokenizer: Arc<dyn Tokenizer>,
+    backend: Box<dyn ModelBackend>,
+}
+
+/// A real model on the worker's device.
+fn model_backend(config: &WorkerConfig, model: LoadedModel) -> Result<Served, WorkerError> {
+    let backend = new_backend(
+        config.device,
+        Arc::clone(&model.model),
+        config.kv_pool(),
+        config.block_size,
+    )?;
+    Ok(Served {
+        model_id: model.id,
+        tokenizer: model.tokenizer,
+        backend,
+    })
 }
 
 /// An unfinished request.

@@ -478,9 +478,11 @@ pub fn make_router(cfg: &SimConfig, block_size: usize) -> anyhow::Result<Box<dyn
             RouterConfig {
                 block_size,
                 cache_aware: kvfleet_routing::policy::CacheAwareConfig {
-                    tiers: cfg
-                        .cost
-                        .tier_pricing(cfg.tier_scoring, cfg.peer_pull_min_blocks),
+                    tiers: cost_model::tier_pricing(
+                        &cfg.cost,
+                        cfg.tier_scoring,
+                        cfg.peer_pull_min_blocks,
+                    ),
                     ..cfg.router.cache_aware.clone()
                 },
                 ..cfg.router.clone()

@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# A real router in front of many simulated workers on one machine: starts N
+# `kvfleet worker --engine sim` processes (real gRPC service, scheduler, block pool,
+# prefix cache and KV events; a cost model instead of the model's compute) and one
+# `kvfleet router`, replays a generated fork fan-out trace through HTTP with
+# `kvfleet bench replay`, runs `kvfleet sim` (policy cache-aware) on the same trace
+# with the same workers, blocks per worker and block size, prints both hit ratios, and
+# stops every process it started.
+#
+#   bash scripts/bench_engine_sim.sh            # 64 workers × 256 blocks of 16 tokens
+#   WORKERS=16 BLOCKS=512 SESSIONS=32 bash scripts/bench_engine_sim.sh
+#
+# Env: WORKERS, BLOCKS (KV blocks per worker), SESSIONS (trace sessions), BIN (a built
+# kvfleet; default target/debug/kvfleet, built if missing), OUT (results directory),
+# COST_MODEL (cost model file for the workers and the simulator).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+WORKERS=${WORKERS:-64}
+BLOCKS=${BLOCKS:-256}
+SESSIONS=${SESSIONS:-48}
+BLOCK_SIZE=16
+COST_MODEL=${COST_MODEL:-crates/kvfleet-bench/cost-models/h200-llama8b.json}
+BIN=${BIN:-target/debug/kvfleet}
+OUT=${OUT:-$(mktemp -d /tmp/kvfleet-engine-sim.XXXXXX)}
+mkdir -p "$OUT"
+[ -x "$BIN" ] || cargo build --bin kvfleet
+
+PIDS=()
+cleanup() {
+  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
+  for p in "${PIDS[@]}"; do wait "$p" 2>/dev/null || true; done
+}
+trap cleanup EXIT
+
+# The address a process printed on its first line after SCHEME, waiting up to 60 s.
+addr_of() {
+  local log=$1 scheme=$2 a=""
+  for _ in $(seq 1 600); do
+    a=$(grep -o "${scheme}[0-9.:]*" "$log" 2>/dev/null | head -1 || true)
+    [ -n "$a" ] && { echo "${a#"$scheme"}"; return 0; }
+    sleep 0.1
+  done
+  echo "no ${scheme} address in $log:" >&2
+  cat "$log" >&2
+  return 1
+}
+
+"$BIN" bench gen --out "$OUT/trace.jsonl" --sessions "$SESSIONS" --system-tokens 1024 \
+  --tools-tokens 1024 --history-tokens 1024 --turn-tokens 256 --parent-turns 2 \
+  --child-turns 1 --fork-k 4 --output-tokens 4 --session-rate 4 --turn-gap-ms 200 \
+  > "$OUT/gen.log"
+
+for i in $(seq 0 $((WORKERS - 1))); do
+  RUST_LOG=warn "$BIN" worker --grpc 127.0.0.1:0 --worker-id "sim$i" --model tiny \
+    --engine sim --cost-model "$COST_MODEL" --num-blocks "$BLOCKS" \
+    --block-size "$BLOCK_SIZE" > "$OUT/worker$i.log" 2>&1 &
+  PIDS+=($!)
+done
+ADDRS=()
+for i in $(seq 0 $((WORKERS - 1))); do
+  ADDRS+=("$(addr_of "$OUT/worker$i.log" grpc://)")
+done
+WORKER_LIST=$(IFS=,; echo "${ADDRS[*]}")
+
+RUST_LOG=warn "$BIN" router --http 127.0.0.1:0 --model tiny --block-size "$BLOCK_SIZE" \
+  --policy cache-aware --workers "$WORKER_LIST" > "$OUT/router.log" 2>&1 &
+PIDS+=($!)
+URL="http://$(addr_of "$OUT/router.log" http://)"
+echo "router $URL in front of $WORKERS sim workers ($BLOCKS blocks of $BLOCK_SIZE tokens each)"
+
+"$BIN" bench replay --trace "$OUT/trace.jsonl" --target "$URL" \
+  --tokens-per-id "$BLOCK_SIZE" --no-progress --json --out "$OUT/replay" > "$OUT/replay.json"
+"$BIN" sim --trace "$OUT/trace.jsonl" --workers "$WORKERS" --cache-blocks "$BLOCKS" \
+  --tokens-per-id "$BLOCK_SIZE" --policy cache-aware --cost-model "$COST_MODEL" \
+  --json > "$OUT/sim.json"
+
+python3 - "$OUT" <<'PY'
+import json, sys
+out = sys.argv[1]
+r = json.load(open(f"{out}/replay.json"))
+s = json.load(open(f"{out}/sim.json"))
+x = s["results"][0]
+b = s["bounds"]
+print(f"replay (live router + sim workers): {r['ok']} ok, {r['failed']} failed; "
+      f"cached tokens {r['cached_tokens']} / {r['prompt_tokens']} = {r['cached_token_ratio']:.4f}; "
+      f"TTFT p50 / p99 {r['ttft_ms']['p50']:.0f} / {r['ttft_ms']['p99']:.0f} ms")
+print(f"kvfleet sim (cache-aware):          hit ratio {x['hit_ratio']:.4f} "
+      f"({x['hit_blocks']} / {x['total_blocks']} blocks); cached tokens {x['cached_tokens']} / "
+      f"{x['prompt_tokens']} = {x['cached_token_ratio']:.4f}; pooled {b['pooled']:.4f}, "
+      f"ceiling {b['ceiling']:.4f}")
+PY
+echo "results in $OUT"
