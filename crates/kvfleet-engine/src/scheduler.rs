@@ -16,6 +16,7 @@
 
 use crate::block_pool::BlockPool;
 use crate::sequence::{RequestId, SeqStatus, Sequence};
+use kvfleet_core::BlockHashMap;
 use std::collections::{HashMap, VecDeque};
 
 /// Limits that shape each step.
@@ -102,12 +103,35 @@ impl Scheduler {
         self.waiting.insert(pos, id);
     }
 
-    /// Prompt tokens not yet computed, over all unfinished sequences.
+    /// Prompt tokens the worker has yet to compute, over all unfinished sequences: a
+    /// reusable block that several of them share (fork siblings queued behind the
+    /// first) counts once, and one already computed (ready in the pool, for a sequence
+    /// still waiting) not at all. Routers read this as the worker's prefill backlog;
+    /// counting a shared prefix once per sibling made a fork's holder look busier the
+    /// more siblings it had, and pushed later siblings off it.
     pub fn queued_prefill_tokens(&self) -> usize {
-        self.seqs
-            .values()
-            .map(|s| s.prompt_len.saturating_sub(s.num_computed))
-            .sum()
+        let bs = self.config.block_size.max(1);
+        let mut counted: BlockHashMap<()> = BlockHashMap::default();
+        let mut total = 0;
+        for s in self.seqs.values() {
+            let remaining = s.prompt_len.saturating_sub(s.num_computed);
+            if remaining == 0 {
+                continue;
+            }
+            // Blocks a sequence may reuse: every full block before the one holding its
+            // last prompt token (whose logits it computes itself).
+            let shareable = (s.prompt_len.saturating_sub(1) / bs).min(s.hashes.len());
+            let mut skipped = 0;
+            for i in s.num_computed / bs..shareable {
+                let h = s.hashes[i];
+                let ready = self.pool.lookup(h).is_some_and(|b| self.pool.is_ready(b));
+                if ready || counted.insert(h, ()).is_some() {
+                    skipped += (i + 1) * bs - (i * bs).max(s.num_computed);
+                }
+            }
+            total += remaining.saturating_sub(skipped);
+        }
+        total
     }
 
     /// Decides this step's work.

@@ -141,6 +141,15 @@ fn concurrent_identical_prefixes_are_computed_once() {
         e.add_request(Request::new(i as u64 + 1, p, greedy(4)))
             .unwrap();
     }
+    // The backlog a router reads counts the shared prefix once, as it will be
+    // computed: one prefix plus five tails, before the first step and after each.
+    let unique = prefix.len() + 5 * 9;
+    assert_eq!(e.load().queued_prefill_tokens, unique);
+    for _ in 0..3 {
+        e.step().unwrap();
+        let computed = e.stats().prompt_tokens_computed as usize;
+        assert_eq!(e.load().queued_prefill_tokens, unique - computed);
+    }
     let done = e.run_to_completion().unwrap();
     assert_eq!(done.len(), n as usize);
     let computed = e.stats().prompt_tokens_computed as usize;
