@@ -20,7 +20,7 @@ use serde_json::{json, Value};
 use std::collections::{BTreeMap, HashSet};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
-use support::{chat, filler, start, Proc};
+use support::{chat, filler, post_json, start, Proc};
 
 struct Env {
     etcd: String,
@@ -91,20 +91,8 @@ fn get(router: &str, path: &str) -> Value {
 
 /// Sends a chat request; returns (status, worker, cached tokens).
 fn send(router: &str, body: &Value, headers: &[(&str, &str)]) -> (u16, Option<String>, u64) {
-    let mut req = client()
-        .post(format!("http://{router}/v1/chat/completions"))
-        .json(body);
-    for (k, v) in headers {
-        req = req.header(*k, *v);
-    }
-    let resp = req.send().expect("request");
-    let status = resp.status().as_u16();
-    let worker = resp
-        .headers()
-        .get("x-kvfleet-worker")
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_string);
-    let v: Value = resp.json().unwrap_or(Value::Null);
+    let url = format!("http://{router}/v1/chat/completions");
+    let (status, worker, v) = post_json(&client(), &url, body, headers);
     let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"]
         .as_u64()
         .unwrap_or(0);

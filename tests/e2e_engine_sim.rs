@@ -8,7 +8,7 @@ mod support;
 use serde_json::json;
 use std::collections::HashMap;
 use std::time::Duration;
-use support::{filler, start};
+use support::{filler, post_json, start};
 
 fn cost_model_file() -> String {
     format!(
@@ -70,14 +70,7 @@ fn sim_workers_serve_and_keep_shared_prefixes_together() {
             "max_tokens": 5,
             "temperature": 0,
         });
-        let r = http.post(&url).json(&body).send().expect("request");
-        let status = r.status().as_u16();
-        let worker = r
-            .headers()
-            .get("x-kvfleet-worker")
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_string);
-        let v: serde_json::Value = r.json().expect("json body");
+        let (status, worker, v) = post_json(&http, &url, &body, &[]);
         assert_eq!(status, 200, "{v}");
         (worker.expect("x-kvfleet-worker"), v)
     };

@@ -79,20 +79,7 @@ impl Cluster {
         body: &serde_json::Value,
         headers: &[(&str, &str)],
     ) -> (u16, Option<String>, serde_json::Value) {
-        let mut req = self.http.post(format!("{}{}", self.url, path)).json(body);
-        for (k, v) in headers {
-            req = req.header(*k, *v);
-        }
-        let resp = req.send().expect("request");
-        let status = resp.status().as_u16();
-        let worker = resp
-            .headers()
-            .get("x-kvfleet-worker")
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_string);
-        let text = resp.text().expect("body");
-        let json = serde_json::from_str(&text).unwrap_or(serde_json::Value::String(text));
-        (status, worker, json)
+        post_json(&self.http, &format!("{}{}", self.url, path), body, headers)
     }
 
     /// POSTs JSON with extra headers; returns (status, response headers, body).
@@ -184,6 +171,30 @@ pub fn chat(messages: serde_json::Value, max_tokens: u32) -> serde_json::Value {
         "max_tokens": max_tokens,
         "temperature": 0,
     })
+}
+
+/// POSTs JSON to `url` with extra headers; returns (status, `x-kvfleet-worker`, body:
+/// its JSON, or the text as a JSON string when it is not JSON).
+pub fn post_json(
+    http: &reqwest::blocking::Client,
+    url: &str,
+    body: &serde_json::Value,
+    headers: &[(&str, &str)],
+) -> (u16, Option<String>, serde_json::Value) {
+    let mut req = http.post(url).json(body);
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let resp = req.send().expect("request");
+    let status = resp.status().as_u16();
+    let worker = resp
+        .headers()
+        .get("x-kvfleet-worker")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
+    let text = resp.text().expect("body");
+    let json = serde_json::from_str(&text).unwrap_or(serde_json::Value::String(text));
+    (status, worker, json)
 }
 
 /// Deterministic filler text of about `n` bytes (the tiny model's tokens are bytes).

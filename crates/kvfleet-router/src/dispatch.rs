@@ -224,20 +224,32 @@ where
         (Some(h), Some(key)) => h.placed_worker(key),
         _ => None,
     };
+    // A placed worker was sent a sibling of this prompt (by this router or another):
+    // it holds, or is computing, the prompt up to its anchor, even where this router's
+    // index has not heard of it yet. Counting those blocks as cached there keeps this
+    // request's prefill, and so the worker's backlog as this router sees it, from
+    // counting the shared prefix a second time.
+    let mut pin_holds_blocks = if pin.is_some() {
+        anchor_block(spec.hashes.len()).map_or(0, |at| at + 1)
+    } else {
+        0
+    };
     // A live pinned prefix names the worker holding it (and nothing evicts it there).
     if let Some(w) = fleet.pins.worker_for(&spec.hashes, fleet.now_ms()) {
         if fleet.conn(&w).is_some() {
             pin = Some(w.to_string());
+            pin_holds_blocks = 0;
         }
     }
     let mut claim_pending = placement.is_some() && pin.is_none();
     // Workers this request already failed on: a retry goes elsewhere.
     let mut tried: Vec<String> = exclude.to_vec();
-    let route = |pin: Option<&str>, tried: &[String]| {
+    let route = |pin: Option<&str>, pin_holds_blocks: usize, tried: &[String]| {
         fleet.routing.route(&RouteRequest {
             hashes: &spec.hashes,
             prompt_tokens: spec.token_ids.len(),
             pin,
+            pin_holds_blocks,
             policy: spec.policy,
             exclude: tried,
         })
@@ -247,7 +259,7 @@ where
             m::retry();
         }
         fleet.workers.refresh_breakers();
-        let mut decision = match route(pin.as_deref(), &tried) {
+        let mut decision = match route(pin.as_deref(), pin_holds_blocks, &tried) {
             Ok(d) => d,
             Err(e) => {
                 last_error = e.to_string();
@@ -270,7 +282,8 @@ where
                     // Ends the first choice's in-flight count before routing again.
                     drop(guard);
                     pin = Some(owner);
-                    decision = match route(pin.as_deref(), &tried) {
+                    pin_holds_blocks = anchor_block(spec.hashes.len()).map_or(0, |at| at + 1);
+                    decision = match route(pin.as_deref(), pin_holds_blocks, &tried) {
                         Ok(d) => d,
                         Err(e) => {
                             last_error = e.to_string();

@@ -8,7 +8,7 @@
 use kvfleet_core::sync::lock;
 use kvfleet_core::BlockHash;
 use kvfleet_routing::{
-    CacheDump, IndexError, KvEventSink, KvRouter, PolicyKind, RegisterError, ReservationId,
+    CacheDump, IndexError, KvEventSink, KvRouter, Pin, PolicyKind, RegisterError, ReservationId,
     RouteDecision, RouteError, RouterConfig, RouterKvEvent, RouterSnapshot, UnknownWorker,
     WorkerIdx, WorkerLoad,
 };
@@ -34,6 +34,9 @@ pub struct RouteRequest<'a> {
     pub prompt_tokens: usize,
     /// A worker the request must go to (a shared placement), if routable.
     pub pin: Option<&'a str>,
+    /// Leading blocks of the prompt the pinned worker is known to hold or be computing
+    /// (a placement's anchor), counted as cached there.
+    pub pin_holds_blocks: usize,
     /// The policy.
     pub policy: PolicyKind,
     /// Workers the request already failed on.
@@ -65,7 +68,11 @@ impl RoutingState {
     /// flight there.
     pub fn route(&self, r: &RouteRequest<'_>) -> Result<RouteDecision, RouteError> {
         let now = self.now_ms();
-        lock(&self.kv).route_excluding(r.hashes, r.prompt_tokens, r.pin, r.policy, now, r.exclude)
+        let pin = r.pin.map(|worker| Pin {
+            worker,
+            holds_blocks: r.pin_holds_blocks,
+        });
+        lock(&self.kv).route_excluding(r.hashes, r.prompt_tokens, pin, r.policy, now, r.exclude)
     }
 
     /// Whether some worker holds (or is about to hold) every block of `hashes`.
@@ -200,6 +207,7 @@ mod tests {
             hashes: &chain,
             prompt_tokens: 4 * bs + 1,
             pin: None,
+            pin_holds_blocks: 0,
             policy: PolicyKind::CacheAware,
             exclude: &[],
         };

@@ -57,6 +57,17 @@ impl Default for RouterConfig {
     }
 }
 
+/// A worker a request must go to (a placement shared by several routers, or a pin),
+/// and how many of the prompt's leading blocks it is known to hold or be computing
+/// beyond what this router's index and reservations show (0: none known).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Pin<'a> {
+    /// The worker's id.
+    pub worker: &'a str,
+    /// Leading blocks of the prompt counted as cached there.
+    pub holds_blocks: usize,
+}
+
 /// Why a worker could not be added.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum RegisterError {
@@ -503,24 +514,31 @@ impl KvRouter {
         policy: PolicyKind,
         now_ms: u64,
     ) -> Result<RouteDecision, RouteError> {
+        let pinned = pinned.map(|worker| Pin {
+            worker,
+            holds_blocks: 0,
+        });
         self.route_excluding(hashes, prompt_tokens, pinned, policy, now_ms, &[])
     }
 
     /// [`Self::route_pinned`] that skips the workers in `exclude` (those a retried
-    /// request already failed on).
+    /// request already failed on), and counts the blocks a [`Pin`] says its worker
+    /// holds as cached there.
     pub fn route_excluding(
         &mut self,
         hashes: &[BlockHash],
         prompt_tokens: usize,
-        pinned: Option<&str>,
+        pinned: Option<Pin<'_>>,
         policy: PolicyKind,
         now_ms: u64,
         exclude: &[String],
     ) -> Result<RouteDecision, RouteError> {
         // A pin on a fenced worker is dropped: the request goes elsewhere.
         let pin = pinned
+            .map(|p| p.worker)
             .filter(|id| !self.fenced.contains(*id) && !exclude.iter().any(|x| x == id))
             .and_then(|id| self.registry.get(id));
+        let pin_blocks = pinned.map_or(0, |p| p.holds_blocks);
         self.reservations.expire(now_ms);
         if self.registry.is_empty() {
             return Err(RouteError::NoWorkers);
@@ -564,6 +582,13 @@ impl KvRouter {
             {
                 continue;
             }
+            // A placement's worker is computing (or holds) the prompt up to the
+            // blocks the pin names, though this router has not heard of it yet.
+            let depth = if pin == Some(worker) {
+                depth.max(pin_blocks)
+            } else {
+                depth
+            };
             let matched_blocks = depth.min(reusable);
             let (host_blocks, disk_blocks) = if with_tiers {
                 lower_tier_blocks(tiered.get(worker), matched_blocks, reusable)

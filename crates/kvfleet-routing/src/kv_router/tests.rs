@@ -808,7 +808,10 @@ fn any_policy_pulls_what_it_lacks_and_never_from_an_excluded_holder() {
         r.route_excluding(
             &h[..blocks],
             blocks * BS + 1,
-            Some("w1"),
+            Some(Pin {
+                worker: "w1",
+                holds_blocks: 0,
+            }),
             PolicyKind::CacheAware,
             0,
             &[],
