@@ -24,7 +24,7 @@ use kvfleet_core::BlockHash;
 use kvfleet_proto::v1 as pb;
 use kvfleet_routing::policy::anchor_block;
 use kvfleet_routing::policy::PolicyKind;
-use kvfleet_routing::RouteDecision;
+use kvfleet_routing::{Pin, RouteDecision};
 use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -212,10 +212,11 @@ where
     // up to it. Siblings share their anchor, so the routers they reach agree on one
     // worker; sessions behind one system prompt have different anchors, so a shared
     // prompt never places them all on one worker.
+    let anchor = anchor_block(spec.hashes.len());
     let placement = hooks.as_ref().and_then(|_| match &spec.fork_group {
         Some(g) => Some(PlacementRef::ForkGroup(g.clone())),
         None => {
-            let at = anchor_block(spec.hashes.len())?;
+            let at = anchor?;
             let known = fleet.routing.holds_prefix(&spec.hashes[..=at]);
             (!known).then_some(PlacementRef::PrefixRoot(spec.hashes[at].0))
         }
@@ -229,11 +230,8 @@ where
     // index has not heard of it yet. Counting those blocks as cached there keeps this
     // request's prefill, and so the worker's backlog as this router sees it, from
     // counting the shared prefix a second time.
-    let mut pin_holds_blocks = if pin.is_some() {
-        anchor_block(spec.hashes.len()).map_or(0, |at| at + 1)
-    } else {
-        0
-    };
+    let placed_blocks = anchor.map_or(0, |at| at + 1);
+    let mut pin_holds_blocks = if pin.is_some() { placed_blocks } else { 0 };
     // A live pinned prefix names the worker holding it (and nothing evicts it there).
     if let Some(w) = fleet.pins.worker_for(&spec.hashes, fleet.now_ms()) {
         if fleet.conn(&w).is_some() {
@@ -244,12 +242,14 @@ where
     let mut claim_pending = placement.is_some() && pin.is_none();
     // Workers this request already failed on: a retry goes elsewhere.
     let mut tried: Vec<String> = exclude.to_vec();
-    let route = |pin: Option<&str>, pin_holds_blocks: usize, tried: &[String]| {
+    let route = |pin: Option<&str>, holds_blocks: usize, tried: &[String]| {
         fleet.routing.route(&RouteRequest {
             hashes: &spec.hashes,
             prompt_tokens: spec.token_ids.len(),
-            pin,
-            pin_holds_blocks,
+            pin: pin.map(|worker| Pin {
+                worker,
+                holds_blocks,
+            }),
             policy: spec.policy,
             exclude: tried,
         })
@@ -282,7 +282,7 @@ where
                     // Ends the first choice's in-flight count before routing again.
                     drop(guard);
                     pin = Some(owner);
-                    pin_holds_blocks = anchor_block(spec.hashes.len()).map_or(0, |at| at + 1);
+                    pin_holds_blocks = placed_blocks;
                     decision = match route(pin.as_deref(), pin_holds_blocks, &tried) {
                         Ok(d) => d,
                         Err(e) => {

@@ -32,11 +32,9 @@ pub struct RouteRequest<'a> {
     pub hashes: &'a [BlockHash],
     /// Prompt length in tokens.
     pub prompt_tokens: usize,
-    /// A worker the request must go to (a shared placement), if routable.
-    pub pin: Option<&'a str>,
-    /// Leading blocks of the prompt the pinned worker is known to hold or be computing
-    /// (a placement's anchor), counted as cached there.
-    pub pin_holds_blocks: usize,
+    /// A worker the request must go to (a shared placement or a pin), if routable,
+    /// with the leading blocks it is known to hold or be computing.
+    pub pin: Option<Pin<'a>>,
     /// The policy.
     pub policy: PolicyKind,
     /// Workers the request already failed on.
@@ -68,11 +66,7 @@ impl RoutingState {
     /// flight there.
     pub fn route(&self, r: &RouteRequest<'_>) -> Result<RouteDecision, RouteError> {
         let now = self.now_ms();
-        let pin = r.pin.map(|worker| Pin {
-            worker,
-            holds_blocks: r.pin_holds_blocks,
-        });
-        lock(&self.kv).route_excluding(r.hashes, r.prompt_tokens, pin, r.policy, now, r.exclude)
+        lock(&self.kv).route_excluding(r.hashes, r.prompt_tokens, r.pin, r.policy, now, r.exclude)
     }
 
     /// Whether some worker holds (or is about to hold) every block of `hashes`.
@@ -207,7 +201,6 @@ mod tests {
             hashes: &chain,
             prompt_tokens: 4 * bs + 1,
             pin: None,
-            pin_holds_blocks: 0,
             policy: PolicyKind::CacheAware,
             exclude: &[],
         };
