@@ -100,6 +100,17 @@ pub enum RouteError {
 #[error("unknown worker {0:?}")]
 pub struct UnknownWorker(pub String);
 
+/// A step of [`KvRouter::rebuild_step`].
+#[derive(Clone, Copy, Debug)]
+pub enum RebuildStep<'a> {
+    /// Forget the worker's blocks.
+    Begin,
+    /// Add these dumped blocks (parents before children).
+    Blocks(&'a CacheDump),
+    /// The dump was taken at this event seq.
+    End(u64),
+}
+
 /// Wall time spent in the phases of one [`KvRouter::route`] call, for histograms.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct RouteTimings {
@@ -208,7 +219,7 @@ pub struct WorkerSnapshot {
 }
 
 /// The router's state for a dashboard.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct RouterSnapshot {
     /// Tokens per block.
     pub block_size: usize,
@@ -432,6 +443,28 @@ impl KvRouter {
             .ok_or_else(|| IndexError::UnknownWorker(id.to_owned()))?;
         self.index.rebuild_worker(idx, dump, seq);
         self.confirm(idx);
+        Ok(())
+    }
+
+    /// One step of [`rebuild_worker`](Self::rebuild_worker) in parts, so that a caller
+    /// sharing this router can let routing run between the parts of a large dump:
+    /// [`RebuildStep::Begin`] forgets the worker's blocks, each
+    /// [`RebuildStep::Blocks`] adds a part of the dump, [`RebuildStep::End`] records
+    /// the dump's seq and confirms reservations. Between the steps the worker's index
+    /// holds part of its dump: routing sees fewer of its blocks, never ones it lacks.
+    pub fn rebuild_step(&mut self, id: &str, step: RebuildStep<'_>) -> Result<(), IndexError> {
+        let idx = self
+            .registry
+            .get(id)
+            .ok_or_else(|| IndexError::UnknownWorker(id.to_owned()))?;
+        match step {
+            RebuildStep::Begin => self.index.begin_rebuild(idx),
+            RebuildStep::Blocks(part) => self.index.insert_dumped(idx, part),
+            RebuildStep::End(seq) => {
+                self.index.end_rebuild(idx, seq);
+                self.confirm(idx);
+            }
+        }
         Ok(())
     }
 

@@ -31,8 +31,8 @@ pub mod seams;
 
 pub use events::{CacheDump, DumpedBlock, Medium, RouterKvEvent, RouterKvEventKind};
 pub use kv_router::{
-    KvRouter, Pin, PredictionStats, PullPlan, RegisterError, RouteDecision, RouteError,
-    RouteTimings, RouterConfig, RouterSnapshot, UnknownWorker, WorkerSnapshot,
+    KvRouter, Pin, PredictionStats, PullPlan, RebuildStep, RegisterError, RouteDecision,
+    RouteError, RouteTimings, RouterConfig, RouterSnapshot, UnknownWorker, WorkerSnapshot,
 };
 pub use load::WorkerLoad;
 pub use policy::{PolicyKind, RoutingPolicy};

@@ -93,6 +93,11 @@ pub struct Matches {
     first: Vec<u64>,
     remaining: Vec<u64>,
     depth_of: Vec<usize>,
+    // Raises queued by `queue_raise`: the depth by worker index (0: none queued), the
+    // workers queued, and room to merge the new ones in.
+    raise_to: Vec<usize>,
+    raised: Vec<WorkerIdx>,
+    merged: Vec<WorkerMatch>,
 }
 
 impl PartialEq for Matches {
@@ -113,6 +118,9 @@ impl Matches {
     pub fn clear(&mut self) {
         self.entries.clear();
         self.deepest = 0;
+        for w in self.raised.drain(..) {
+            self.raise_to[w.index()] = 0;
+        }
     }
 
     /// The deepest match over all workers, in blocks (0 when nothing matches).
@@ -162,6 +170,62 @@ impl Matches {
             Err(i) => self.entries.insert(i, WorkerMatch { worker, depth }),
         }
         self.deepest = self.deepest.max(depth);
+    }
+
+    /// Queues raising `worker`'s depth to at least `depth`, to be merged in with every
+    /// other queued raise by [`apply_raises`](Self::apply_raises): O(1) each, where
+    /// [`raise`](Self::raise) searches the entries every time.
+    pub fn queue_raise(&mut self, worker: WorkerIdx, depth: usize) {
+        if depth == 0 {
+            return;
+        }
+        let w = worker.index();
+        if w >= self.raise_to.len() {
+            self.raise_to.resize(w + 1, 0);
+        }
+        if self.raise_to[w] == 0 {
+            self.raised.push(worker);
+        }
+        self.raise_to[w] = self.raise_to[w].max(depth);
+    }
+
+    /// Merges every raise queued by [`queue_raise`](Self::queue_raise): one pass over
+    /// the entries, and a sort of only the workers that were not matching yet.
+    pub fn apply_raises(&mut self) {
+        if self.raised.is_empty() {
+            return;
+        }
+        for e in &mut self.entries {
+            if let Some(d) = self.raise_to.get_mut(e.worker.index()) {
+                if *d > 0 {
+                    e.depth = e.depth.max(*d);
+                    self.deepest = self.deepest.max(e.depth);
+                    *d = 0;
+                }
+            }
+        }
+        // Those left were not in the entries: new matches.
+        let mut fresh = std::mem::take(&mut self.raised);
+        fresh.retain(|w| self.raise_to[w.index()] > 0);
+        if !fresh.is_empty() {
+            fresh.sort_unstable();
+            let mut merged = std::mem::take(&mut self.merged);
+            merged.clear();
+            let mut old = self.entries.iter().copied().peekable();
+            for w in &fresh {
+                while let Some(e) = old.next_if(|e| e.worker < *w) {
+                    merged.push(e);
+                }
+                let depth = std::mem::take(&mut self.raise_to[w.index()]);
+                self.deepest = self.deepest.max(depth);
+                merged.push(WorkerMatch { worker: *w, depth });
+            }
+            merged.extend(old);
+            std::mem::swap(&mut self.entries, &mut merged);
+            self.merged = merged;
+        }
+        fresh.clear();
+        self.raised = fresh;
     }
 
     /// Emits every holder of the first block with its recorded depth, in index order
@@ -435,12 +499,30 @@ impl PrefixIndex {
     /// Replaces everything known about `worker` with a cache dump reflecting its
     /// events up to `seq`; the next event expected is `seq + 1`.
     pub fn rebuild_worker(&mut self, worker: WorkerIdx, dump: &CacheDump, seq: u64) {
+        self.begin_rebuild(worker);
+        self.insert_dumped(worker, dump);
+        self.end_rebuild(worker, seq);
+    }
+
+    /// The first step of [`rebuild_worker`](Self::rebuild_worker) in parts: forgets
+    /// every block of `worker`, in every tier.
+    pub fn begin_rebuild(&mut self, worker: WorkerIdx) {
         self.ensure_worker(worker);
         self.clear_all_tiers(worker);
-        for b in dump.iter() {
+    }
+
+    /// Adds dumped blocks of `worker` (a part of its dump, parents before children).
+    pub fn insert_dumped(&mut self, worker: WorkerIdx, part: &CacheDump) {
+        self.ensure_worker(worker);
+        for b in part.iter() {
             self.tier_mut(worker, b.medium)
                 .insert_block(worker, b.hash, b.parent);
         }
+    }
+
+    /// The last step of a rebuild in parts: the dump was taken at event `seq`.
+    pub fn end_rebuild(&mut self, worker: WorkerIdx, seq: u64) {
+        self.ensure_worker(worker);
         self.workers[worker.index()].last_seq = seq;
     }
 
@@ -874,6 +956,35 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
     use std::collections::{BTreeMap, BTreeSet};
+
+    proptest! {
+        /// Raises queued and merged at once leave the same matches as raising one at a
+        /// time, whatever the order, repeats and workers already matching.
+        #[test]
+        fn queued_raises_equal_raising_one_at_a_time(
+            base in proptest::collection::btree_map(0u32..300, 1usize..50, 0..40),
+            raises in proptest::collection::vec((0u32..300, 0usize..60), 0..200),
+        ) {
+            let mut seed = Matches::new();
+            for (w, d) in &base {
+                seed.raise(WorkerIdx(*w), *d);
+            }
+            let mut one = seed.clone();
+            let mut queued = seed.clone();
+            for (w, d) in &raises {
+                one.raise(WorkerIdx(*w), *d);
+                queued.queue_raise(WorkerIdx(*w), *d);
+            }
+            queued.apply_raises();
+            prop_assert_eq!(&queued, &one);
+            prop_assert_eq!(queued.deepest(), one.deepest());
+            // The scratch is left clean: a second round behaves the same.
+            queued.queue_raise(WorkerIdx(299), 70);
+            one.raise(WorkerIdx(299), 70);
+            queued.apply_raises();
+            prop_assert_eq!(&queued, &one);
+        }
+    }
 
     fn chain(seed: u64, n: usize) -> Vec<BlockHash> {
         // Chained like real block hashes: each depends on its parent.

@@ -271,7 +271,7 @@ impl Reservations {
             let m = common_prefix(&node.edge, &hashes[pos..]);
             let depth = pos + m;
             for &(w, _) in &node.holders {
-                out.raise(w, depth);
+                out.queue_raise(w, depth);
             }
             if m < node.edge.len() {
                 break;
@@ -279,6 +279,7 @@ impl Reservations {
             parent = id;
             pos = depth;
         }
+        out.apply_raises();
     }
 
     /// Matched depth per worker from reservations alone.

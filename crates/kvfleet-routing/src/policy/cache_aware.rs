@@ -145,6 +145,7 @@ impl CacheAware {
 
     /// The weight of an uncached token on `c`: `prefill_weight` when its prefill lane
     /// is busy, `idle_prefill_weight` when it is idle.
+    #[inline]
     pub fn prefill_weight(&self, c: &Candidate) -> f64 {
         if c.load.prefill_backlog_tokens() > 0 {
             self.config.prefill_weight
@@ -155,12 +156,22 @@ impl CacheAware {
 
     /// Estimated cost of sending the request of `ctx` to `c`.
     pub fn cost(&self, ctx: &RouteContext<'_>, c: &Candidate) -> f64 {
-        self.prefill_weight(c) * (self.computed_tokens(ctx, c) as f64 + self.load_tokens(ctx, c))
+        self.priced(ctx, c).0
+    }
+
+    /// `c`'s [`cost`](Self::cost) and the prompt tokens it would compute, worked out
+    /// once (the policy needs both for every candidate).
+    #[inline]
+    fn priced(&self, ctx: &RouteContext<'_>, c: &Candidate) -> (f64, usize) {
+        let computed = self.computed_tokens(ctx, c);
+        let cost = self.prefill_weight(c) * (computed as f64 + self.load_tokens(ctx, c))
             + c.load.prefill_backlog_tokens() as f64
-            + self.config.decode_cost_per_sequence * c.load.active_sequences() as f64
+            + self.config.decode_cost_per_sequence * c.load.active_sequences() as f64;
+        (cost, computed)
     }
 
     /// Blocks `c` would pull from a peer (0 with pulls off).
+    #[inline]
     pub fn pull_blocks(&self, ctx: &RouteContext<'_>, c: &Candidate) -> usize {
         if !self.config.tiers.pulls_enabled() {
             return 0;
@@ -169,6 +180,7 @@ impl CacheAware {
     }
 
     /// Prompt tokens `c` would compute: those in none of its tiers and not pulled.
+    #[inline]
     pub fn computed_tokens(&self, ctx: &RouteContext<'_>, c: &Candidate) -> usize {
         let pulled = self.pull_blocks(ctx, c) * ctx.block_size;
         ctx.uncached_tokens(c).saturating_sub(pulled)
@@ -176,6 +188,7 @@ impl CacheAware {
 
     /// `c`'s host, disk and pulled blocks priced in recomputed-token equivalents (0
     /// without any).
+    #[inline]
     pub fn load_tokens(&self, ctx: &RouteContext<'_>, c: &Candidate) -> f64 {
         let pulled = self.pull_blocks(ctx, c);
         if c.host_blocks == 0 && c.disk_blocks == 0 && pulled == 0 {
@@ -227,35 +240,25 @@ impl RoutingPolicy for CacheAware {
             .iter()
             .map(|c| c.load.active_sequences())
             .sum();
-        let key = |c: &Candidate| -> Key {
-            (
-                self.cost(ctx, c),
-                c.load.active_sequences(),
-                c.worker,
-                c.id_hash,
-            )
-        };
         let bound = (1.0 + self.config.balance_epsilon) * (total + 1) as f64 / n.max(1) as f64
             + self.config.balance_slack;
         let cap = self.config.max_prefill_backlog_tokens.unwrap_or(usize::MAX);
-        let overloaded = |k: &Key, c: &Candidate| {
-            (k.1 + 1) as f64 > bound
-                || c.load
-                    .prefill_backlog_tokens()
-                    .saturating_add(self.computed_tokens(ctx, c))
-                    > cap
-        };
 
         // Pass 2: the cheapest worker, and the cheapest within its bounds; the keys of
-        // those within bounds are kept for the tie pass.
+        // those within bounds are kept for the tie pass. Each candidate's cost and
+        // computed tokens are worked out once.
         let mut best: Option<Key> = None;
         let mut best_ok: Option<Key> = None;
         for c in ctx.candidates {
-            let k = key(c);
+            let (cost, computed) = self.priced(ctx, c);
+            let active = c.load.active_sequences();
+            let k: Key = (cost, active, c.worker, c.id_hash);
             if best.as_ref().is_none_or(|b| lt(&k, b)) {
                 best = Some(k);
             }
-            if !overloaded(&k, c) {
+            let overloaded = (active + 1) as f64 > bound
+                || c.load.prefill_backlog_tokens().saturating_add(computed) > cap;
+            if !overloaded {
                 within.push(k);
                 if best_ok.as_ref().is_none_or(|b| lt(&k, b)) {
                     best_ok = Some(k);
