@@ -40,6 +40,9 @@ enum BenchCommand {
     /// Measure one model's engine throughput in process: pp512, pp2048, tg128, and
     /// aggregate decode over 4 and 8 sequences (see scripts/bench/vs-llamacpp.sh).
     Model(ModelArgs),
+    /// The serving router's routing core at fleet scale: requests per second and the
+    /// decision latency a handler waits for, under a concurrent KV event stream.
+    RouterScale(crate::router_scale::RouterScaleArgs),
 }
 
 /// Arguments of `kvfleet bench tiers`.
@@ -418,6 +421,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         BenchCommand::Sweep(a) => run_sweep_cmd(a),
         BenchCommand::Tiers(a) => run_tiers_cmd(a),
         BenchCommand::Model(a) => run_model_bench(a),
+        BenchCommand::RouterScale(a) => crate::router_scale::run(a),
     }
 }
 

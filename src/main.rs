@@ -5,6 +5,7 @@ mod control_plane;
 mod generate;
 mod http_serve;
 mod router_cmd;
+mod router_scale;
 mod security_args;
 mod serve_args;
 mod sim_cmd;

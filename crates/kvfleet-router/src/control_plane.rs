@@ -433,7 +433,7 @@ impl RouterControl {
         if lock(&self.incarnations).get(id) != Some(&env.incarnation) {
             return;
         }
-        let gap = match apply_wire_batch(&self.fleet.routing, id, &batch) {
+        let gap = match apply_wire_batch(&self.fleet.routing, id, &batch).await {
             Ok(()) | Err(IndexError::UnknownWorker(_)) => false,
             Err(e) => {
                 tracing::info!(worker = id, "{e}");

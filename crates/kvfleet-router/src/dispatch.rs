@@ -16,7 +16,7 @@ use crate::decision_log::NewDecision;
 use crate::fleet::Fleet;
 use crate::fleet_metrics as m;
 use crate::openai::error::ApiError;
-use crate::routing_state::{RouteRequest, RoutingState};
+use crate::routing_state::{InFlight, RouteRequest, Routed};
 use crate::wall_clock::unix_ms;
 use crate::worker_conn::WorkerConn;
 use kvfleet_core::openai::Usage;
@@ -38,10 +38,10 @@ const LIVENESS_CHECK: Duration = Duration::from_millis(200);
 pub struct GenerationSpec {
     /// Request id (also used for Abort).
     pub request_id: String,
-    /// Prompt ids.
-    pub token_ids: Vec<u32>,
-    /// Chained hashes of the prompt's full blocks.
-    pub hashes: Vec<BlockHash>,
+    /// Prompt ids, shared by every attempt and the relay, never copied.
+    pub token_ids: Arc<[u32]>,
+    /// Chained hashes of the prompt's full blocks, shared with the routing core.
+    pub hashes: Arc<[BlockHash]>,
     /// Sampling parameters.
     pub sampling: pb::SamplingParams,
     /// Cache namespace salt.
@@ -84,11 +84,10 @@ pub struct Dispatched<T = pb::GenerateResponse> {
     pub spec: Option<Arc<GenerationSpec>>,
 }
 
-/// Keeps a request counted as in flight on its worker until dropped.
+/// Keeps a request counted as in flight on its worker until dropped, with what the
+/// router predicted for it.
 pub struct InflightGuard {
-    routing: Arc<RoutingState>,
-    worker: String,
-    prefill_tokens: usize,
+    in_flight: InFlight,
     /// Cached tokens the router predicted.
     pub predicted_cached_tokens: usize,
     /// Policy that chose the worker.
@@ -98,23 +97,20 @@ pub struct InflightGuard {
 }
 
 impl InflightGuard {
-    /// Takes over the in-flight count `routing.route()` recorded for `decision`.
-    fn new(routing: &Arc<RoutingState>, decision: &RouteDecision) -> Self {
+    /// Takes over the in-flight count of a routed request.
+    fn new(in_flight: InFlight, decision: &RouteDecision) -> Self {
         InflightGuard {
-            routing: routing.clone(),
-            worker: decision.worker.to_string(),
-            prefill_tokens: decision.prefill_tokens,
+            in_flight,
             predicted_cached_tokens: decision.predicted_cached_tokens,
             policy: decision.policy,
             decision_seq: 0,
         }
     }
-}
 
-impl Drop for InflightGuard {
-    fn drop(&mut self) {
-        self.routing
-            .request_finished(&self.worker, self.prefill_tokens);
+    /// The worker served `actual` prompt tokens from cache: recorded against the
+    /// prediction when the request ends.
+    pub fn record_outcome(&self, actual: usize) {
+        self.in_flight.record_outcome(actual);
     }
 }
 
@@ -138,7 +134,8 @@ pub async fn dispatch_excluding(
             pull,
             request_id: spec.request_id.clone(),
             model: String::new(),
-            token_ids: spec.token_ids.clone(),
+            // The wire message owns its ids: the one copy, made as it is encoded.
+            token_ids: spec.token_ids.to_vec(),
             block_hashes: spec.hashes.iter().map(|h| h.0).collect(),
             block_size,
             cache_salt: spec.cache_salt.clone(),
@@ -213,14 +210,15 @@ where
     // worker; sessions behind one system prompt have different anchors, so a shared
     // prompt never places them all on one worker.
     let anchor = anchor_block(spec.hashes.len());
-    let placement = hooks.as_ref().and_then(|_| match &spec.fork_group {
-        Some(g) => Some(PlacementRef::ForkGroup(g.clone())),
-        None => {
-            let at = anchor?;
+    let placement = match (&hooks, &spec.fork_group, anchor) {
+        (None, _, _) => None,
+        (Some(_), Some(g), _) => Some(PlacementRef::ForkGroup(g.clone())),
+        (Some(_), None, Some(at)) => {
             let known = fleet.routing.holds_prefix(&spec.hashes[..=at]);
             (!known).then_some(PlacementRef::PrefixRoot(spec.hashes[at].0))
         }
-    });
+        (Some(_), None, None) => None,
+    };
     let mut pin = match (&hooks, &placement) {
         (Some(h), Some(key)) => h.placed_worker(key),
         _ => None,
@@ -259,8 +257,11 @@ where
             m::retry();
         }
         fleet.workers.refresh_breakers();
-        let mut decision = match route(pin.as_deref(), pin_holds_blocks, &tried) {
-            Ok(d) => d,
+        let Routed {
+            mut decision,
+            in_flight,
+        } = match route(pin.as_deref(), pin_holds_blocks, &tried) {
+            Ok(r) => r,
             Err(e) => {
                 last_error = e.to_string();
                 break;
@@ -268,7 +269,7 @@ where
         };
         // route() counted the request in flight: the guard owns that count from here,
         // so a request cancelled at any await below (the claim) gives it back.
-        let mut guard = InflightGuard::new(&fleet.routing, &decision);
+        let mut guard = InflightGuard::new(in_flight, &decision);
         // First to route this key: claim it (one compare-and-set per new key), and
         // follow whoever won.
         if let (true, Some(h), Some(key)) = (claim_pending, &hooks, &placement) {
@@ -283,14 +284,15 @@ where
                     drop(guard);
                     pin = Some(owner);
                     pin_holds_blocks = placed_blocks;
-                    decision = match route(pin.as_deref(), pin_holds_blocks, &tried) {
-                        Ok(d) => d,
+                    let rerouted = match route(pin.as_deref(), pin_holds_blocks, &tried) {
+                        Ok(r) => r,
                         Err(e) => {
                             last_error = e.to_string();
                             break;
                         }
                     };
-                    guard = InflightGuard::new(&fleet.routing, &decision);
+                    decision = rerouted.decision;
+                    guard = InflightGuard::new(rerouted.in_flight, &decision);
                 }
             }
         }

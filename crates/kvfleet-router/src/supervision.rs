@@ -121,13 +121,13 @@ pub fn worker_tiers(l: &pb::LoadResponse) -> WorkerTiers {
 
 /// Applies a wire batch of worker `id`'s events to `routing` (both event followers,
 /// the gRPC stream here and the control plane's Kafka consumer, go through this).
-pub fn apply_wire_batch(
+pub async fn apply_wire_batch(
     routing: &RoutingState,
     id: &str,
     batch: &pb::KvEventBatch,
 ) -> Result<(), IndexError> {
     let events: Vec<RouterKvEvent> = batch.events.iter().map(from_wire).collect();
-    routing.apply_events(id, &events)
+    routing.apply_events(id, &events).await
 }
 
 impl WorkerSupervision {
@@ -420,7 +420,11 @@ impl WorkerSupervision {
             .map(kvfleet_proto::kv_events::dumped_block_from_wire)
             .collect();
         m::resync(conn.id());
-        if let Err(e) = self.routing.rebuild_worker(conn.id(), &blocks, dump.seq) {
+        if let Err(e) = self
+            .routing
+            .rebuild_worker(conn.id(), &blocks, dump.seq)
+            .await
+        {
             tracing::warn!(worker = conn.id(), "rebuild failed: {e}");
         }
         Ok(dump.seq)
@@ -510,7 +514,7 @@ impl WorkerSupervision {
                                 // and re-register rather than resync forever.
                                 return "dropped from routing".to_string();
                             }
-                            if let Err(e) = apply_wire_batch(&self.routing, &id, &batch) {
+                            if let Err(e) = apply_wire_batch(&self.routing, &id, &batch).await {
                                 tracing::info!(worker = %id, "event gap ({e}); resyncing from a dump");
                                 if let Err(e) = self.resync(conn).await {
                                     return e.to_string();

@@ -192,8 +192,9 @@ pub async fn forks(
             .sum::<usize>();
     meta.admitted.charge(longest, cost)?;
     let seed = kvfleet_core::namespace_seed(&meta.model_id, &meta.cache_salt);
-    let prefix = children[0][..shared].to_vec();
-    let hashes = kvfleet_core::hash_blocks(seed, &prefix, fleet.routing.block_size());
+    let prefix: Arc<[u32]> = children[0][..shared].into();
+    let hashes: Arc<[kvfleet_core::BlockHash]> =
+        kvfleet_core::hash_blocks(seed, &prefix, fleet.routing.block_size()).into();
     let fork_id = request_id();
     let group = meta
         .fork_group
@@ -231,7 +232,7 @@ pub async fn forks(
                 let req = pb::ForkRequest {
                     request_id: spec.request_id.clone(),
                     model: String::new(),
-                    prefix_token_ids: spec.token_ids.clone(),
+                    prefix_token_ids: spec.token_ids.to_vec(),
                     block_hashes: spec.hashes.iter().map(|h| h.0).collect(),
                     block_size,
                     cache_salt: spec.cache_salt.clone(),

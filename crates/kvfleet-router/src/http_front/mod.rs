@@ -347,8 +347,8 @@ async fn prepare(
     let spec = Arc::new(GenerationSpec {
         pin: ticket.as_ref().map(|t| t.request()),
         request_id: request_id(),
-        token_ids: ids,
-        hashes,
+        token_ids: ids.into(),
+        hashes: hashes.into(),
         sampling: params,
         cache_salt: meta.cache_salt.clone(),
         cacheable_len: cacheable_len.map(|n| n as u32),

@@ -154,10 +154,8 @@ impl Tally {
             d.guard.predicted_cached_tokens,
             usage.prompt_tokens_details.cached_tokens,
         );
-        fleet.routing.record_outcome(
-            d.guard.predicted_cached_tokens,
-            usage.prompt_tokens_details.cached_tokens,
-        );
+        d.guard
+            .record_outcome(usage.prompt_tokens_details.cached_tokens);
         report_usage(fleet, d, &usage, self.ttft());
         fleet.decisions.outcome(
             d.guard.decision_seq,

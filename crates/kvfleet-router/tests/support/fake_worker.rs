@@ -35,8 +35,9 @@ pub fn chat_spec(
             kvfleet_core::namespace_seed(MODEL, ""),
             &tokens,
             BS as usize,
-        ),
-        token_ids: tokens,
+        )
+        .into(),
+        token_ids: tokens.into(),
         sampling: pb::SamplingParams {
             max_tokens: 1,
             ..Default::default()
