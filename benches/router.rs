@@ -382,16 +382,12 @@ fn main() {
             CacheAware, Candidate, ConsistentHash, LeastLoaded, RandomPolicy, RouteContext,
             RoutingPolicy,
         };
-        use kvfleet_routing::WorkerLoad;
+        use kvfleet_routing::CandidateLoad;
         let candidates: Vec<Candidate> = (0..WORKERS)
             .map(|w| Candidate {
                 worker: WorkerIdx(w as u32),
                 id_hash: mix(w as u64),
-                load: WorkerLoad {
-                    running: w % 17,
-                    queued_prefill_tokens: (w * 7_919) % 20_000,
-                    ..WorkerLoad::default()
-                },
+                load: CandidateLoad::new(w % 17, (w * 7_919) % 20_000),
                 matched_blocks: if w % 2 == 0 { 1_000 } else { 64 },
                 host_blocks: 0,
                 disk_blocks: 0,

@@ -5,7 +5,9 @@
 #      `kvfleet up --workers 4` (tiny model) and keeps the report;
 #   3. runs `kvfleet bench matrix`: the simulator over traces x fleets x loads x policies,
 #      the 100k-request x 1,000-worker scale run, and the replay-vs-simulator comparison;
-#   4. runs `kvfleet bench sweep` (docs/policy-sweep.md): cache-aware against every other
+#   4. runs `kvfleet bench router-scale` (docs/router-scale.md): the router's routing
+#      decisions per second and their latency under a concurrent KV event stream;
+#   5. runs `kvfleet bench sweep` (docs/policy-sweep.md): cache-aware against every other
 #      policy over a family of generated traces at 8-256 workers.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -43,7 +45,11 @@ cp "$OUT/replay/worker_load.svg" docs/plots/replay_worker_load.svg
   --replay-json "$OUT/replay.json" --replay-trace "$OUT/replay-trace.jsonl" \
   --replay-setup "$REPLAY_SETUP" --notes docs/benchmarks.notes.md "$@"
 
-# 4. The policy sweep: every policy over the generated trace family and Mooncake at
+# 4. Router scale (about a minute): 64-1,024 workers, 20k-30k requests/s, 0-2M event
+#    blocks/s.
+"$BIN" bench router-scale --doc docs/router-scale.md --json docs/bench/router-scale.json
+
+# 5. The policy sweep: every policy over the generated trace family and Mooncake at
 #    8-256 workers (docs/policy-sweep.md), and the held-out family (seed 2) at 8 and 64.
 #    About 15 minutes on 2 cores; SWEEP=0 skips it.
 [ "${SWEEP:-1}" = 0 ] && exit 0

@@ -260,6 +260,7 @@ where
         let Routed {
             mut decision,
             in_flight,
+            lock_wait_ns,
         } = match route(pin.as_deref(), pin_holds_blocks, &tried) {
             Ok(r) => r,
             Err(e) => {
@@ -296,6 +297,7 @@ where
                 }
             }
         }
+        m::decision_phase("lock_wait", lock_wait_ns);
         m::decision_phase("index_lookup", decision.timings.index_lookup_ns);
         m::decision_phase(
             "scoring",

@@ -11,11 +11,12 @@
 //!   a whole dump. Both yield to the runtime between parts.
 //!
 //! Why a lock and not a routing thread fed by channels (Dynamo's indexer task): a
-//! decision costs a few microseconds, less than handing it to another thread and back.
+//! decision costs microseconds, less than handing it to another thread and back.
 //! `kvfleet bench router-scale` measured both on 2 cores, 256 workers, 20k requests/s
-//! and 1M event blocks/s: the hand-off design's handlers waited 0.38 ms at the median
-//! and 1.3–1.9 ms at p99, this one's 22 µs and 0.34 ms (before the decision itself was
-//! made faster; docs/benchmarks.md has the current figures).
+//! and 1M event blocks/s, before the decision was made faster: handlers waited
+//! 0.38 ms at the median and 1.3-1.9 ms at p99 with the thread, 22 µs and 0.34 ms with
+//! the lock. Waiters spin briefly before sleeping ([`SPIN`]), which took the lock's
+//! p99 from about 270 µs to about 50 µs. docs/router-scale.md has the current figures.
 
 use kvfleet_core::sync::lock;
 use kvfleet_core::BlockHash;
@@ -25,8 +26,34 @@ use kvfleet_routing::{
     UnknownWorker, WorkerIdx, WorkerLoad,
 };
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 use std::time::Instant;
+
+/// How long a caller spins for the routing lock before it sleeps on it. Every hold
+/// is a few microseconds; a thread that sleeps instead waits to be woken, and on a
+/// virtual machine whose idle core has halted that alone measured 50-250 µs.
+const SPIN: std::time::Duration = std::time::Duration::from_micros(50);
+
+/// Takes the routing lock: spinning first (see [`SPIN`]), then sleeping on it.
+fn hold(kv: &Mutex<KvRouter>) -> MutexGuard<'_, KvRouter> {
+    let mut started = None;
+    loop {
+        match kv.try_lock() {
+            Ok(guard) => return guard,
+            Err(TryLockError::Poisoned(p)) => return p.into_inner(),
+            Err(TryLockError::WouldBlock) => {}
+        }
+        // The clock is read only once a first try failed, and the lock's cache line is
+        // left to its holder for a while between tries.
+        let since = *started.get_or_insert_with(Instant::now);
+        if since.elapsed() >= SPIN {
+            return lock(kv);
+        }
+        for _ in 0..8 {
+            std::hint::spin_loop();
+        }
+    }
+}
 
 /// Events applied between two yields to the runtime.
 const EVENTS_PER_YIELD: usize = 64;
@@ -64,6 +91,8 @@ pub struct Routed {
     pub decision: RouteDecision,
     /// Counts the request in flight on `decision.worker` until dropped.
     pub in_flight: InFlight,
+    /// Nanoseconds the call waited for the routing lock.
+    pub lock_wait_ns: u64,
 }
 
 /// No outcome recorded yet.
@@ -91,7 +120,7 @@ impl InFlight {
 impl Drop for InFlight {
     fn drop(&mut self) {
         let actual = self.actual_cached_tokens.load(Ordering::Relaxed);
-        let mut kv = lock(&self.kv);
+        let mut kv = hold(&self.kv);
         let _ = kv.request_finished(&self.worker, self.prefill_tokens);
         if actual != NO_OUTCOME {
             kv.record_outcome(self.predicted_cached_tokens, actual);
@@ -124,14 +153,12 @@ impl RoutingState {
     /// flight there until the returned [`InFlight`] is dropped.
     pub fn route(&self, r: &RouteRequest<'_>) -> Result<Routed, RouteError> {
         let now = self.now_ms();
-        let decision = lock(&self.kv).route_excluding(
-            r.hashes,
-            r.prompt_tokens,
-            r.pin,
-            r.policy,
-            now,
-            r.exclude,
-        )?;
+        let asked = Instant::now();
+        let mut kv = hold(&self.kv);
+        let lock_wait_ns = asked.elapsed().as_nanos() as u64;
+        let decision =
+            kv.route_excluding(r.hashes, r.prompt_tokens, r.pin, r.policy, now, r.exclude)?;
+        drop(kv);
         let in_flight = InFlight {
             kv: self.kv.clone(),
             worker: decision.worker.clone(),
@@ -142,39 +169,40 @@ impl RoutingState {
         Ok(Routed {
             decision,
             in_flight,
+            lock_wait_ns,
         })
     }
 
     /// Whether some worker holds (or is about to hold) every block of `hashes`.
     pub fn holds_prefix(&self, hashes: &[BlockHash]) -> bool {
         let now = self.now_ms();
-        lock(&self.kv).matches(hashes, now).deepest() >= hashes.len()
+        hold(&self.kv).matches(hashes, now).deepest() >= hashes.len()
     }
 
     /// Ends a reservation early (the request never reached the worker).
     pub fn cancel_reservation(&self, id: ReservationId) {
-        lock(&self.kv).cancel_reservation(id);
+        hold(&self.kv).cancel_reservation(id);
     }
 
     /// Takes worker `id` out of routing (`true`) or lets it back (`false`), keeping its
     /// index.
     pub fn set_fenced(&self, id: &str, fenced: bool) {
-        lock(&self.kv).set_fenced(id, fenced);
+        hold(&self.kv).set_fenced(id, fenced);
     }
 
     /// Adds worker `id` (no-op if present).
     pub fn add_worker(&self, id: &str, block_size: usize) -> Result<(), RegisterError> {
-        lock(&self.kv).add_worker(id, block_size).map(|_| ())
+        hold(&self.kv).add_worker(id, block_size).map(|_| ())
     }
 
     /// Drops worker `id` and its blocks from routing.
     pub fn remove_worker(&self, id: &str) {
-        lock(&self.kv).remove_worker(id);
+        hold(&self.kv).remove_worker(id);
     }
 
     /// Whether worker `id` is in routing.
     pub fn is_registered(&self, id: &str) -> bool {
-        lock(&self.kv).worker_index(id).is_some()
+        hold(&self.kv).worker_index(id).is_some()
     }
 
     /// Replaces worker `id`'s blocks with a cache dump taken at event `seq`, in parts
@@ -185,12 +213,12 @@ impl RoutingState {
         dump: &CacheDump,
         seq: u64,
     ) -> Result<(), IndexError> {
-        lock(&self.kv).rebuild_step(id, RebuildStep::Begin)?;
+        hold(&self.kv).rebuild_step(id, RebuildStep::Begin)?;
         for part in dump.chunks(REBUILD_PART) {
             tokio::task::yield_now().await;
-            lock(&self.kv).rebuild_step(id, RebuildStep::Blocks(part))?;
+            hold(&self.kv).rebuild_step(id, RebuildStep::Blocks(part))?;
         }
-        lock(&self.kv).rebuild_step(id, RebuildStep::End(seq))
+        hold(&self.kv).rebuild_step(id, RebuildStep::End(seq))
     }
 
     /// Applies a batch of worker `id`'s events, one event per lock and yielding to the
@@ -201,28 +229,28 @@ impl RoutingState {
             if i > 0 && i % EVENTS_PER_YIELD == 0 {
                 tokio::task::yield_now().await;
             }
-            lock(&self.kv).apply_event(id, event)?;
+            hold(&self.kv).apply_event(id, event)?;
         }
         Ok(())
     }
 
     /// Takes a load report of worker `id`; returns the last event seq applied for it.
     pub fn update_load(&self, id: &str, report: WorkerLoad) -> Result<u64, UnknownWorker> {
-        let mut kv = lock(&self.kv);
+        let mut kv = hold(&self.kv);
         kv.update_load(id, report)?;
         Ok(kv.last_seq(id).unwrap_or(0))
     }
 
     /// The last event seq applied for worker `id`.
     pub fn last_seq(&self, id: &str) -> Option<u64> {
-        lock(&self.kv).last_seq(id)
+        hold(&self.kv).last_seq(id)
     }
 
     /// Prices tier hits with the KV size a worker reported (see
     /// [`KvRouter::set_kv_block_bytes`]).
     pub fn set_kv_block_bytes(&self, block_bytes: u64, block_size: usize) {
         self.kv_block_bytes.store(block_bytes, Ordering::Relaxed);
-        lock(&self.kv).set_kv_block_bytes(block_bytes, block_size);
+        hold(&self.kv).set_kv_block_bytes(block_bytes, block_size);
     }
 
     /// Bytes of one KV block as the workers last reported it (0 before any, or from
@@ -233,14 +261,14 @@ impl RoutingState {
 
     /// Worker `id`'s blocks as the index has them, or `None` if it is not in routing.
     pub fn worker_blocks(&self, id: &str) -> Option<Vec<DumpedBlock>> {
-        let kv = lock(&self.kv);
+        let kv = hold(&self.kv);
         let idx = kv.worker_index(id)?;
         Some(kv.index().worker_blocks(idx))
     }
 
     /// A copy of the routing core's state.
     pub fn snapshot(&self) -> RouterSnapshot {
-        lock(&self.kv).snapshot()
+        hold(&self.kv).snapshot()
     }
 
     /// A copy of the routing core's state and, for each chain, every worker's matched
@@ -249,7 +277,7 @@ impl RoutingState {
         &self,
         chains: &[&[BlockHash]],
     ) -> (RouterSnapshot, Vec<Vec<usize>>) {
-        let kv = lock(&self.kv);
+        let kv = hold(&self.kv);
         let snapshot = kv.snapshot();
         let depths = chains
             .iter()

@@ -14,7 +14,7 @@
 //! from cache, [`KvRouter::record_outcome`] to track prediction accuracy.
 
 use crate::events::{CacheDump, RouterKvEvent, RouterKvEventKind};
-use crate::load::WorkerLoad;
+use crate::load::{CandidateLoad, WorkerLoad};
 use crate::policy::{
     stable_str_hash, CacheAware, CacheAwareConfig, Candidate, ConsistentHash, ConsistentHashConfig,
     LeastLoaded, PeerSource, PolicyKind, RandomPolicy, RoundRobin, RouteContext, RoutingPolicy,
@@ -240,6 +240,15 @@ struct WorkerEntry {
     load: WorkerLoad,
 }
 
+/// What a decision reads of each worker, kept dense beside the entries (24 bytes a
+/// worker, not a whole load report): scoring 1,000 workers walks a few hundred cache
+/// lines, not a few thousand.
+#[derive(Clone, Copy, Debug)]
+struct Scored {
+    id_hash: u64,
+    load: CandidateLoad,
+}
+
 /// The pure routing core; see the module docs.
 #[derive(Debug)]
 pub struct KvRouter {
@@ -248,6 +257,8 @@ pub struct KvRouter {
     index: PrefixIndex,
     reservations: Reservations,
     workers: Vec<Option<WorkerEntry>>,
+    /// `workers`' [`Scored`] parts, by index; refreshed by every load change.
+    scored: Vec<Option<Scored>>,
     cache_aware: CacheAware,
     round_robin: RoundRobin,
     least_loaded: LeastLoaded,
@@ -277,6 +288,7 @@ impl KvRouter {
             index: PrefixIndex::new(),
             reservations: Reservations::new(config.reservation_ttl_ms),
             workers: Vec::new(),
+            scored: Vec::new(),
             cache_aware: CacheAware::new(config.cache_aware.clone()),
             round_robin: RoundRobin::new(),
             least_loaded: LeastLoaded,
@@ -372,6 +384,7 @@ impl KvRouter {
                 id_hash: stable_str_hash(id),
                 load: WorkerLoad::default(),
             });
+            self.rescore(idx);
         }
         Ok(idx)
     }
@@ -387,6 +400,7 @@ impl KvRouter {
         if let Some(slot) = self.workers.get_mut(idx.index()) {
             *slot = None;
         }
+        self.rescore(idx);
         true
     }
 
@@ -408,8 +422,9 @@ impl KvRouter {
     /// Takes a load report of worker `id` (its polled fields; the router keeps its own
     /// in-flight counters).
     pub fn update_load(&mut self, id: &str, report: WorkerLoad) -> Result<(), UnknownWorker> {
-        let (_, e) = self.entry_mut(id)?;
+        let (idx, e) = self.entry_mut(id)?;
         e.load.apply_report(&report);
+        self.rescore(idx);
         Ok(())
     }
 
@@ -475,8 +490,9 @@ impl KvRouter {
         id: &str,
         prefill_tokens: usize,
     ) -> Result<(), UnknownWorker> {
-        let (_, e) = self.entry_mut(id)?;
+        let (idx, e) = self.entry_mut(id)?;
         e.load.start_request(prefill_tokens);
+        self.rescore(idx);
         Ok(())
     }
 
@@ -487,8 +503,9 @@ impl KvRouter {
         id: &str,
         prefill_tokens: usize,
     ) -> Result<(), UnknownWorker> {
-        let (_, e) = self.entry_mut(id)?;
+        let (idx, e) = self.entry_mut(id)?;
         e.load.finish_request(prefill_tokens);
+        self.rescore(idx);
         Ok(())
     }
 
@@ -603,17 +620,23 @@ impl KvRouter {
         let mut candidates = std::mem::take(&mut self.candidates);
         candidates.clear();
         let mut found = matches.as_slice().iter().peekable();
-        for (i, entry) in self.workers.iter().enumerate() {
-            let Some(e) = entry else { continue };
+        // Fenced and excluded workers are looked up by id only when there are some.
+        let skip_ids = !self.fenced.is_empty() || !exclude.is_empty();
+        for (i, scored) in self.scored.iter().enumerate() {
+            let Some(e) = scored else { continue };
             let worker = WorkerIdx(i as u32);
             // Both lists are sorted by index: merge instead of searching.
             while found.next_if(|m| m.worker < worker).is_some() {}
             let depth = found.next_if(|m| m.worker == worker).map_or(0, |m| m.depth);
-            if pin.is_some_and(|p| p != worker)
-                || (!self.fenced.is_empty() && self.fenced.contains(&*e.id))
-                || exclude.iter().any(|x| **x == *e.id)
-            {
+            if pin.is_some_and(|p| p != worker) {
                 continue;
+            }
+            if skip_ids {
+                let id = self.workers.get(i).and_then(Option::as_ref).map(|e| &*e.id);
+                if id.is_some_and(|id| self.fenced.contains(id) || exclude.iter().any(|x| x == id))
+                {
+                    continue;
+                }
             }
             // A placement's worker is computing (or holds) the prompt up to the
             // blocks the pin names, though this router has not heard of it yet.
@@ -708,6 +731,7 @@ impl KvRouter {
         if let Some(Some(e)) = self.workers.get_mut(worker.index()) {
             e.load.start_request(prefill_tokens);
         }
+        self.rescore(worker);
         let p = &mut self.predictions;
         p.decisions += 1;
         p.prompt_tokens += prompt_tokens as u64;
@@ -806,6 +830,23 @@ impl KvRouter {
             let index = &self.index;
             self.reservations.confirm(idx, |h| index.holds(idx, h));
         }
+    }
+
+    /// Refreshes worker `idx`'s [`Scored`] part from its entry (after a load change,
+    /// an arrival or a departure).
+    fn rescore(&mut self, idx: WorkerIdx) {
+        let i = idx.index();
+        if i >= self.scored.len() {
+            self.scored.resize(i + 1, None);
+        }
+        self.scored[i] = self
+            .workers
+            .get(i)
+            .and_then(Option::as_ref)
+            .map(|e| Scored {
+                id_hash: e.id_hash,
+                load: CandidateLoad::from(&e.load),
+            });
     }
 
     fn entry(&self, id: &str) -> Result<(WorkerIdx, &WorkerEntry), UnknownWorker> {

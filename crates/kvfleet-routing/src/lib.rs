@@ -34,7 +34,7 @@ pub use kv_router::{
     KvRouter, Pin, PredictionStats, PullPlan, RebuildStep, RegisterError, RouteDecision,
     RouteError, RouteTimings, RouterConfig, RouterSnapshot, UnknownWorker, WorkerSnapshot,
 };
-pub use load::WorkerLoad;
+pub use load::{CandidateLoad, WorkerLoad};
 pub use policy::{PolicyKind, RoutingPolicy};
 pub use prefix_index::{IndexError, Matches, PrefixIndex, TieredMatch, TieredMatches, WorkerMatch};
 pub use registry::{WorkerIdx, WorkerRegistry};

@@ -156,41 +156,49 @@ impl CacheAware {
 
     /// Estimated cost of sending the request of `ctx` to `c`.
     pub fn cost(&self, ctx: &RouteContext<'_>, c: &Candidate) -> f64 {
-        self.priced(ctx, c).0
+        self.priced(ctx, c, self.config.tiers.pulls_enabled()).0
     }
 
     /// `c`'s [`cost`](Self::cost) and the prompt tokens it would compute, worked out
-    /// once (the policy needs both for every candidate).
+    /// once (the policy needs both for every candidate). `pulls`: whether peer pulls
+    /// are on, decided once per request rather than per candidate.
     #[inline]
-    fn priced(&self, ctx: &RouteContext<'_>, c: &Candidate) -> (f64, usize) {
-        let computed = self.computed_tokens(ctx, c);
-        let cost = self.prefill_weight(c) * (computed as f64 + self.load_tokens(ctx, c))
+    fn priced(&self, ctx: &RouteContext<'_>, c: &Candidate, pulls: bool) -> (f64, usize) {
+        let pulled = self.pulled(ctx, c, pulls);
+        let computed = computed(ctx, c, pulled);
+        let cost = self.prefill_weight(c) * (computed as f64 + self.loaded(ctx, c, pulled))
             + c.load.prefill_backlog_tokens() as f64
             + self.config.decode_cost_per_sequence * c.load.active_sequences() as f64;
         (cost, computed)
     }
 
     /// Blocks `c` would pull from a peer (0 with pulls off).
-    #[inline]
     pub fn pull_blocks(&self, ctx: &RouteContext<'_>, c: &Candidate) -> usize {
-        if !self.config.tiers.pulls_enabled() {
-            return 0;
+        self.pulled(ctx, c, self.config.tiers.pulls_enabled())
+    }
+
+    #[inline]
+    fn pulled(&self, ctx: &RouteContext<'_>, c: &Candidate, pulls: bool) -> usize {
+        if pulls {
+            ctx.pull_blocks(c, self.config.tiers.peer_pull_min_blocks)
+        } else {
+            0
         }
-        ctx.pull_blocks(c, self.config.tiers.peer_pull_min_blocks)
     }
 
     /// Prompt tokens `c` would compute: those in none of its tiers and not pulled.
-    #[inline]
     pub fn computed_tokens(&self, ctx: &RouteContext<'_>, c: &Candidate) -> usize {
-        let pulled = self.pull_blocks(ctx, c) * ctx.block_size;
-        ctx.uncached_tokens(c).saturating_sub(pulled)
+        computed(ctx, c, self.pull_blocks(ctx, c))
     }
 
     /// `c`'s host, disk and pulled blocks priced in recomputed-token equivalents (0
     /// without any).
-    #[inline]
     pub fn load_tokens(&self, ctx: &RouteContext<'_>, c: &Candidate) -> f64 {
-        let pulled = self.pull_blocks(ctx, c);
+        self.loaded(ctx, c, self.pull_blocks(ctx, c))
+    }
+
+    #[inline]
+    fn loaded(&self, ctx: &RouteContext<'_>, c: &Candidate, pulled: usize) -> f64 {
         if c.host_blocks == 0 && c.disk_blocks == 0 && pulled == 0 {
             return 0.0;
         }
@@ -243,6 +251,7 @@ impl RoutingPolicy for CacheAware {
         let bound = (1.0 + self.config.balance_epsilon) * (total + 1) as f64 / n.max(1) as f64
             + self.config.balance_slack;
         let cap = self.config.max_prefill_backlog_tokens.unwrap_or(usize::MAX);
+        let pulls = self.config.tiers.pulls_enabled();
 
         // Pass 2: the cheapest worker, and the cheapest within its bounds; the keys of
         // those within bounds are kept for the tie pass. Each candidate's cost and
@@ -250,7 +259,7 @@ impl RoutingPolicy for CacheAware {
         let mut best: Option<Key> = None;
         let mut best_ok: Option<Key> = None;
         for c in ctx.candidates {
-            let (cost, computed) = self.priced(ctx, c);
+            let (cost, computed) = self.priced(ctx, c, pulls);
             let active = c.load.active_sequences();
             let k: Key = (cost, active, c.worker, c.id_hash);
             if best.as_ref().is_none_or(|b| lt(&k, b)) {
@@ -321,6 +330,13 @@ impl CacheAware {
     }
 }
 
+/// Prompt tokens `c` would compute when it pulls `pulled` blocks from a peer.
+#[inline]
+fn computed(ctx: &RouteContext<'_>, c: &Candidate, pulled: usize) -> usize {
+    ctx.uncached_tokens(c)
+        .saturating_sub(pulled * ctx.block_size)
+}
+
 /// The prompt's anchor: the chained hash of block `2^⌊log2 n⌋ − 1` of its `n` full
 /// blocks (it covers at least half of them), `None` without a full block. Prompts that
 /// differ only in a short tail share it; prompts that share less than half their
@@ -344,7 +360,7 @@ pub fn rendezvous_score(anchor: u64, worker_id_hash: u64) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::load::WorkerLoad;
+    use crate::load::CandidateLoad;
     use crate::policy::PeerSource;
     use kvfleet_core::BlockHash;
 
@@ -352,11 +368,7 @@ mod tests {
         Candidate {
             worker: WorkerIdx(i),
             id_hash: u64::from(i),
-            load: WorkerLoad {
-                running: active,
-                queued_prefill_tokens: backlog,
-                ..WorkerLoad::default()
-            },
+            load: CandidateLoad::new(active, backlog),
             matched_blocks: matched,
             host_blocks: 0,
             disk_blocks: 0,
@@ -391,7 +403,9 @@ mod tests {
                     ..ctx(&c, h.len())
                 };
                 let w = p.select(&ctx).unwrap().worker.0;
-                c[w as usize].load.running += 1;
+                let l = c[w as usize].load;
+                c[w as usize].load =
+                    CandidateLoad::new(l.active_sequences() + 1, l.prefill_backlog_tokens());
                 w
             })
             .collect()

@@ -27,7 +27,7 @@ pub use random::RandomPolicy;
 pub use round_robin::RoundRobin;
 pub use tier_cost::{TierCostConfig, TierScoring};
 
-use crate::load::WorkerLoad;
+use crate::load::CandidateLoad;
 use crate::registry::WorkerIdx;
 use kvfleet_core::BlockHash;
 use serde::{Deserialize, Serialize};
@@ -41,7 +41,7 @@ pub struct Candidate {
     /// consistent hashing, where indices would differ between replicas).
     pub id_hash: u64,
     /// The worker's load, including this router's in-flight work.
-    pub load: WorkerLoad,
+    pub load: CandidateLoad,
     /// Blocks of the request's prompt the worker holds or will hold in its device pool
     /// (index plus pending reservations), already capped at the blocks a request can
     /// reuse.
