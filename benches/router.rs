@@ -17,7 +17,9 @@
 //! `cargo bench --bench router` (about 40 s)
 
 use criterion::{BenchmarkId, Criterion, Throughput};
+use kvfleet_bench::token_blocks::synthetic_chain;
 use kvfleet_core::BlockHash;
+use kvfleet_routing::policy::mix64;
 use kvfleet_routing::{KvRouter, PolicyKind, PrefixIndex, RouterConfig, RouterKvEvent, WorkerIdx};
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -31,25 +33,6 @@ const CHAINS: usize = 504;
 /// Each chain is cached on this many workers.
 const REPLICAS: usize = 2;
 
-fn mix(mut z: u64) -> u64 {
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
-
-/// Extends `prefix` by `n` chained hashes derived from `salt`, like `hash_blocks` does
-/// (each hash depends on its parent), without hashing tokens.
-fn extend(prefix: &[BlockHash], salt: u64, n: usize) -> Vec<BlockHash> {
-    let mut out = Vec::with_capacity(prefix.len() + n);
-    out.extend_from_slice(prefix);
-    let mut h = prefix.last().map_or(mix(salt), |b| b.0);
-    for i in 0..n {
-        h = mix(h ^ mix(salt.wrapping_add(i as u64 + 1)));
-        out.push(BlockHash(h));
-    }
-    out
-}
-
 struct Fleet {
     chains: Vec<Vec<BlockHash>>,
     /// Events per worker, in order, to build either an index or a router.
@@ -57,9 +40,9 @@ struct Fleet {
 }
 
 fn fleet() -> Fleet {
-    let shared = extend(&[], 1, SHARED_BLOCKS);
+    let shared = synthetic_chain(&[], 1, SHARED_BLOCKS);
     let chains: Vec<Vec<BlockHash>> = (0..CHAINS)
-        .map(|c| extend(&shared, 1_000 + c as u64, PROMPT_BLOCKS - SHARED_BLOCKS))
+        .map(|c| synthetic_chain(&shared, 1_000 + c as u64, PROMPT_BLOCKS - SHARED_BLOCKS))
         .collect();
     let mut events: Vec<Vec<RouterKvEvent>> = vec![Vec::new(); WORKERS];
     for evs in events.iter_mut() {
@@ -120,7 +103,7 @@ fn queries(f: &Fleet) -> Queries {
         full: f.chains[..n].to_vec(),
         half: (0..n)
             .map(|c| {
-                extend(
+                synthetic_chain(
                     &f.chains[c][..PROMPT_BLOCKS / 2],
                     77_000 + c as u64,
                     PROMPT_BLOCKS / 2,
@@ -128,7 +111,7 @@ fn queries(f: &Fleet) -> Queries {
             })
             .collect(),
         fork_child: (0..n)
-            .map(|c| extend(&f.chains[c][..2_000], 99_000 + c as u64, 48))
+            .map(|c| synthetic_chain(&f.chains[c][..2_000], 99_000 + c as u64, 48))
             .collect(),
     }
 }
@@ -225,7 +208,7 @@ fn report_percentiles(f: &Fleet, idx: &PrefixIndex, router: &mut KvRouter, q: &Q
     // at a random depth), so probes land all over the 1M-block index instead of on a
     // few hundred hot entries. The prompt's own hashes are in cache, as in the router
     // (it has just computed them).
-    let pool = extend(&[], 31_337, PROMPT_BLOCKS);
+    let pool = synthetic_chain(&[], 31_337, PROMPT_BLOCKS);
     let mut rng = 0x2545_f491_4f6c_dd1du64;
     let mut next = move || {
         rng ^= rng << 13;
@@ -334,7 +317,7 @@ fn main() {
     {
         // Churn on a full index: store 1,024 new blocks, then remove them.
         let mut idx = idx;
-        let chain = extend(&[], 424_242, 1_024);
+        let chain = synthetic_chain(&[], 424_242, 1_024);
         let worker = WorkerIdx(7);
         let mut seq = idx.last_seq(worker);
         let mut g = c.benchmark_group("apply_events_1M_256w");
@@ -386,7 +369,7 @@ fn main() {
         let candidates: Vec<Candidate> = (0..WORKERS)
             .map(|w| Candidate {
                 worker: WorkerIdx(w as u32),
-                id_hash: mix(w as u64),
+                id_hash: mix64(w as u64),
                 load: CandidateLoad::new(w % 17, (w * 7_919) % 20_000),
                 matched_blocks: if w % 2 == 0 { 1_000 } else { 64 },
                 host_blocks: 0,

@@ -22,11 +22,13 @@
 
 use anyhow::{bail, Result};
 use clap::Args;
+use kvfleet_bench::token_blocks::synthetic_chain;
 use kvfleet_core::BlockHash;
 use kvfleet_proto::v1 as pb;
 use kvfleet_router::routing_state::{RouteRequest, RoutingState};
 use kvfleet_router::supervision::apply_wire_batch;
 use kvfleet_router::{PolicyKind, RouterConfig};
+use kvfleet_routing::policy::mix64;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -151,25 +153,6 @@ impl Histogram {
     }
 }
 
-fn mix(mut z: u64) -> u64 {
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
-
-/// Extends `prefix` by `n` chained hashes from `salt` (each depends on its parent, as
-/// `hash_blocks` makes them), without hashing tokens.
-fn extend(prefix: &[BlockHash], salt: u64, n: usize) -> Vec<BlockHash> {
-    let mut out = Vec::with_capacity(prefix.len() + n);
-    out.extend_from_slice(prefix);
-    let mut h = prefix.last().map_or(mix(salt), |b| b.0);
-    for i in 0..n {
-        h = mix(h ^ mix(salt.wrapping_add(i as u64 + 1)));
-        out.push(BlockHash(h));
-    }
-    out
-}
-
 /// The prompts: a system prompt and the bodies after it.
 struct Prompts {
     system: Vec<BlockHash>,
@@ -179,9 +162,9 @@ struct Prompts {
 
 impl Prompts {
     fn new(bodies: usize) -> Self {
-        let system = extend(&[], 1, SYSTEM_BLOCKS);
+        let system = synthetic_chain(&[], 1, SYSTEM_BLOCKS);
         let chains = (0..bodies)
-            .map(|b| extend(&system, 1_000 + b as u64, BODY_BLOCKS).into())
+            .map(|b| synthetic_chain(&system, 1_000 + b as u64, BODY_BLOCKS).into())
             .collect();
         Prompts { system, chains }
     }
@@ -457,7 +440,7 @@ async fn measure(args: RouterScaleArgs) -> Result<RouterScaleReport> {
         feeder_tasks.push(tokio::spawn(async move {
             let mut tick = tokio::time::interval(Duration::from_millis(1));
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
-            let (mut owed, mut next, mut rng) = (0.0f64, 0usize, mix(k as u64 + 77));
+            let (mut owed, mut next, mut rng) = (0.0f64, 0usize, mix64(k as u64 + 77));
             while !stop.load(Ordering::Relaxed) {
                 tick.tick().await;
                 owed += share / 1000.0;
@@ -472,7 +455,7 @@ async fn measure(args: RouterScaleArgs) -> Result<RouterScaleReport> {
                     };
                     let mut events = vec![feed.removed(&prompts.chains[old][SYSTEM_BLOCKS..])];
                     let new = loop {
-                        rng = mix(rng);
+                        rng = mix64(rng);
                         let b = (rng % prompts.chains.len() as u64) as usize;
                         if !feed.held.contains(&b) {
                             break b;
@@ -527,16 +510,16 @@ async fn measure(args: RouterScaleArgs) -> Result<RouterScaleReport> {
                 while owed >= 1.0 {
                     owed -= 1.0;
                     n += 1;
-                    let r = mix(n ^ 0x5eed);
+                    let r = mix64(n ^ 0x5eed);
                     let body = &prompts.chains[(r % prompts.chains.len() as u64) as usize];
                     let mut chain = body.to_vec();
                     chain.extend(
-                        extend(&body[body.len() - 1..], n, TAIL_BLOCKS)
+                        synthetic_chain(&body[body.len() - 1..], n, TAIL_BLOCKS)
                             .into_iter()
                             .skip(1),
                     );
                     let hashes = chain;
-                    let hold = Duration::from_micros(mix(r) % 100_000);
+                    let hold = Duration::from_micros(mix64(r) % 100_000);
                     let (lookup, scoring, lock_wait) =
                         (lookup.clone(), scoring.clone(), lock_wait.clone());
                     let (routing, wait, decide, routed, errors, measuring) = (
@@ -637,7 +620,7 @@ mod tests {
         let body = &p.chains[1];
         assert_eq!(body.len(), SYSTEM_BLOCKS + BODY_BLOCKS);
         assert_eq!(&body[..SYSTEM_BLOCKS], &p.chains[2][..SYSTEM_BLOCKS]);
-        let tail = |n| extend(&body[body.len() - 1..], n, TAIL_BLOCKS);
+        let tail = |n| synthetic_chain(&body[body.len() - 1..], n, TAIL_BLOCKS);
         let (a, b) = (tail(1), tail(2));
         assert_eq!(a[0], body[body.len() - 1]);
         assert_eq!(a.len(), TAIL_BLOCKS + 1);

@@ -72,6 +72,20 @@ pub fn chained_hashes(seed: u64, hash_ids: &[u64]) -> Vec<BlockHash> {
         .collect()
 }
 
+/// Extends `prefix` by `n` chained hashes derived from `salt`, each depending on its
+/// parent as [`kvfleet_core::hash_blocks`] makes them, without hashing tokens: index
+/// and router benchmarks build million-block fleets from these.
+pub fn synthetic_chain(prefix: &[BlockHash], salt: u64, n: usize) -> Vec<BlockHash> {
+    let mut out = Vec::with_capacity(prefix.len() + n);
+    out.extend_from_slice(prefix);
+    let mut h = prefix.last().map_or(mix64(salt), |b| b.0);
+    for i in 0..n {
+        h = mix64(h ^ mix64(salt.wrapping_add(i as u64 + 1)));
+        out.push(BlockHash(h));
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

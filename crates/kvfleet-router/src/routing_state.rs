@@ -299,6 +299,17 @@ mod tests {
     use super::*;
     use kvfleet_routing::RouterKvEventKind;
 
+    /// A cache-aware request for `chain`, one token past its last full block.
+    fn whole_chain(chain: &[BlockHash], bs: usize) -> RouteRequest<'_> {
+        RouteRequest {
+            hashes: chain,
+            prompt_tokens: chain.len() * bs + 1,
+            pin: None,
+            policy: PolicyKind::CacheAware,
+            exclude: &[],
+        }
+    }
+
     fn inflight(r: &RoutingState) -> usize {
         r.snapshot()
             .workers
@@ -314,13 +325,7 @@ mod tests {
         r.add_worker("w0", bs).unwrap();
         r.add_worker("w1", bs).unwrap();
         let chain: Vec<BlockHash> = (1..=4).map(BlockHash).collect();
-        let req = RouteRequest {
-            hashes: &chain,
-            prompt_tokens: 4 * bs + 1,
-            pin: None,
-            policy: PolicyKind::CacheAware,
-            exclude: &[],
-        };
+        let req = whole_chain(&chain, bs);
         assert!(!r.holds_prefix(&chain));
         let routed = r.route(&req).unwrap();
         assert_eq!(inflight(&r), 1);
@@ -362,13 +367,7 @@ mod tests {
         let bs = r.block_size();
         r.add_worker("w0", bs).unwrap();
         let chain: Vec<BlockHash> = (1..=4).map(BlockHash).collect();
-        let req = RouteRequest {
-            hashes: &chain,
-            prompt_tokens: 4 * bs + 1,
-            pin: None,
-            policy: PolicyKind::CacheAware,
-            exclude: &[],
-        };
+        let req = whole_chain(&chain, bs);
         let first = r.route(&req).unwrap();
         let second = r.route(&req).unwrap();
         let predicted = second.decision.predicted_cached_tokens;
