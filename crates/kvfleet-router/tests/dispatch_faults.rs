@@ -264,3 +264,32 @@ async fn a_generation_whose_worker_fails_mid_way_is_redone_elsewhere_before_the_
     let err = collect(&fleet, d).await.expect_err("502");
     assert_eq!(err.status.as_u16(), 502, "{err:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_that_fails_mid_generation_on_a_working_worker_does_not_charge_its_breaker() {
+    // The worker sends a first token, then fails this one request (an engine error, not
+    // a lost connection): the client gets a 502, and the worker stays in routing however
+    // often that happens. Breakers open on the second charged failure here.
+    let fleet = fleet(2, |c| c.router.reservation_ttl_ms = 0);
+    let (w0, w1) = two_workers(
+        &fleet,
+        Script::FailAfterFirst(tonic::Code::Internal),
+        Script::Answer,
+    )
+    .await;
+    for i in 0..3 {
+        let d = dispatch(&fleet, &spec(&format!("bad{i}"))).await.unwrap();
+        assert_eq!(d.worker, "w0", "w0 holds the prefix");
+        let err = collect(&fleet, d).await.expect_err("502");
+        assert_eq!(err.status.as_u16(), 502);
+    }
+    assert_eq!(fleet.workers.breaker_failures("w0"), 0);
+    assert_eq!(fleet.workers.circuit_state("w0"), CircuitState::Closed);
+    // Its prefix still draws the next request, which it now answers.
+    w0.set_script(Script::Answer);
+    let d = dispatch(&fleet, &spec("good")).await.unwrap();
+    assert_eq!(d.worker, "w0");
+    let (out, worker) = collect(&fleet, d).await.expect("answered");
+    assert_eq!((worker.as_str(), out.text.as_str()), ("w0", "x"));
+    assert_eq!(w1.generates(), 0);
+}

@@ -175,6 +175,16 @@ pub(super) enum NextError {
 }
 
 impl NextError {
+    /// Whether the worker (or its connection) failed, not this one request: a stall or
+    /// a transport failure. Only those charge its breaker, and only those are redone
+    /// elsewhere.
+    pub(super) fn is_worker_fault(&self) -> bool {
+        match self {
+            NextError::Stalled(_) => true,
+            NextError::Failed(s) => classify(s) == Fault::Transport,
+        }
+    }
+
     /// What to tell the client.
     pub(super) fn message(&self, worker: &str) -> String {
         match self {
@@ -188,9 +198,9 @@ impl NextError {
     }
 }
 
-/// The stream's next message within the stall deadline; a failure or stall counts
-/// against the worker's breaker. Every stream the router reads (generations and forks)
-/// goes through this one guard.
+/// The stream's next message within the stall deadline; a stall or a transport failure
+/// counts against the worker's breaker (a failure of the request itself does not).
+/// Every stream the router reads (generations and forks) goes through this one guard.
 pub(super) async fn next_message<T: prost::Message + Default>(
     fleet: &Fleet,
     d: &mut Dispatched<T>,
@@ -204,7 +214,9 @@ pub(super) async fn next_message<T: prost::Message + Default>(
             NextError::Stalled(limit)
         }
     };
-    fleet.workers.breaker_failure(&d.worker);
+    if err.is_worker_fault() {
+        fleet.workers.breaker_failure(&d.worker);
+    }
     Err(err)
 }
 
@@ -275,10 +287,7 @@ async fn collect_once(fleet: &Fleet, d: &mut Dispatched) -> Result<Collected, Un
             Ok(next) => msg = next,
             Err(e) => {
                 tally.close(fleet, d, "worker_error");
-                let worker_fault = match &e {
-                    NextError::Stalled(_) => true,
-                    NextError::Failed(s) => classify(s) == Fault::Transport,
-                };
+                let worker_fault = e.is_worker_fault();
                 return Err(Unfinished {
                     error: ApiError::worker_failed(e.message(&d.worker)),
                     worker_fault,
