@@ -338,9 +338,14 @@ fn doc(reports: &[RouterScaleReport], p99_ranges: &[(f64, f64)], args: &RouterSc
     use std::fmt::Write as _;
     let _ = writeln!(
         s,
-        "Machine: {cores} cores; runtime threads: {}; {} s measured per run after 1 s of \
-         warm-up; each row is the median (by p99 wait) of {} runs, with the range of \
-         their p99 waits.\n",
+        "Machine: {cores} cores; build: {}; runtime threads: {}; {} s measured per run \
+         after 1 s of warm-up; each row is the median (by p99 wait) of {} runs, with the \
+         range of their p99 waits.\n",
+        if cfg!(debug_assertions) {
+            "dev"
+        } else {
+            "release"
+        },
         args.threads,
         args.seconds,
         args.repeat.max(1)
