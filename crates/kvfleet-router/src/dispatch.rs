@@ -88,8 +88,6 @@ pub struct Dispatched<T = pb::GenerateResponse> {
 /// router predicted for it.
 pub struct InflightGuard {
     in_flight: InFlight,
-    /// Cached tokens the router predicted.
-    pub predicted_cached_tokens: usize,
     /// Policy that chose the worker.
     pub policy: &'static str,
     /// The request's entry in the fleet's decision log.
@@ -101,10 +99,14 @@ impl InflightGuard {
     fn new(in_flight: InFlight, decision: &RouteDecision) -> Self {
         InflightGuard {
             in_flight,
-            predicted_cached_tokens: decision.predicted_cached_tokens,
             policy: decision.policy,
             decision_seq: 0,
         }
+    }
+
+    /// Cached tokens the router predicted.
+    pub fn predicted_cached_tokens(&self) -> usize {
+        self.in_flight.predicted_cached_tokens()
     }
 
     /// The worker served `actual` prompt tokens from cache: recorded against the

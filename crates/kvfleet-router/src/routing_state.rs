@@ -110,6 +110,11 @@ pub struct InFlight {
 }
 
 impl InFlight {
+    /// Cached tokens the router predicted for the request.
+    pub fn predicted_cached_tokens(&self) -> usize {
+        self.predicted_cached_tokens
+    }
+
     /// The worker served `actual` prompt tokens from cache (recorded when this drops).
     pub fn record_outcome(&self, actual: usize) {
         self.actual_cached_tokens

@@ -151,7 +151,7 @@ impl Tally {
         let usage = self.close_counts(d.guard.policy, outcome);
         m::cache_prediction(
             &d.worker,
-            d.guard.predicted_cached_tokens,
+            d.guard.predicted_cached_tokens(),
             usage.prompt_tokens_details.cached_tokens,
         );
         d.guard

@@ -165,7 +165,10 @@ impl CacheAware {
     #[inline]
     fn priced(&self, ctx: &RouteContext<'_>, c: &Candidate, pulls: bool) -> (f64, usize) {
         let pulled = self.pulled(ctx, c, pulls);
-        let computed = computed(ctx, c, pulled);
+        // Prompt tokens in none of `c`'s tiers and not pulled.
+        let computed = ctx
+            .uncached_tokens(c)
+            .saturating_sub(pulled * ctx.block_size);
         let cost = self.prefill_weight(c) * (computed as f64 + self.loaded(ctx, c, pulled))
             + c.load.prefill_backlog_tokens() as f64
             + self.config.decode_cost_per_sequence * c.load.active_sequences() as f64;
@@ -186,17 +189,8 @@ impl CacheAware {
         }
     }
 
-    /// Prompt tokens `c` would compute: those in none of its tiers and not pulled.
-    pub fn computed_tokens(&self, ctx: &RouteContext<'_>, c: &Candidate) -> usize {
-        computed(ctx, c, self.pull_blocks(ctx, c))
-    }
-
-    /// `c`'s host, disk and pulled blocks priced in recomputed-token equivalents (0
+    /// `c`'s host, disk and `pulled` blocks priced in recomputed-token equivalents (0
     /// without any).
-    pub fn load_tokens(&self, ctx: &RouteContext<'_>, c: &Candidate) -> f64 {
-        self.loaded(ctx, c, self.pull_blocks(ctx, c))
-    }
-
     #[inline]
     fn loaded(&self, ctx: &RouteContext<'_>, c: &Candidate, pulled: usize) -> f64 {
         if c.host_blocks == 0 && c.disk_blocks == 0 && pulled == 0 {
@@ -328,13 +322,6 @@ impl CacheAware {
             spilled_from: (best.2 != target.2).then_some(best.2),
         })
     }
-}
-
-/// Prompt tokens `c` would compute when it pulls `pulled` blocks from a peer.
-#[inline]
-fn computed(ctx: &RouteContext<'_>, c: &Candidate, pulled: usize) -> usize {
-    ctx.uncached_tokens(c)
-        .saturating_sub(pulled * ctx.block_size)
 }
 
 /// The prompt's anchor: the chained hash of block `2^⌊log2 n⌋ − 1` of its `n` full
