@@ -362,8 +362,8 @@ fn main() {
     {
         // Policy choice alone over 256 candidates, half of them matching 1,000 blocks.
         use kvfleet_routing::policy::{
-            CacheAware, Candidate, ConsistentHash, LeastLoaded, RandomPolicy, RouteContext,
-            RoutingPolicy,
+            CacheAware, Candidate, ConsistentHash, FleetLoad, LeastLoaded, RandomPolicy,
+            RouteContext, RoutingPolicy,
         };
         use kvfleet_routing::CandidateLoad;
         let candidates: Vec<Candidate> = (0..WORKERS)
@@ -381,6 +381,7 @@ fn main() {
             prompt_tokens: PROMPT_BLOCKS * 16,
             block_size: 16,
             candidates: &candidates,
+            fleet: FleetLoad::of(&candidates),
             peer_source: None,
         };
         let mut policies: Vec<Box<dyn RoutingPolicy>> = vec![

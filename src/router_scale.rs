@@ -29,6 +29,7 @@ use kvfleet_router::routing_state::{RouteRequest, RoutingState};
 use kvfleet_router::supervision::apply_wire_batch;
 use kvfleet_router::{PolicyKind, RouterConfig};
 use kvfleet_routing::policy::mix64;
+use kvfleet_routing::KvRouter;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -80,6 +81,10 @@ pub struct RouterScaleArgs {
     /// sizes and rates are ignored) and write the table here (docs/router-scale.md).
     #[arg(long)]
     doc: Option<std::path::PathBuf>,
+    /// Price every worker for each decision instead of walking the load order (the
+    /// reference the walk is compared with).
+    #[arg(long)]
+    full_scan: bool,
 }
 
 /// What one run measured.
@@ -107,6 +112,9 @@ pub struct RouterScaleReport {
     pub scoring_us: [f64; 5],
     /// Requests whose route failed.
     pub errors: u64,
+    /// Every worker was priced for each decision (the reference), not the load
+    /// order's heads.
+    pub full_scan: bool,
 }
 
 /// A lock-free latency histogram (250 ns buckets).
@@ -217,14 +225,17 @@ impl WorkerFeed {
     }
 }
 
-/// The runs of `--doc`: (workers, bodies per worker, requests/s, event blocks/s).
-const DOC_RUNS: [(usize, usize, u64, u64); 6] = [
-    (256, 40, 20_000, 0),
-    (256, 40, 20_000, 1_000_000),
-    (256, 40, 30_000, 1_000_000),
-    (256, 40, 20_000, 2_000_000),
-    (1_024, 10, 20_000, 1_000_000),
-    (64, 160, 20_000, 1_000_000),
+/// The runs of `--doc`: (workers, bodies per worker, requests/s, event blocks/s,
+/// every worker priced).
+const DOC_RUNS: [(usize, usize, u64, u64, bool); 8] = [
+    (256, 40, 20_000, 0, false),
+    (256, 40, 20_000, 1_000_000, false),
+    (256, 40, 20_000, 1_000_000, true),
+    (256, 40, 30_000, 1_000_000, false),
+    (256, 40, 20_000, 2_000_000, false),
+    (1_024, 10, 20_000, 1_000_000, false),
+    (1_024, 10, 20_000, 1_000_000, true),
+    (64, 160, 20_000, 1_000_000, false),
 ];
 
 /// Runs `kvfleet bench router-scale`.
@@ -241,12 +252,15 @@ pub fn run(args: RouterScaleArgs) -> Result<()> {
         Some(_) => DOC_RUNS
             .iter()
             .map(
-                |&(workers, bodies_per_worker, rate, event_blocks_per_s)| RouterScaleArgs {
-                    workers,
-                    bodies_per_worker,
-                    rate,
-                    event_blocks_per_s,
-                    ..args.clone()
+                |&(workers, bodies_per_worker, rate, event_blocks_per_s, full_scan)| {
+                    RouterScaleArgs {
+                        workers,
+                        bodies_per_worker,
+                        rate,
+                        event_blocks_per_s,
+                        full_scan,
+                        ..args.clone()
+                    }
                 },
             )
             .collect(),
@@ -286,8 +300,14 @@ fn print_report(report: &RouterScaleReport, threads: usize) {
     let [w50, w90, w99, w999, wmax] = report.wait_us;
     let [d50, d90, d99, d999, dmax] = report.decide_us;
     println!(
-        "router-scale: {} workers, {} worker-blocks indexed, {threads} runtime threads",
-        report.workers, report.indexed_worker_blocks
+        "router-scale: {} workers, {} worker-blocks indexed, {threads} runtime threads, {}",
+        report.workers,
+        report.indexed_worker_blocks,
+        if report.full_scan {
+            "every worker priced"
+        } else {
+            "load-order scoring"
+        }
     );
     println!(
         "  routed {:.0} req/s (asked {}), events applied {:.0} blocks/s, {} errors",
@@ -331,9 +351,14 @@ fn doc(reports: &[RouterScaleReport], p99_ranges: &[(f64, f64)], args: &RouterSc
          *wait* is what a request handler waits for a decision: the routing lock \
          (*lock wait*: held meanwhile by other decisions, request ends and single KV \
          events) and the decision. *decide* is the decision alone (index lookup, \
-         scoring, reservation); it is linear in the workers, since every worker is \
-         scored. The worker processes are not run: the bench measures the router, \
-         and the events they would send are sent at the stated rate.\n\n",
+         scoring, reservation). *scoring*: `load order` is the default, where \
+         `cache-aware` prices the workers matching the prompt unlike the rest and only \
+         the heads of the load order of each large group of equally matched workers \
+         (here: the system prompt every worker holds); `every worker` prices the whole \
+         fleet, the reference it chooses identically to (`--full-scan`). The index \
+         lookup stays linear in the workers holding the prompt's first block. The \
+         worker processes are not run: the bench measures the router, and the events \
+         they would send are sent at the stated rate.\n\n",
     );
     use std::fmt::Write as _;
     let _ = writeln!(
@@ -351,15 +376,16 @@ fn doc(reports: &[RouterScaleReport], p99_ranges: &[(f64, f64)], args: &RouterSc
         args.repeat.max(1)
     );
     s.push_str(
-        "| workers | indexed worker-blocks | asked req/s | routed req/s | event blocks/s | wait p50 µs | p90 | p99 | p99 range | p99.9 | max | lock wait p50 µs | p99 | decide p50 µs | p99 | lookup p50 µs | scoring p50 µs |\n\
-         |---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+        "| workers | scoring | indexed worker-blocks | asked req/s | routed req/s | event blocks/s | wait p50 µs | p90 | p99 | p99 range | p99.9 | max | lock wait p50 µs | p99 | decide p50 µs | p99 | lookup p50 µs | scoring p50 µs |\n\
+         |---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     for (r, (lo, hi)) in reports.iter().zip(p99_ranges) {
         let w = r.wait_us;
         let _ = writeln!(
             s,
-            "| {} | {} | {} | {:.0} | {:.0} | {:.1} | {:.1} | {:.1} | {lo:.0}–{hi:.0} | {:.1} | {:.0} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} |",
+            "| {} | {} | {} | {} | {:.0} | {:.0} | {:.1} | {:.1} | {:.1} | {lo:.0}–{hi:.0} | {:.1} | {:.0} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} |",
             r.workers,
+            if r.full_scan { "every worker" } else { "load order" },
             r.indexed_worker_blocks,
             r.target_rate,
             r.routed_per_s,
@@ -381,7 +407,9 @@ fn doc(reports: &[RouterScaleReport], p99_ranges: &[(f64, f64)], args: &RouterSc
 }
 
 async fn measure(args: RouterScaleArgs) -> Result<RouterScaleReport> {
-    let routing = Arc::new(RoutingState::new(RouterConfig::default()));
+    let mut kv = KvRouter::new(RouterConfig::default());
+    kv.set_full_scan(args.full_scan);
+    let routing = Arc::new(RoutingState::from_router(kv));
     let bs = routing.block_size();
     let half = args.bodies_per_worker.div_ceil(2);
     let bodies = (args.workers * half).max(1);
@@ -594,6 +622,7 @@ async fn measure(args: RouterScaleArgs) -> Result<RouterScaleReport> {
         lock_us: lock_wait.summary_us(),
         scoring_us: scoring.summary_us(),
         errors: errors.load(Ordering::Relaxed),
+        full_scan: args.full_scan,
     })
 }
 

@@ -136,9 +136,15 @@ impl Drop for InFlight {
 impl RoutingState {
     /// A routing core with no workers, its clock starting now.
     pub fn new(config: RouterConfig) -> Self {
+        Self::from_router(KvRouter::new(config))
+    }
+
+    /// A routing core around `kv` (set up beforehand, e.g. to price every worker as a
+    /// benchmark's reference), its clock starting now.
+    pub fn from_router(kv: KvRouter) -> Self {
         RoutingState {
-            block_size: config.block_size,
-            kv: Arc::new(Mutex::new(KvRouter::new(config))),
+            block_size: kv.config().block_size,
+            kv: Arc::new(Mutex::new(kv)),
             started: Instant::now(),
             kv_block_bytes: AtomicU64::new(0),
         }

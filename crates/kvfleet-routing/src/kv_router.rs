@@ -15,9 +15,11 @@
 
 use crate::events::{CacheDump, RouterKvEvent, RouterKvEventKind};
 use crate::load::{CandidateLoad, WorkerLoad};
+use crate::load_order::LoadOrder;
 use crate::policy::{
     stable_str_hash, CacheAware, CacheAwareConfig, Candidate, ConsistentHash, ConsistentHashConfig,
-    LeastLoaded, PeerSource, PolicyKind, RandomPolicy, RoundRobin, RouteContext, RoutingPolicy,
+    FleetLoad, LeastLoaded, PeerSource, PolicyKind, RandomPolicy, RoundRobin, RouteContext,
+    RoutingPolicy,
 };
 use crate::prefix_index::{IndexError, Matches, PrefixIndex, TieredMatches};
 use crate::registry::{WorkerIdx, WorkerRegistry};
@@ -259,6 +261,12 @@ pub struct KvRouter {
     workers: Vec<Option<WorkerEntry>>,
     /// `workers`' [`Scored`] parts, by index; refreshed by every load change.
     scored: Vec<Option<Scored>>,
+    /// The same workers in load order, for `cache-aware` at scale; refreshed with
+    /// `scored`.
+    load_order: LoadOrder,
+    /// Price every worker instead of walking `load_order` (the reference the ordered
+    /// walk must agree with; tests and benchmarks).
+    full_scan: bool,
     cache_aware: CacheAware,
     round_robin: RoundRobin,
     least_loaded: LeastLoaded,
@@ -272,6 +280,7 @@ pub struct KvRouter {
     matches: Matches,
     tiered: TieredMatches,
     candidates: Vec<Candidate>,
+    classes: ordered::MatchClasses,
 }
 
 impl Default for KvRouter {
@@ -289,6 +298,8 @@ impl KvRouter {
             reservations: Reservations::new(config.reservation_ttl_ms),
             workers: Vec::new(),
             scored: Vec::new(),
+            load_order: LoadOrder::new(config.cache_aware.decode_cost_per_sequence),
+            full_scan: false,
             cache_aware: CacheAware::new(config.cache_aware.clone()),
             round_robin: RoundRobin::new(),
             least_loaded: LeastLoaded,
@@ -299,6 +310,7 @@ impl KvRouter {
             matches: Matches::new(),
             tiered: TieredMatches::new(),
             candidates: Vec::new(),
+            classes: ordered::MatchClasses::default(),
             config,
         }
     }
@@ -387,6 +399,13 @@ impl KvRouter {
             self.rescore(idx);
         }
         Ok(idx)
+    }
+
+    /// Makes `cache-aware` price every worker (`true`) instead of walking the load
+    /// order for large groups of equally matched workers. Both choose the same
+    /// worker; the full scan is the reference tests and benchmarks compare with.
+    pub fn set_full_scan(&mut self, on: bool) {
+        self.full_scan = on;
     }
 
     /// Removes worker `id` with its cached blocks and reservations. Returns whether it
@@ -619,52 +638,57 @@ impl KvRouter {
         let t1 = Instant::now();
         let mut candidates = std::mem::take(&mut self.candidates);
         candidates.clear();
-        let mut found = matches.as_slice().iter().peekable();
-        // Fenced and excluded workers are looked up by id only when there are some.
-        let skip_ids = !self.fenced.is_empty() || !exclude.is_empty();
-        for (i, scored) in self.scored.iter().enumerate() {
-            let Some(e) = scored else { continue };
-            let worker = WorkerIdx(i as u32);
-            // Both lists are sorted by index: merge instead of searching.
-            while found.next_if(|m| m.worker < worker).is_some() {}
-            let depth = found.next_if(|m| m.worker == worker).map_or(0, |m| m.depth);
-            if pin.is_some_and(|p| p != worker) {
-                continue;
-            }
-            if skip_ids {
-                let id = self.workers.get(i).and_then(Option::as_ref).map(|e| &*e.id);
-                if id.is_some_and(|id| self.fenced.contains(id) || exclude.iter().any(|x| x == id))
-                {
-                    continue;
-                }
-            }
-            // A placement's worker is computing (or holds) the prompt up to the
-            // blocks the pin names, though this router has not heard of it yet.
-            let depth = if pin == Some(worker) {
-                depth.max(pin_blocks)
-            } else {
-                depth
+        let tiers = with_tiers.then_some(&tiered);
+        // cache-aware walks the load order unless the candidates are restricted (a
+        // pin, fenced or excluded workers) or the prompt has no reusable block.
+        let ordered = policy == PolicyKind::CacheAware
+            && !self.full_scan
+            && pin.is_none()
+            && self.fenced.is_empty()
+            && exclude.is_empty()
+            && reusable > 0
+            && self.load_order.usable();
+        let fleet = if ordered {
+            let mut classes = std::mem::take(&mut self.classes);
+            let fleet = FleetLoad {
+                workers: self.load_order.workers(),
+                active_sequences: self.load_order.active_sequences(),
             };
-            let matched_blocks = depth.min(reusable);
-            let (host_blocks, disk_blocks) = if with_tiers {
-                lower_tier_blocks(tiered.get(worker), matched_blocks, reusable)
-            } else {
-                (0, 0)
+            let base = RouteContext {
+                hashes,
+                prompt_tokens,
+                block_size: bs,
+                candidates: &[],
+                fleet,
+                peer_source,
             };
-            candidates.push(Candidate {
-                worker,
-                id_hash: e.id_hash,
-                load: e.load,
-                matched_blocks,
-                host_blocks,
-                disk_blocks,
-            });
-        }
+            self.ordered_candidates(
+                &base,
+                &matches,
+                tiers,
+                reusable,
+                &mut classes,
+                &mut candidates,
+            );
+            self.classes = classes;
+            fleet
+        } else {
+            self.scan_candidates(
+                &matches,
+                tiers,
+                reusable,
+                pin.map(|w| (w, pin_blocks)),
+                exclude,
+                &mut candidates,
+            );
+            FleetLoad::of(&candidates)
+        };
         let ctx = RouteContext {
             hashes,
             prompt_tokens,
             block_size: bs,
             candidates: &candidates,
+            fleet,
             peer_source,
         };
         let policy_impl: &mut dyn RoutingPolicy = match policy {
@@ -760,6 +784,72 @@ impl KvRouter {
         })
     }
 
+    /// Every worker a request may go to as a candidate: all registered workers but
+    /// fenced and `exclude`d ones, or only `pin`'s worker (whose match is raised to
+    /// the pin's blocks).
+    fn scan_candidates(
+        &self,
+        matches: &Matches,
+        tiered: Option<&TieredMatches>,
+        reusable: usize,
+        pin: Option<(WorkerIdx, usize)>,
+        exclude: &[String],
+        out: &mut Vec<Candidate>,
+    ) {
+        let mut found = matches.as_slice().iter().peekable();
+        // Fenced and excluded workers are looked up by id only when there are some.
+        let skip_ids = !self.fenced.is_empty() || !exclude.is_empty();
+        for (i, scored) in self.scored.iter().enumerate() {
+            let Some(e) = scored else { continue };
+            let worker = WorkerIdx(i as u32);
+            // Both lists are sorted by index: merge instead of searching.
+            while found.next_if(|m| m.worker < worker).is_some() {}
+            let depth = found.next_if(|m| m.worker == worker).map_or(0, |m| m.depth);
+            if pin.is_some_and(|(p, _)| p != worker) {
+                continue;
+            }
+            if skip_ids {
+                let id = self.workers.get(i).and_then(Option::as_ref).map(|e| &*e.id);
+                if id.is_some_and(|id| self.fenced.contains(id) || exclude.iter().any(|x| x == id))
+                {
+                    continue;
+                }
+            }
+            // A placement's worker is computing (or holds) the prompt up to the
+            // blocks the pin names, though this router has not heard of it yet.
+            let depth = match pin {
+                Some((_, blocks)) => depth.max(blocks),
+                None => depth,
+            };
+            out.push(self.candidate(worker, e, depth, tiered, reusable));
+        }
+    }
+
+    /// `worker`'s candidate for a prompt it holds `depth` device blocks of.
+    #[inline]
+    fn candidate(
+        &self,
+        worker: WorkerIdx,
+        e: &Scored,
+        depth: usize,
+        tiered: Option<&TieredMatches>,
+        reusable: usize,
+    ) -> Candidate {
+        let matched_blocks = depth.min(reusable);
+        let (host_blocks, disk_blocks) = match tiered {
+            Some(t) => lower_tier_blocks(t.get(worker), matched_blocks, reusable),
+            None => (0, 0),
+        };
+        Candidate {
+            worker,
+            id_hash: e.id_hash,
+            load: e.load,
+            matched_blocks,
+            host_blocks,
+            disk_blocks,
+        }
+    }
+
     /// The worker (neither fenced nor in `exclude`) whose reported device and host
     /// blocks cover the longest prefix, capped at `reusable`; the lowest index wins a
     /// tie. `tiered` is the tier walk when one ran (`matches` is then its device part).
@@ -847,6 +937,8 @@ impl KvRouter {
                 id_hash: e.id_hash,
                 load: CandidateLoad::from(&e.load),
             });
+        self.load_order
+            .set(idx, self.scored[i].map(|s| (s.load, s.id_hash)));
     }
 
     fn entry(&self, id: &str) -> Result<(WorkerIdx, &WorkerEntry), UnknownWorker> {
@@ -884,5 +976,6 @@ fn nanos(d: std::time::Duration) -> u64 {
     u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }
 
+mod ordered;
 #[cfg(test)]
 mod tests;

@@ -14,6 +14,8 @@
 //!   router just sent a request there — so fork siblings follow their first sibling.
 //! - [`load`]: the load view — each worker's last report plus this router's own
 //!   in-flight work.
+//! - [`load_order`]: the workers in load order, so `cache-aware` prices the few that
+//!   can win, not the whole fleet.
 //! - [`policy`]: `cache-aware`, `round-robin`, `least-loaded`, `consistent-hash`,
 //!   `random`, behind one [`policy::RoutingPolicy`] trait (the selector seam).
 //! - [`kv_router`]: the [`KvRouter`] facade that combines all of the above.
@@ -23,6 +25,7 @@
 pub mod events;
 pub mod kv_router;
 pub mod load;
+pub mod load_order;
 pub mod policy;
 pub mod prefix_index;
 pub mod registry;

@@ -829,3 +829,178 @@ fn any_policy_pulls_what_it_lacks_and_never_from_an_excluded_holder() {
         .unwrap();
     assert_eq!((&*d.worker, d.pull.as_ref()), ("w1", None));
 }
+
+mod ordered_walk {
+    //! `cache-aware` walking the load order chooses exactly what pricing every worker
+    //! chooses.
+
+    use super::*;
+    use crate::policy::TierCostConfig;
+    use proptest::prelude::*;
+
+    #[derive(Clone, Debug)]
+    struct Fleet {
+        workers: usize,
+        /// Of every this many workers, one lacks the system prompt (0: all hold it).
+        without_system_every: usize,
+        /// Workers holding each body: (body, first worker, count).
+        bodies: Vec<(u64, usize, usize)>,
+        /// Every this many workers (from 1) holds body 0 in its host tier (0: none).
+        host_every: usize,
+        /// Per-worker load seeds.
+        loads: Vec<(u8, u8, u16)>,
+        /// Every prefill lane busy (no idle lane to fall back on).
+        all_busy: bool,
+        near_tie_tokens: f64,
+        near_tie_ratio: f64,
+        cap: Option<usize>,
+        balance_slack: f64,
+        decode_cost: f64,
+        pulls: bool,
+        /// Requests: (body, body blocks kept, tail id, load change seed).
+        requests: Vec<(u64, usize, u64, u16)>,
+    }
+
+    fn fleet() -> impl Strategy<Value = Fleet> {
+        (1usize..300).prop_flat_map(|workers| {
+            (
+                Just(workers),
+                prop_oneof![Just(0usize), 2usize..6, Just(1)],
+                prop::collection::vec((0u64..4, 0..workers, 1usize..4), 0..6),
+                prop_oneof![Just(0usize), 3usize..9],
+                prop::collection::vec((0u8..9, 0u8..3, 0u16..6), workers),
+                (
+                    prop_oneof![Just(0.0), Just(300.0)],
+                    prop_oneof![Just(0.0), Just(0.05)],
+                    prop_oneof![Just(None), Just(Some(3_000usize))],
+                    prop_oneof![Just(16.0), Just(0.0), Just(2.0)],
+                    prop_oneof![Just(16.0), Just(0.0)],
+                    any::<bool>(),
+                    any::<bool>(),
+                ),
+                prop::collection::vec((0u64..5, 0usize..12, 0u64..1_000, any::<u16>()), 1..25),
+            )
+                .prop_map(
+                    |(workers, without, bodies, host_every, loads, knobs, requests)| Fleet {
+                        workers,
+                        without_system_every: without,
+                        bodies,
+                        host_every,
+                        loads,
+                        all_busy: knobs.6,
+                        near_tie_tokens: knobs.0,
+                        near_tie_ratio: knobs.1,
+                        cap: knobs.2,
+                        balance_slack: knobs.3,
+                        decode_cost: knobs.4,
+                        pulls: knobs.5,
+                        requests,
+                    },
+                )
+        })
+    }
+
+    const SYSTEM: usize = 8;
+    const BODY: usize = 12;
+
+    fn system() -> Vec<u32> {
+        tokens(9_000, SYSTEM * BS)
+    }
+
+    fn body(b: u64, blocks: usize) -> Vec<u32> {
+        let mut t = system();
+        t.extend(tokens(9_100 + b, blocks * BS));
+        t
+    }
+
+    fn build(f: &Fleet, full_scan: bool) -> KvRouter {
+        let mut r = KvRouter::new(RouterConfig {
+            cache_aware: CacheAwareConfig {
+                near_tie_tokens: f.near_tie_tokens,
+                near_tie_ratio: f.near_tie_ratio,
+                max_prefill_backlog_tokens: f.cap,
+                balance_slack: f.balance_slack,
+                decode_cost_per_sequence: f.decode_cost,
+                tiers: TierCostConfig {
+                    peer_pull_min_blocks: usize::from(f.pulls) * 2,
+                    ..TierCostConfig::default()
+                },
+                ..CacheAwareConfig::default()
+            },
+            ..RouterConfig::default()
+        });
+        r.set_full_scan(full_scan);
+        let sys = hashes(&system());
+        let mut seq = vec![0u64; f.workers];
+        let mut store = |r: &mut KvRouter, w: usize, h: &[BlockHash], m: Medium| {
+            seq[w] += 1;
+            store_in(r, &format!("w{w}"), seq[w], h, m);
+        };
+        for w in 0..f.workers {
+            r.add_worker(&format!("w{w}"), BS).unwrap();
+            if f.without_system_every == 0 || w % f.without_system_every != 0 {
+                store(&mut r, w, &sys, Medium::Device);
+            }
+            if f.host_every > 0 && w % f.host_every == 1 {
+                store(&mut r, w, &hashes(&body(0, BODY)), Medium::Host);
+            }
+            let (running, waiting, queued) = f.loads[w];
+            r.update_load(
+                &format!("w{w}"),
+                WorkerLoad {
+                    running: running as usize,
+                    waiting: waiting as usize,
+                    queued_prefill_tokens: if f.all_busy {
+                        (queued as usize + 1) * 256
+                    } else {
+                        queued as usize * 256 * usize::from(waiting > 0)
+                    },
+                    ..WorkerLoad::default()
+                },
+            )
+            .unwrap();
+        }
+        for &(b, first, count) in &f.bodies {
+            for w in (first..first + count).filter(|w| *w < f.workers) {
+                store(&mut r, w, &hashes(&body(b, BODY)), Medium::Device);
+            }
+        }
+        r
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(96))]
+
+        #[test]
+        fn the_ordered_walk_chooses_what_the_full_scan_chooses(f in fleet()) {
+            let mut walk = build(&f, false);
+            let mut scan = build(&f, true);
+            for (i, &(b, keep, tail, change)) in f.requests.iter().enumerate() {
+                let mut t = body(b, keep.min(BODY));
+                t.extend(tokens(tail, 1 + (tail as usize % 40)));
+                let h = hashes(&t);
+                let now = i as u64;
+                let a = walk.route(&h, t.len(), PolicyKind::CacheAware, now).unwrap();
+                let s = scan.route(&h, t.len(), PolicyKind::CacheAware, now).unwrap();
+                prop_assert_eq!(&a.worker, &s.worker, "request {}", i);
+                prop_assert_eq!(&a.spilled_from, &s.spilled_from);
+                prop_assert_eq!(
+                    (a.matched_blocks, a.host_blocks, a.peer_blocks, a.prefill_tokens),
+                    (s.matched_blocks, s.host_blocks, s.peer_blocks, s.prefill_tokens)
+                );
+                // Loads move between requests: one worker finishes one, another
+                // reports a new backlog.
+                let w = format!("w{}", change as usize % f.workers);
+                if change % 3 == 0 {
+                    for r in [&mut walk, &mut scan] {
+                        r.request_finished(&a.worker, a.prefill_tokens).unwrap();
+                    }
+                } else if change % 3 == 1 {
+                    for r in [&mut walk, &mut scan] {
+                        backlog(r, &w, (change as usize % 7) * 512);
+                    }
+                }
+            }
+        }
+    }
+}

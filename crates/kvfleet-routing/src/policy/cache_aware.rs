@@ -39,11 +39,16 @@
 //! (docs/policy-sweep.md).
 //!
 //! **Ties** (with `near_tie_tokens` / `near_tie_ratio`, costs that close to the
-//! cheapest count as ties too) are broken by rendezvous hashing on the prompt's
-//! *anchor*: the chained hash of its block `2^⌊log2 n⌋ − 1` (`n` full blocks), which
-//! covers at least half the prompt. Every router replica computes the same anchor and
-//! the same scores from the workers' string ids, so fork siblings that reach two
-//! routers at the same instant, with no header, land on one worker. Conversations
+//! cheapest count as ties too) are broken by consistent hashing on the prompt's
+//! *anchor*, the chained hash of its block `2^⌊log2 n⌋ − 1` (`n` full blocks), which
+//! covers at least half the prompt: the tied worker whose id hash comes first at or
+//! after the anchor's point on a 64-bit ring wins. Every router replica computes the
+//! same anchor and the same ring from the workers' string ids, so fork siblings that
+//! reach two routers at the same instant, with no header, land on one worker. (A ring
+//! rather than rendezvous scores, so that on a large fleet the winner among hundreds
+//! of tied idle workers is found in the load order in `O(log n)` instead of by scoring
+//! each, see [`crate::load_order`]; a ring's uneven arcs do not pile requests up,
+//! since a worker that takes one is no longer tied with the idle ones.) Conversations
 //! that share only a system prompt (under half their length) get different anchors,
 //! so where their costs tie they spread over the tied workers rather than following
 //! one; a conversation keeps its anchor from turn to turn until its length doubles.
@@ -60,7 +65,7 @@
 //! prefix, and later requests for it see both. If every worker is over its bound, the
 //! cheapest is used.
 
-use super::{mix64, Candidate, RouteContext, RoutingPolicy, Selection, TierCostConfig};
+use super::{mix64, Candidate, FleetLoad, RouteContext, RoutingPolicy, Selection, TierCostConfig};
 use crate::registry::WorkerIdx;
 use kvfleet_core::kv_events::Medium;
 use serde::{Deserialize, Serialize};
@@ -204,6 +209,44 @@ impl CacheAware {
             * bs
     }
 
+    /// The bounded-load guard's bound: a worker whose active sequences after taking
+    /// the request would exceed it is over its bound.
+    pub fn load_bound(&self, fleet: FleetLoad) -> f64 {
+        (1.0 + self.config.balance_epsilon) * (fleet.active_sequences + 1) as f64
+            / fleet.workers.max(1) as f64
+            + self.config.balance_slack
+    }
+
+    /// `c`'s [`cost`](Self::cost) and whether it is within its bounds (`bound` from
+    /// [`load_bound`](Self::load_bound)), as [`RoutingPolicy::select`] prices it.
+    pub fn price(&self, ctx: &RouteContext<'_>, c: &Candidate, bound: f64) -> (f64, bool) {
+        self.price_with(ctx, c, bound, self.config.tiers.pulls_enabled())
+    }
+
+    #[inline]
+    fn price_with(
+        &self,
+        ctx: &RouteContext<'_>,
+        c: &Candidate,
+        bound: f64,
+        pulls: bool,
+    ) -> (f64, bool) {
+        let (cost, computed) = self.priced(ctx, c, pulls);
+        let cap = self.config.max_prefill_backlog_tokens.unwrap_or(usize::MAX);
+        let over = (c.load.active_sequences() + 1) as f64 > bound
+            || c.load.prefill_backlog_tokens().saturating_add(computed) > cap;
+        (cost, !over)
+    }
+
+    /// The widest near-tie band of a choice costing at most `cost`: a candidate
+    /// costing more than `cost` plus this can be neither the choice nor a tie of it.
+    pub fn tie_band(&self, cost: f64) -> f64 {
+        self.config
+            .near_tie_tokens
+            .max(self.config.near_tie_ratio * cost)
+            .max(0.0)
+    }
+
     fn last_chosen(&self, w: WorkerIdx) -> u64 {
         self.last_chosen.get(w.index()).copied().unwrap_or(0)
     }
@@ -218,13 +261,13 @@ impl CacheAware {
     }
 }
 
-/// (cost, active sequences, worker, the worker's id hash): the order in which
-/// candidates are preferred before near ties are broken (the id hash only scores
-/// them in the tie pass).
+/// (cost, active sequences, worker, the worker's id hash): candidates are preferred
+/// by cost, then fewer sequences, then the smaller id hash (then index), before near
+/// ties are broken on the anchor's ring.
 type Key = (f64, usize, WorkerIdx, u64);
 
 fn lt(a: &Key, b: &Key) -> bool {
-    a.0 < b.0 || (a.0 == b.0 && (a.1, a.2) < (b.1, b.2))
+    a.0 < b.0 || (a.0 == b.0 && (a.1, a.3, a.2) < (b.1, b.3, b.2))
 }
 
 impl RoutingPolicy for CacheAware {
@@ -233,35 +276,23 @@ impl RoutingPolicy for CacheAware {
     }
 
     fn select(&mut self, ctx: &RouteContext<'_>) -> Option<Selection> {
-        let n = ctx.candidates.len();
         let mut within = std::mem::take(&mut self.within);
         within.clear();
-        // Pass 1: the fleet's load.
-        let total: usize = ctx
-            .candidates
-            .iter()
-            .map(|c| c.load.active_sequences())
-            .sum();
-        let bound = (1.0 + self.config.balance_epsilon) * (total + 1) as f64 / n.max(1) as f64
-            + self.config.balance_slack;
-        let cap = self.config.max_prefill_backlog_tokens.unwrap_or(usize::MAX);
+        let bound = self.load_bound(ctx.fleet);
         let pulls = self.config.tiers.pulls_enabled();
 
-        // Pass 2: the cheapest worker, and the cheapest within its bounds; the keys of
-        // those within bounds are kept for the tie pass. Each candidate's cost and
-        // computed tokens are worked out once.
+        // The cheapest worker, and the cheapest within its bounds; the keys of those
+        // within bounds are kept for the tie pass. Each candidate's cost and computed
+        // tokens are worked out once.
         let mut best: Option<Key> = None;
         let mut best_ok: Option<Key> = None;
         for c in ctx.candidates {
-            let (cost, computed) = self.priced(ctx, c, pulls);
-            let active = c.load.active_sequences();
-            let k: Key = (cost, active, c.worker, c.id_hash);
+            let (cost, ok) = self.price_with(ctx, c, bound, pulls);
+            let k: Key = (cost, c.load.active_sequences(), c.worker, c.id_hash);
             if best.as_ref().is_none_or(|b| lt(&k, b)) {
                 best = Some(k);
             }
-            let overloaded = (active + 1) as f64 > bound
-                || c.load.prefill_backlog_tokens().saturating_add(computed) > cap;
-            if !overloaded {
+            if ok {
                 within.push(k);
                 if best_ok.as_ref().is_none_or(|b| lt(&k, b)) {
                     best_ok = Some(k);
@@ -292,16 +323,15 @@ impl CacheAware {
             return Some(Selection::to(best.2));
         };
 
-        // Pass 3: among the near ties of the target (within bounds), the highest
-        // rendezvous score of the prompt's anchor (the least recently chosen without
-        // one).
+        // Pass 3: among the near ties of the target (within bounds), the first on the
+        // ring from the prompt's anchor (the least recently chosen without one).
         let band = self
             .config
             .near_tie_tokens
             .max(self.config.near_tie_ratio * target.0);
         // Higher is preferred.
         let score = |this: &Self, k: &Key| match anchor {
-            Some(a) => rendezvous_score(a, k.3),
+            Some(a) => ring_score(a, k.3),
             None => u64::MAX - this.last_chosen(k.2),
         };
         let mut pick = target;
@@ -338,10 +368,16 @@ pub fn anchor_block(blocks: usize) -> Option<usize> {
     (blocks > 0).then(|| (1usize << (usize::BITS - 1 - blocks.leading_zeros())) - 1)
 }
 
-/// Rendezvous (highest random weight) score of a worker for an anchor: every replica
-/// computes the same from the worker's string-id hash.
-pub fn rendezvous_score(anchor: u64, worker_id_hash: u64) -> u64 {
-    mix64(anchor ^ mix64(worker_id_hash))
+/// A worker's place on an anchor's ring, higher first: the worker whose id hash comes
+/// first at or after the anchor's point scores highest. Every replica computes the
+/// same from the worker's string-id hash.
+pub fn ring_score(anchor: u64, worker_id_hash: u64) -> u64 {
+    !worker_id_hash.wrapping_sub(ring_point(anchor))
+}
+
+/// An anchor's point on the ring of worker id hashes.
+pub fn ring_point(anchor: u64) -> u64 {
+    mix64(anchor ^ 0x6b76_666c_6565_7472)
 }
 
 #[cfg(test)]
@@ -368,6 +404,7 @@ mod tests {
             prompt_tokens: blocks * 16 + 1,
             block_size: 16,
             candidates,
+            fleet: FleetLoad::of(candidates),
             peer_source: None,
         }
     }

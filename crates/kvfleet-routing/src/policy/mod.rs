@@ -19,7 +19,7 @@ mod round_robin;
 mod tier_cost;
 
 pub use cache_aware::{
-    anchor_block, prompt_anchor, rendezvous_score, CacheAware, CacheAwareConfig,
+    anchor_block, prompt_anchor, ring_point, ring_score, CacheAware, CacheAwareConfig,
 };
 pub use consistent_hash::{ConsistentHash, ConsistentHashConfig};
 pub use least_loaded::LeastLoaded;
@@ -62,10 +62,35 @@ pub struct RouteContext<'a> {
     /// Tokens per block.
     pub block_size: usize,
     /// The workers to choose from, sorted by index; never empty when a policy runs.
+    /// For `cache-aware` on a large fleet these are only the workers that can win:
+    /// those matching the prompt unlike the rest, and the cheapest of each large group
+    /// of equally matched ones (see [`crate::load_order`]).
     pub candidates: &'a [Candidate],
+    /// The fleet the bounded-load rules compare with: every worker that could take the
+    /// request, including those not in `candidates`.
+    pub fleet: FleetLoad,
     /// The worker a chosen one could pull the prompt's prefix from, when peer pulls
     /// are on (see [`TierCostConfig::peer_pull_min_blocks`]).
     pub peer_source: Option<PeerSource>,
+}
+
+/// Workers and their active sequences, for load bounds relative to the fleet's mean.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FleetLoad {
+    /// Workers.
+    pub workers: usize,
+    /// Active sequences over them.
+    pub active_sequences: usize,
+}
+
+impl FleetLoad {
+    /// The fleet of `candidates`.
+    pub fn of(candidates: &[Candidate]) -> Self {
+        Self {
+            workers: candidates.len(),
+            active_sequences: total_active(candidates),
+        }
+    }
 }
 
 /// The worker holding the longest prefix of a prompt that it can hand to a peer

@@ -1,0 +1,253 @@
+//! `cache-aware`'s candidates on a large fleet, without pricing every worker: the
+//! workers that match a prompt unlike the rest are priced on their own, and of each
+//! large group of equally matched workers only those [`LoadOrder`] puts within reach of
+//! the group's cheapest (see [`crate::load_order`]). The policy then chooses among them
+//! exactly as among every worker, which `KvRouter::set_full_scan` keeps as the
+//! reference (`tests.rs`: `the_ordered_walk_chooses_what_the_full_scan_chooses`).
+
+use super::{lower_tier_blocks, KvRouter};
+use crate::load_order::{run_of, Lane, LoadOrder, Position};
+use crate::policy::{prompt_anchor, ring_point, Candidate, RouteContext};
+use crate::prefix_index::{Matches, TieredMatches};
+use crate::registry::WorkerIdx;
+
+/// Match classes at least this large are walked in load order rather than priced
+/// whole (and at least an eighth of the fleet).
+const WALK_MIN_CLASS: usize = 32;
+
+/// Scratch of the ordered walk: the size of each match class.
+#[derive(Debug, Default)]
+pub(super) struct MatchClasses {
+    /// Workers of each class `d ≥ 1`, by `d`. All 0 between routes.
+    size: Vec<u32>,
+    /// The classes `d ≥ 1` with members this route.
+    seen: Vec<u32>,
+}
+
+/// A worker's match class for one prompt: 0 for matching nothing, `d ≥ 1` for
+/// matching `d` device blocks and nothing in lower tiers, [`PRICED`] for one with
+/// lower-tier blocks (priced on its own).
+type Class = u32;
+
+/// The class of a worker priced on its own.
+const PRICED: Class = Class::MAX;
+
+/// What a prompt's lookup found, for classing workers.
+#[derive(Clone, Copy)]
+struct Found<'a> {
+    matches: &'a Matches,
+    tiered: Option<&'a TieredMatches>,
+    reusable: usize,
+}
+
+impl Found<'_> {
+    /// The class of `worker`, whose device match is `depth` blocks.
+    #[inline]
+    fn class(&self, worker: WorkerIdx, depth: usize) -> Class {
+        let matched = depth.min(self.reusable);
+        let lower = self.tiered.map_or((0, 0), |t| {
+            lower_tier_blocks(t.get(worker), matched, self.reusable)
+        });
+        if lower != (0, 0) {
+            PRICED
+        } else {
+            matched as Class
+        }
+    }
+
+    /// `worker`'s device match, by search (the walk asks about a few workers only).
+    #[inline]
+    fn depth(&self, worker: WorkerIdx) -> usize {
+        let m = self.matches.as_slice();
+        m.binary_search_by_key(&worker, |x| x.worker)
+            .map_or(0, |i| m[i].depth)
+    }
+
+    /// `worker`'s class, found by search.
+    fn class_of(&self, worker: WorkerIdx) -> Class {
+        self.class(worker, self.depth(worker))
+    }
+}
+
+impl KvRouter {
+    /// The candidates that can win under `cache-aware`, without pricing the whole
+    /// fleet: workers fall into match classes by their device blocks of the prompt
+    /// (class 0: none); a worker with lower-tier blocks, or in a small class, is a
+    /// candidate on its own; of each large class only the members the load order puts
+    /// within reach of the class's cheapest are. The policy then chooses among them
+    /// exactly as among every worker: whoever is left out costs more than the cheapest
+    /// within bounds plus the near-tie band, or is tied with a member added in its
+    /// place that the policy prefers.
+    pub(super) fn ordered_candidates(
+        &self,
+        base: &RouteContext<'_>,
+        matches: &Matches,
+        tiered: Option<&TieredMatches>,
+        reusable: usize,
+        classes: &mut MatchClasses,
+        out: &mut Vec<Candidate>,
+    ) {
+        let found = Found {
+            matches,
+            tiered,
+            reusable,
+        };
+        if classes.size.len() <= reusable {
+            classes.size.resize(reusable + 1, 0);
+        }
+        classes.seen.clear();
+        // Class sizes from which a class is walked rather than priced whole: dense
+        // enough that the walk rarely steps over a worker of another class.
+        let walk_min = WALK_MIN_CLASS.max(self.load_order.workers() / 8) as u32;
+        let registered = |w: WorkerIdx| self.scored.get(w.index()).and_then(Option::as_ref);
+
+        // Pass 1: class sizes; workers priced on their own are added now.
+        let mut matching = 0usize;
+        for m in matches.iter() {
+            let Some(e) = registered(m.worker) else {
+                continue;
+            };
+            matching += 1;
+            match found.class(m.worker, m.depth) {
+                PRICED => out.push(self.candidate(m.worker, e, m.depth, tiered, reusable)),
+                d => {
+                    let size = &mut classes.size[d as usize];
+                    if *size == 0 {
+                        classes.seen.push(d);
+                    }
+                    *size += 1;
+                }
+            }
+        }
+        if let Some(t) = tiered {
+            // Workers holding the prompt only in lower tiers.
+            for m in t.as_slice() {
+                if found.depth(m.worker) == 0 {
+                    if let Some(e) = registered(m.worker) {
+                        matching += 1;
+                        out.push(self.candidate(m.worker, e, 0, tiered, reusable));
+                    }
+                }
+            }
+        }
+        // Pass 2: members of small classes.
+        let small = |d: Class| d != PRICED && classes.size[d as usize] < walk_min;
+        if classes.seen.iter().any(|&d| small(d)) {
+            for m in matches.iter() {
+                if let Some(e) = registered(m.worker) {
+                    if small(found.class(m.worker, m.depth)) {
+                        out.push(self.candidate(m.worker, e, m.depth, tiered, reusable));
+                    }
+                }
+            }
+        }
+        // Large classes, and the workers matching nothing.
+        let unmatched = self.load_order.workers() - matching;
+        if unmatched >= walk_min as usize {
+            self.walk_class(base, &found, 0, out);
+        } else if unmatched > 0 {
+            // Few: every worker in no match list (both are sorted by index).
+            let mut device = matches.as_slice().iter().peekable();
+            for (i, e) in self.scored.iter().enumerate() {
+                let w = WorkerIdx(i as u32);
+                while device.next_if(|m| m.worker < w).is_some() {}
+                let Some(e) = e else { continue };
+                if device.peek().is_none_or(|m| m.worker != w) && found.class(w, 0) == 0 {
+                    out.push(self.candidate(w, e, 0, None, reusable));
+                }
+            }
+        }
+        for &d in &classes.seen {
+            if classes.size[d as usize] >= walk_min {
+                self.walk_class(base, &found, d, out);
+            }
+        }
+        for &d in &classes.seen {
+            classes.size[d as usize] = 0;
+        }
+        out.sort_unstable_by_key(|c| c.worker);
+    }
+
+    /// Adds the members of match class `class` (device blocks `class`, nothing in
+    /// lower tiers) that can win, walking each lane's order run by run (a run: equal
+    /// loads, so equal costs): every run up to the first within its bounds, then every
+    /// run up to the cheapest of those plus the near-tie band (costs follow the order
+    /// within a lane). Of a run only two members can matter, the one the policy
+    /// prefers (the smallest id hash) and the one a tie goes to (the first on the
+    /// anchor's ring), and only those are added.
+    fn walk_class(
+        &self,
+        base: &RouteContext<'_>,
+        found: &Found<'_>,
+        class: Class,
+        out: &mut Vec<Candidate>,
+    ) {
+        let policy = &self.cache_aware;
+        let bound = policy.load_bound(base.fleet);
+        let point = prompt_anchor(base.hashes).map_or(0, ring_point);
+        let order = &self.load_order;
+        let member = |p: &Position| -> Option<Candidate> {
+            let e = self.scored.get(p.3.index()).and_then(Option::as_ref)?;
+            if found.class_of(p.3) != class {
+                return None;
+            }
+            Some(Candidate {
+                worker: p.3,
+                id_hash: e.id_hash,
+                load: e.load,
+                matched_blocks: class as usize,
+                host_blocks: 0,
+                disk_blocks: 0,
+            })
+        };
+        // The next run of members after `after` in `lane`, if its cost is within
+        // `reach`: its two members are added, and its cost, whether it is within
+        // bounds and its end are returned.
+        let next_run =
+            |lane: Lane, after: Option<Position>, reach: f64, out: &mut Vec<Candidate>| {
+                let (first, c) = order
+                    .walk(lane, after)
+                    .find_map(|p| Some((p, member(&p)?)))?;
+                let (cost, ok) = policy.price(base, &c, bound);
+                if cost > reach {
+                    return None;
+                }
+                out.push(c);
+                let run = run_of(&first);
+                let on_ring = order
+                    .run_from(lane, run, point)
+                    .find_map(|p| member(&p))
+                    .filter(|r| r.worker != c.worker);
+                out.extend(on_ring);
+                Some((cost, ok, LoadOrder::run_end(run)))
+            };
+        // Phase 1: each lane up to its first run within bounds.
+        let mut resume: [Option<Position>; 2] = [None; 2];
+        let mut cheapest_ok = f64::INFINITY;
+        for (l, lane) in Lane::BOTH.into_iter().enumerate() {
+            let mut after = None;
+            while let Some((cost, ok, end)) = next_run(lane, after, f64::INFINITY, out) {
+                after = Some(end);
+                if ok {
+                    cheapest_ok = cheapest_ok.min(cost);
+                    resume[l] = after;
+                    break;
+                }
+            }
+        }
+        if !cheapest_ok.is_finite() {
+            // No member within bounds: every run was added.
+            return;
+        }
+        // Phase 2: the rest of each lane within reach (one token of slack for
+        // rounding).
+        let reach = cheapest_ok + policy.tie_band(cheapest_ok) + 1.0;
+        for (l, lane) in Lane::BOTH.into_iter().enumerate() {
+            // A lane without a run within bounds was walked to its end.
+            let Some(mut after) = resume[l] else { continue };
+            while let Some((_, _, end)) = next_run(lane, Some(after), reach, out) {
+                after = end;
+            }
+        }
+    }
+}

@@ -1,0 +1,239 @@
+//! [`LoadOrder`]: every worker ordered by load, so that `cache-aware` prices the few
+//! cheapest members of a large group of equally matched workers instead of all of
+//! them.
+//!
+//! Under `cache-aware`, workers that match a prompt equally (the same device blocks of
+//! it and no host or disk blocks: none at all, or a system prompt every worker holds)
+//! differ only in load. An idle prefill lane costs `λ_idle × X + d × active`, a busy
+//! one `λ_busy × X + backlog + d × active`, with `X` the same for the whole group
+//! (see [`CacheAware`](crate::policy::CacheAware)). So the cheapest members of a group
+//! come first in one of two orders: idle lanes by active sequences, busy lanes by
+//! `backlog + d × active` (then active sequences). Workers with equal keys (a *run*:
+//! equal loads, so equal costs, typically hundreds of idle workers at light load) are
+//! ordered by id hash, which is how `cache-aware` breaks ties: by the preferred order
+//! (the smallest id hash) and by the anchor's ring (the first id hash at or after its
+//! point). Both are a range query. The router keeps the orders up to date on every
+//! load change (`O(log n)`), and a decision walks their heads run by run instead of
+//! pricing the fleet: at 1,024 workers it prices a handful of workers, not 1,024.
+
+use crate::load::CandidateLoad;
+use crate::registry::WorkerIdx;
+use std::collections::BTreeSet;
+use std::ops::Bound;
+
+/// Whether a worker's prefill lane is idle (no backlog) or busy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Lane {
+    /// No prompt tokens waiting: ordered by active sequences.
+    Idle,
+    /// Prompt tokens waiting: ordered by `backlog + d × active`.
+    Busy,
+}
+
+impl Lane {
+    /// Both lanes.
+    pub const BOTH: [Lane; 2] = [Lane::Idle, Lane::Busy];
+
+    /// The lane of a worker with `load`.
+    pub fn of(load: &CandidateLoad) -> Lane {
+        if load.prefill_backlog_tokens() > 0 {
+            Lane::Busy
+        } else {
+            Lane::Idle
+        }
+    }
+}
+
+/// A position in one lane's order: (order key, active sequences, id hash, worker).
+/// The first two are the worker's run: its load as far as cost goes.
+pub type Position = (u64, u64, u64, WorkerIdx);
+
+/// The run of a position: workers with equal loads.
+pub fn run_of(p: &Position) -> (u64, u64) {
+    (p.0, p.1)
+}
+
+/// Registered workers in two load orders, with the fleet's totals.
+#[derive(Clone, Debug)]
+pub struct LoadOrder {
+    /// `d`: the cost of one active sequence, in prompt-token equivalents.
+    decode_cost: f64,
+    idle: BTreeSet<Position>,
+    busy: BTreeSet<Position>,
+    /// Each worker's lane and position, by index (`None`: not registered).
+    slot: Vec<Option<(Lane, Position)>>,
+    workers: usize,
+    active_sequences: usize,
+}
+
+impl LoadOrder {
+    /// An empty order for a policy that prices an active sequence at `decode_cost`.
+    pub fn new(decode_cost: f64) -> Self {
+        Self {
+            decode_cost,
+            idle: BTreeSet::new(),
+            busy: BTreeSet::new(),
+            slot: Vec::new(),
+            workers: 0,
+            active_sequences: 0,
+        }
+    }
+
+    /// Whether the orders follow cost: only with a finite, non-negative `decode_cost`
+    /// (a key of `backlog + d × active` is then ordered as its cost).
+    pub fn usable(&self) -> bool {
+        self.decode_cost.is_finite() && self.decode_cost >= 0.0
+    }
+
+    /// Registered workers.
+    pub fn workers(&self) -> usize {
+        self.workers
+    }
+
+    /// Active sequences over every registered worker.
+    pub fn active_sequences(&self) -> usize {
+        self.active_sequences
+    }
+
+    /// Records worker `w`'s load and id hash (`None`: it left).
+    pub fn set(&mut self, w: WorkerIdx, load: Option<(CandidateLoad, u64)>) {
+        let i = w.index();
+        if i >= self.slot.len() {
+            self.slot.resize(i + 1, None);
+        }
+        if let Some((lane, pos)) = self.slot[i].take() {
+            self.lane_mut(lane).remove(&pos);
+            self.workers -= 1;
+            self.active_sequences -= pos.1 as usize;
+        }
+        if let Some((load, id_hash)) = load {
+            let lane = Lane::of(&load);
+            let active = load.active_sequences();
+            let pos = (self.key(lane, &load), active as u64, id_hash, w);
+            self.lane_mut(lane).insert(pos);
+            self.slot[i] = Some((lane, pos));
+            self.workers += 1;
+            self.active_sequences += active;
+        }
+    }
+
+    /// `lane`'s workers in order, after `after` (from the start with `None`).
+    pub fn walk(&self, lane: Lane, after: Option<Position>) -> impl Iterator<Item = Position> + '_ {
+        let start = after.map_or(Bound::Unbounded, Bound::Excluded);
+        self.lane(lane).range((start, Bound::Unbounded)).copied()
+    }
+
+    /// The workers of `run` in `lane` whose id hash is at least `from`, in order.
+    pub fn run_from(
+        &self,
+        lane: Lane,
+        run: (u64, u64),
+        from: u64,
+    ) -> impl Iterator<Item = Position> + '_ {
+        self.lane(lane)
+            .range(
+                (run.0, run.1, from, WorkerIdx(0))..=(run.0, run.1, u64::MAX, WorkerIdx(u32::MAX)),
+            )
+            .copied()
+    }
+
+    /// The position just past the end of `run`: walking after it starts the next run.
+    pub fn run_end(run: (u64, u64)) -> Position {
+        (run.0, run.1, u64::MAX, WorkerIdx(u32::MAX))
+    }
+
+    fn key(&self, lane: Lane, load: &CandidateLoad) -> u64 {
+        match lane {
+            // `d × active` is ordered as `active` for any d ≥ 0.
+            Lane::Idle => load.active_sequences() as u64,
+            // Non-negative finite f64s are ordered as their bit patterns.
+            Lane::Busy => (load.prefill_backlog_tokens() as f64
+                + self.decode_cost * load.active_sequences() as f64)
+                .max(0.0)
+                .to_bits(),
+        }
+    }
+
+    fn lane(&self, lane: Lane) -> &BTreeSet<Position> {
+        match lane {
+            Lane::Idle => &self.idle,
+            Lane::Busy => &self.busy,
+        }
+    }
+
+    fn lane_mut(&mut self, lane: Lane) -> &mut BTreeSet<Position> {
+        match lane {
+            Lane::Idle => &mut self.idle,
+            Lane::Busy => &mut self.busy,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn order_of(o: &LoadOrder, lane: Lane) -> Vec<u32> {
+        o.walk(lane, None).map(|p| p.3 .0).collect()
+    }
+
+    fn set(o: &mut LoadOrder, w: u32, active: usize, backlog: usize) {
+        // Id hashes in reverse index order, to tell them apart from indices.
+        o.set(
+            WorkerIdx(w),
+            Some((CandidateLoad::new(active, backlog), 100 - u64::from(w))),
+        );
+    }
+
+    #[test]
+    fn workers_are_ordered_by_their_cost_per_lane_and_moved_on_every_change() {
+        let mut o = LoadOrder::new(16.0);
+        set(&mut o, 0, 3, 0);
+        set(&mut o, 1, 1, 0);
+        set(&mut o, 2, 0, 100);
+        // 10 + 16 × 2 = 42 < 100.
+        set(&mut o, 3, 2, 10);
+        assert_eq!(order_of(&o, Lane::Idle), [1, 0]);
+        assert_eq!(order_of(&o, Lane::Busy), [3, 2]);
+        assert_eq!((o.workers(), o.active_sequences()), (4, 6));
+        // w1 starts prefilling: it leaves the idle lane for the busy one.
+        set(&mut o, 1, 2, 500);
+        assert_eq!(order_of(&o, Lane::Idle), [0]);
+        assert_eq!(order_of(&o, Lane::Busy), [3, 2, 1]);
+        assert_eq!(o.active_sequences(), 7);
+        // w3 leaves.
+        o.set(WorkerIdx(3), None);
+        assert_eq!(order_of(&o, Lane::Busy), [2, 1]);
+        assert_eq!((o.workers(), o.active_sequences()), (3, 5));
+        // Resuming after a position.
+        let first = o.walk(Lane::Busy, None).next();
+        let rest: Vec<u32> = o.walk(Lane::Busy, first).map(|p| p.3 .0).collect();
+        assert_eq!(rest, [1]);
+        // A run: equal loads, ordered by id hash; found from a point on the ring.
+        for w in 10..15 {
+            set(&mut o, w, 4, 0);
+        }
+        assert_eq!(order_of(&o, Lane::Idle), [0, 14, 13, 12, 11, 10]);
+        let run = run_of(
+            &o.walk(Lane::Idle, Some(LoadOrder::run_end((3, 3))))
+                .next()
+                .unwrap(),
+        );
+        assert_eq!(run, (4, 4));
+        let from = |h: u64| {
+            o.run_from(Lane::Idle, run, h)
+                .map(|p| p.3 .0)
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(from(88), [12, 11, 10]);
+        assert!(from(91).is_empty());
+        let next: Vec<u32> = o
+            .walk(Lane::Idle, Some(LoadOrder::run_end(run)))
+            .map(|p| p.3 .0)
+            .collect();
+        assert!(next.is_empty());
+        assert!(o.usable());
+        assert!(!LoadOrder::new(-1.0).usable());
+        assert!(!LoadOrder::new(f64::NAN).usable());
+    }
+}
