@@ -22,6 +22,9 @@ pub(super) struct MatchClasses {
     size: Vec<u32>,
     /// The classes `d ≥ 1` with members this route.
     seen: Vec<u32>,
+    /// Candidates of each class while it is still small (so a class that stays small
+    /// needs no second pass over the matches); empty between routes.
+    kept: Vec<(Class, Candidate)>,
 }
 
 /// A worker's match class for one prompt: 0 for matching nothing, `d ≥ 1` for
@@ -116,6 +119,12 @@ impl KvRouter {
                         classes.seen.push(d);
                     }
                     *size += 1;
+                    // Every member of a class that ends up small is kept here.
+                    if *size < walk_min {
+                        classes
+                            .kept
+                            .push((d, self.candidate(m.worker, e, m.depth, tiered, reusable)));
+                    }
                 }
             }
         }
@@ -130,17 +139,15 @@ impl KvRouter {
                 }
             }
         }
-        // Pass 2: members of small classes.
-        let small = |d: Class| d != PRICED && classes.size[d as usize] < walk_min;
-        if classes.seen.iter().any(|&d| small(d)) {
-            for m in matches.iter() {
-                if let Some(e) = registered(m.worker) {
-                    if small(found.class(m.worker, m.depth)) {
-                        out.push(self.candidate(m.worker, e, m.depth, tiered, reusable));
-                    }
-                }
-            }
-        }
+        // Members of small classes, kept by pass 1.
+        let size = &classes.size;
+        out.extend(
+            classes
+                .kept
+                .drain(..)
+                .filter(|(d, _)| size[*d as usize] < walk_min)
+                .map(|(_, c)| c),
+        );
         // Large classes, and the workers matching nothing.
         let unmatched = self.load_order.workers() - matching;
         if unmatched >= walk_min as usize {
