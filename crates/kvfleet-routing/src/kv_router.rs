@@ -280,6 +280,7 @@ pub struct KvRouter {
     matches: Matches,
     tiered: TieredMatches,
     candidates: Vec<Candidate>,
+    /// Scratch of the ordered walk (`ordered.rs`).
     classes: ordered::MatchClasses,
 }
 
