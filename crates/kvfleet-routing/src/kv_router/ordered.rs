@@ -7,7 +7,7 @@
 
 use super::{lower_tier_blocks, KvRouter};
 use crate::load_order::{run_of, Lane, LoadOrder, Position};
-use crate::policy::{prompt_anchor, ring_point, Candidate, RouteContext};
+use crate::policy::{prompt_anchor, ring_point, Candidate, RouteContext, TIE_RING_REACH};
 use crate::prefix_index::{Matches, TieredMatches};
 use crate::registry::WorkerIdx;
 
@@ -179,9 +179,9 @@ impl KvRouter {
     /// lower tiers) that can win, walking each lane's order run by run (a run: equal
     /// loads, so equal costs): every run up to the first within its bounds, then every
     /// run up to the cheapest of those plus the near-tie band (costs follow the order
-    /// within a lane). Of a run only two members can matter, the one the policy
-    /// prefers (the smallest id hash) and the one a tie goes to (the first on the
-    /// anchor's ring), and only those are added.
+    /// within a lane). Of a run only these members can matter, and only they are
+    /// added: the one the policy prefers (the smallest id hash) and the
+    /// [`TIE_RING_REACH`] a tie can go to (the nearest on the anchor's ring).
     fn walk_class(
         &self,
         base: &RouteContext<'_>,
@@ -220,12 +220,18 @@ impl KvRouter {
                     return None;
                 }
                 out.push(c);
+                // The run's members a tie can go to: the nearest at or after the
+                // anchor's point on the ring, wrapping around to the run's start.
                 let run = run_of(&first);
-                let on_ring = order
-                    .run_from(lane, run, point)
-                    .find_map(|p| member(&p))
-                    .filter(|r| r.worker != c.worker);
-                out.extend(on_ring);
+                let after_point = order.run_from(lane, run, point);
+                let wrapped = order.run_from(lane, run, 0).take_while(|p| p.2 < point);
+                out.extend(
+                    after_point
+                        .chain(wrapped)
+                        .filter_map(|p| member(&p))
+                        .take(TIE_RING_REACH)
+                        .filter(|r| r.worker != c.worker),
+                );
                 Some((cost, ok, LoadOrder::run_end(run)))
             };
         // Phase 1: each lane up to its first run within bounds.

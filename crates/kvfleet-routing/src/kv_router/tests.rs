@@ -851,6 +851,8 @@ mod ordered_walk {
         loads: Vec<(u8, u8, u16)>,
         /// Every prefill lane busy (no idle lane to fall back on).
         all_busy: bool,
+        /// Every worker reports the first worker's load (long runs of ties).
+        uniform: bool,
         near_tie_tokens: f64,
         near_tie_ratio: f64,
         cap: Option<usize>,
@@ -877,6 +879,7 @@ mod ordered_walk {
                     prop_oneof![Just(16.0), Just(0.0)],
                     any::<bool>(),
                     any::<bool>(),
+                    any::<bool>(),
                 ),
                 prop::collection::vec((0u64..5, 0usize..12, 0u64..1_000, any::<u16>()), 1..25),
             )
@@ -888,6 +891,7 @@ mod ordered_walk {
                         host_every,
                         loads,
                         all_busy: knobs.6,
+                        uniform: knobs.7,
                         near_tie_tokens: knobs.0,
                         near_tie_ratio: knobs.1,
                         cap: knobs.2,
@@ -944,7 +948,7 @@ mod ordered_walk {
             if f.host_every > 0 && w % f.host_every == 1 {
                 store(&mut r, w, &hashes(&body(0, BODY)), Medium::Host);
             }
-            let (running, waiting, queued) = f.loads[w];
+            let (running, waiting, queued) = f.loads[if f.uniform { 0 } else { w }];
             r.update_load(
                 &format!("w{w}"),
                 WorkerLoad {

@@ -39,16 +39,18 @@
 //! (docs/policy-sweep.md).
 //!
 //! **Ties** (with `near_tie_tokens` / `near_tie_ratio`, costs that close to the
-//! cheapest count as ties too) are broken by consistent hashing on the prompt's
-//! *anchor*, the chained hash of its block `2^⌊log2 n⌋ − 1` (`n` full blocks), which
-//! covers at least half the prompt: the tied worker whose id hash comes first at or
-//! after the anchor's point on a 64-bit ring wins. Every router replica computes the
-//! same anchor and the same ring from the workers' string ids, so fork siblings that
-//! reach two routers at the same instant, with no header, land on one worker. (A ring
-//! rather than rendezvous scores, so that on a large fleet the winner among hundreds
-//! of tied idle workers is found in the load order in `O(log n)` instead of by scoring
-//! each, see [`crate::load_order`]; a ring's uneven arcs do not pile requests up,
-//! since a worker that takes one is no longer tied with the idle ones.) Conversations
+//! cheapest count as ties too) are broken on the prompt's *anchor*, the chained hash
+//! of its block `2^⌊log2 n⌋ − 1` (`n` full blocks), which covers at least half the
+//! prompt: of the [`TIE_RING_REACH`] (8) tied workers whose id hashes come first at or
+//! after the anchor's point on a 64-bit ring, the one with the highest rendezvous
+//! score wins. Every router replica computes the same anchor, ring and scores from the
+//! workers' string ids, so fork siblings that reach two routers at the same instant,
+//! with no header, land on one worker. With 8 tied workers or fewer this is plain
+//! rendezvous hashing; the ring bounds the work on a large fleet, where hundreds of
+//! idle workers tie at light load: the load order finds the 8 in `O(log n)` (see
+//! [`crate::load_order`]), and rendezvous among 8 neighbours evens out the ring's
+//! uneven arcs (a worker owning a long arc would otherwise win its anchors again and
+//! again, which makes two routers whose load views differ by that worker disagree). Conversations
 //! that share only a system prompt (under half their length) get different anchors,
 //! so where their costs tie they spread over the tied workers rather than following
 //! one; a conversation keeps its anchor from turn to turn until its length doubles.
@@ -125,6 +127,8 @@ pub struct CacheAware {
     clock: u64,
     /// Keys of the candidates within their bounds, reused across selections.
     within: Vec<Key>,
+    /// The near ties of a selection, reused likewise.
+    ties: Vec<Key>,
 }
 
 impl CacheAware {
@@ -135,6 +139,7 @@ impl CacheAware {
             last_chosen: Vec::new(),
             clock: 0,
             within: Vec::new(),
+            ties: Vec::new(),
         }
     }
 
@@ -323,27 +328,43 @@ impl CacheAware {
             return Some(Selection::to(best.2));
         };
 
-        // Pass 3: among the near ties of the target (within bounds), the first on the
-        // ring from the prompt's anchor (the least recently chosen without one).
-        let band = self
-            .config
-            .near_tie_tokens
-            .max(self.config.near_tie_ratio * target.0);
-        // Higher is preferred.
-        let score = |this: &Self, k: &Key| match anchor {
-            Some(a) => ring_score(a, k.3),
-            None => u64::MAX - this.last_chosen(k.2),
-        };
+        // Pass 3: among the near ties of the target (within bounds), the highest
+        // rendezvous score of the prompt's anchor among the `TIE_RING_REACH` nearest
+        // at or after the anchor's point on the ring (the least recently chosen
+        // without an anchor).
+        let band = self.tie_band(target.0);
         let mut pick = target;
-        let mut pick_score = score(self, &target);
-        for k in within {
-            if k.0 > target.0 + band {
-                continue;
+        match anchor {
+            Some(a) => {
+                let mut ties = std::mem::take(&mut self.ties);
+                ties.clear();
+                ties.extend(within.iter().filter(|k| k.0 <= target.0 + band));
+                let point = ring_point(a);
+                if ties.len() > TIE_RING_REACH {
+                    ties.select_nth_unstable_by_key(TIE_RING_REACH - 1, |k| {
+                        (k.3.wrapping_sub(point), k.2)
+                    });
+                    ties.truncate(TIE_RING_REACH);
+                }
+                let mut pick_score = None;
+                for k in &ties {
+                    let sc = rendezvous_score(a, k.3);
+                    if pick_score.is_none_or(|p| sc > p || (sc == p && lt(k, &pick))) {
+                        pick = *k;
+                        pick_score = Some(sc);
+                    }
+                }
+                self.ties = ties;
             }
-            let sc = score(self, k);
-            if sc > pick_score || (sc == pick_score && lt(k, &pick)) {
-                pick = *k;
-                pick_score = sc;
+            None => {
+                let mut pick_score = u64::MAX - self.last_chosen(target.2);
+                for k in within.iter().filter(|k| k.0 <= target.0 + band) {
+                    let sc = u64::MAX - self.last_chosen(k.2);
+                    if sc > pick_score || (sc == pick_score && lt(k, &pick)) {
+                        pick = *k;
+                        pick_score = sc;
+                    }
+                }
             }
         }
         self.mark_chosen(pick.2);
@@ -368,12 +389,15 @@ pub fn anchor_block(blocks: usize) -> Option<usize> {
     (blocks > 0).then(|| (1usize << (usize::BITS - 1 - blocks.leading_zeros())) - 1)
 }
 
-/// A worker's place on an anchor's ring, higher first: the worker whose id hash comes
-/// first at or after the anchor's point scores highest. Every replica computes the
-/// same from the worker's string-id hash.
-pub fn ring_score(anchor: u64, worker_id_hash: u64) -> u64 {
-    !worker_id_hash.wrapping_sub(ring_point(anchor))
+/// Rendezvous (highest random weight) score of a worker for an anchor: every replica
+/// computes the same from the worker's string-id hash.
+pub fn rendezvous_score(anchor: u64, worker_id_hash: u64) -> u64 {
+    mix64(anchor ^ mix64(worker_id_hash))
 }
+
+/// Tied workers a tie is decided among: those nearest at or after the anchor's point
+/// on the ring of id hashes. On a fleet this small or smaller, every tied worker.
+pub const TIE_RING_REACH: usize = 8;
 
 /// An anchor's point on the ring of worker id hashes.
 pub fn ring_point(anchor: u64) -> u64 {
@@ -494,6 +518,54 @@ mod tests {
             per[w as usize] += 1;
         }
         assert_eq!(per, [8; 8]);
+    }
+
+    #[test]
+    fn a_tie_goes_to_the_best_rendezvous_score_among_the_ring_neighbours_of_the_anchor() {
+        // 64 idle, equal workers with spread id hashes: every one ties.
+        let c: Vec<Candidate> = (0..64)
+            .map(|i| Candidate {
+                id_hash: mix64(1_000 + i as u64),
+                ..cand(i, 0, 0, 0)
+            })
+            .collect();
+        let mut wins = std::collections::BTreeSet::new();
+        for s in 0..200 {
+            let h = chain(s, 40);
+            let a = prompt_anchor(&h).unwrap();
+            let point = ring_point(a);
+            // The 8 nearest at or after the point, then the highest score among them.
+            let mut near: Vec<&Candidate> = c.iter().collect();
+            near.sort_by_key(|x| x.id_hash.wrapping_sub(point));
+            let want = near[..TIE_RING_REACH]
+                .iter()
+                .max_by_key(|x| rendezvous_score(a, x.id_hash))
+                .unwrap()
+                .worker;
+            let ctx = RouteContext {
+                hashes: &h,
+                ..ctx(&c, 40)
+            };
+            let got = CacheAware::default().select(&ctx).unwrap().worker;
+            assert_eq!(got, want, "prompt {s}");
+            wins.insert(got);
+        }
+        // Different anchors spread over most of the fleet.
+        assert!(wins.len() > 40, "{}", wins.len());
+        // With 8 tied workers or fewer it is plain rendezvous hashing.
+        let few = &c[..TIE_RING_REACH];
+        let h = chain(7, 40);
+        let a = prompt_anchor(&h).unwrap();
+        let want = few
+            .iter()
+            .max_by_key(|x| rendezvous_score(a, x.id_hash))
+            .unwrap()
+            .worker;
+        let ctx = RouteContext {
+            hashes: &h,
+            ..ctx(few, 40)
+        };
+        assert_eq!(CacheAware::default().select(&ctx).unwrap().worker, want);
     }
 
     #[test]
