@@ -212,19 +212,14 @@ where
     // worker; sessions behind one system prompt have different anchors, so a shared
     // prompt never places them all on one worker.
     let anchor = anchor_block(spec.hashes.len());
-    // `claimable`: a key this request may claim (one compare-and-set). A prompt whose
-    // anchor prefix a worker is already known to hold claims nothing, but still
-    // follows a placement this router has heard of: a sibling's KV events can reach
-    // this router while the sibling's worker is still computing the prefix, and its
-    // load then made the cost choose an idle worker and compute the prefix twice.
-    let (placement, claimable) = match (&hooks, &spec.fork_group, anchor) {
-        (None, _, _) => (None, false),
-        (Some(_), Some(g), _) => (Some(PlacementRef::ForkGroup(g.clone())), true),
+    let placement = match (&hooks, &spec.fork_group, anchor) {
+        (None, _, _) => None,
+        (Some(_), Some(g), _) => Some(PlacementRef::ForkGroup(g.clone())),
         (Some(_), None, Some(at)) => {
             let known = fleet.routing.holds_prefix(&spec.hashes[..=at]);
-            (Some(PlacementRef::PrefixRoot(spec.hashes[at].0)), !known)
+            (!known).then_some(PlacementRef::PrefixRoot(spec.hashes[at].0))
         }
-        (Some(_), None, None) => (None, false),
+        (Some(_), None, None) => None,
     };
     let mut pin = match (&hooks, &placement) {
         (Some(h), Some(key)) => h.placed_worker(key),
@@ -244,7 +239,7 @@ where
             pin_holds_blocks = 0;
         }
     }
-    let mut claim_pending = claimable && pin.is_none();
+    let mut claim_pending = placement.is_some() && pin.is_none();
     // Workers this request already failed on: a retry goes elsewhere.
     let mut tried: Vec<String> = exclude.to_vec();
     let route = |pin: Option<&str>, holds_blocks: usize, tried: &[String]| {
