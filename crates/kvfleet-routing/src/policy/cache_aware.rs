@@ -529,25 +529,31 @@ mod tests {
                 ..cand(i, 0, 0, 0)
             })
             .collect();
-        let mut wins = std::collections::BTreeSet::new();
-        for s in 0..200 {
-            let h = chain(s, 40);
-            let a = prompt_anchor(&h).unwrap();
-            let point = ring_point(a);
-            // The 8 nearest at or after the point, then the highest score among them.
-            let mut near: Vec<&Candidate> = c.iter().collect();
-            near.sort_by_key(|x| x.id_hash.wrapping_sub(point));
-            let want = near[..TIE_RING_REACH]
+        // The best rendezvous score among `among` for `h`'s anchor, and the choice.
+        let best_score = |among: &[&Candidate], h: &[BlockHash]| {
+            let a = prompt_anchor(h).unwrap();
+            among
                 .iter()
                 .max_by_key(|x| rendezvous_score(a, x.id_hash))
                 .unwrap()
-                .worker;
+                .worker
+        };
+        let choose = |fleet: &[Candidate], h: &[BlockHash]| {
             let ctx = RouteContext {
-                hashes: &h,
-                ..ctx(&c, 40)
+                hashes: h,
+                ..ctx(fleet, 40)
             };
-            let got = CacheAware::default().select(&ctx).unwrap().worker;
-            assert_eq!(got, want, "prompt {s}");
+            CacheAware::default().select(&ctx).unwrap().worker
+        };
+        let mut wins = std::collections::BTreeSet::new();
+        for s in 0..200 {
+            let h = chain(s, 40);
+            let point = ring_point(prompt_anchor(&h).unwrap());
+            // The 8 nearest at or after the point, then the highest score among them.
+            let mut near: Vec<&Candidate> = c.iter().collect();
+            near.sort_by_key(|x| x.id_hash.wrapping_sub(point));
+            let got = choose(&c, &h);
+            assert_eq!(got, best_score(&near[..TIE_RING_REACH], &h), "prompt {s}");
             wins.insert(got);
         }
         // Different anchors spread over most of the fleet.
@@ -555,17 +561,8 @@ mod tests {
         // With 8 tied workers or fewer it is plain rendezvous hashing.
         let few = &c[..TIE_RING_REACH];
         let h = chain(7, 40);
-        let a = prompt_anchor(&h).unwrap();
-        let want = few
-            .iter()
-            .max_by_key(|x| rendezvous_score(a, x.id_hash))
-            .unwrap()
-            .worker;
-        let ctx = RouteContext {
-            hashes: &h,
-            ..ctx(few, 40)
-        };
-        assert_eq!(CacheAware::default().select(&ctx).unwrap().worker, want);
+        let all: Vec<&Candidate> = few.iter().collect();
+        assert_eq!(choose(few, &h), best_score(&all, &h));
     }
 
     #[test]
