@@ -116,6 +116,28 @@ fn healthy(router: &str) -> u64 {
         .unwrap_or(0)
 }
 
+/// A router's newest `n` routing decisions, newest first: worker, how placement took
+/// part, workers tried, predicted and reported cached tokens.
+fn recent_decisions(router: &str, n: usize) -> Vec<(String, String, u64, u64, u64)> {
+    let s = get(router, &format!("/dashboard/state?decisions={n}"));
+    s["decisions"]
+        .as_array()
+        .map(|ds| {
+            ds.iter()
+                .map(|d| {
+                    (
+                        d["worker"].as_str().unwrap_or_default().to_string(),
+                        d["placement"].as_str().unwrap_or_default().to_string(),
+                        d["attempts"].as_u64().unwrap_or(0),
+                        d["predicted_cached_tokens"].as_u64().unwrap_or(0),
+                        d["actual_cached_tokens"].as_u64().unwrap_or(0),
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 /// The workers a router tracks (healthy or not).
 fn fleet_workers(router: &str) -> Vec<String> {
     get(router, "/fleet")["workers"]
@@ -253,6 +275,13 @@ fn two_routers_three_workers_on_etcd_and_kafka() {
         computed_once += usize::from(cold <= 1);
         if ws.len() != 1 || cold > 1 {
             eprintln!("agent {agent}: children on {ws:?}, {cold} computed the prefix: {served:?}");
+            for r in [&r1, &r2] {
+                eprintln!(
+                    "  {} routed them: {:?}",
+                    r.addr,
+                    recent_decisions(&r.addr, 3)
+                );
+            }
         }
     }
     eprintln!(

@@ -5,10 +5,13 @@
 //! - Placement: a request's fork group (or, for a prompt no worker is known to hold
 //!   up to its anchor block, that anchor) may already be placed on a worker by another
 //!   router; the request is then pinned there. If not, the worker this router chose
-//!   is claimed with one compare-and-set, and the request follows the winner.
+//!   is claimed with one compare-and-set, and the request follows the winner. Siblings
+//!   reaching this router while the claim is in flight wait for it
+//!   ([`crate::placement_claims`]).
 //! - Usage: every finished request is reported once, without text.
 
 use crate::fleet_metrics as m;
+use crate::placement_claims::ClaimsInFlight;
 use futures::future::BoxFuture;
 use kvfleet_core::sync::lock;
 use std::collections::BTreeMap;
@@ -95,6 +98,8 @@ pub struct ComponentStatus {
 #[derive(Default)]
 pub struct ControlLink {
     hooks: RwLock<Option<Arc<dyn ControlHooks>>>,
+    /// This router's claims in flight, one per key.
+    claims: ClaimsInFlight<PlacementRef>,
     components: Mutex<BTreeMap<&'static str, ComponentStatus>>,
 }
 
@@ -114,6 +119,11 @@ impl ControlLink {
     /// The installed hooks.
     pub fn hooks(&self) -> Option<Arc<dyn ControlHooks>> {
         self.hooks.read().ok().and_then(|h| h.clone())
+    }
+
+    /// This router's placement claims in flight.
+    pub fn claims(&self) -> &ClaimsInFlight<PlacementRef> {
+        &self.claims
     }
 
     /// Records whether `component` (`etcd`, `kafka`) is reachable; sets

@@ -40,7 +40,7 @@ pub struct RouterControl {
     fleet: Arc<Fleet>,
     placement: Arc<dyn Placement>,
     placement_ttl: Duration,
-    placed: Mutex<HashMap<PlacementRef, String>>,
+    placed: Arc<Mutex<HashMap<PlacementRef, String>>>,
     incarnations: Mutex<HashMap<String, u64>>,
     usage_tx: Option<mpsc::Sender<UsageRecord>>,
     tasks: Mutex<Vec<JoinHandle<()>>>,
@@ -83,7 +83,7 @@ impl RouterControl {
             fleet,
             placement,
             placement_ttl,
-            placed: Mutex::new(HashMap::new()),
+            placed: Arc::new(Mutex::new(HashMap::new())),
             incarnations: Mutex::new(HashMap::new()),
             usage_tx,
             tasks: Mutex::new(Vec::new()),
@@ -468,9 +468,15 @@ impl ControlHooks for RouterControl {
     fn claim(&self, key: PlacementRef, worker: String) -> BoxFuture<'static, Option<String>> {
         let placement = self.placement.clone();
         let ttl = self.placement_ttl;
+        let placed = self.placed.clone();
         Box::pin(async move {
             match placement.place(&to_key(&key), &worker, ttl).await {
-                Ok(owner) => Some(owner),
+                Ok(owner) => {
+                    // Known here at once, not only when the watch brings it back: the
+                    // next sibling on this router follows it without a round trip.
+                    lock(&placed).insert(key, owner.clone());
+                    Some(owner)
+                }
                 Err(e) => {
                     tracing::warn!("placing {key:?}: {e}");
                     None

@@ -75,6 +75,8 @@ pub struct DecisionRecord {
     pub accept_us: u64,
     /// Workers tried (1 unless a worker failed or was busy).
     pub attempts: u32,
+    /// How a control plane's placement took part ([`PlacementStep`]).
+    pub placement: PlacementStep,
     /// `in_flight` until the request ends, then `ok`, `worker_error`, `client_gone`…
     pub outcome: &'static str,
     /// The prefix group as a number, to find the group again without parsing.
@@ -111,6 +113,30 @@ pub struct NewDecision {
     pub accept_us: u64,
     /// Workers tried.
     pub attempts: u32,
+    /// How a control plane's placement took part.
+    pub placement: PlacementStep,
+}
+
+/// How a request's placement (shared with other routers through a control plane) took
+/// part in its routing: it tells an SRE why siblings did or did not land together.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PlacementStep {
+    /// No control plane, or nothing to place (no fork group, no anchor block).
+    #[default]
+    None,
+    /// A worker was known to hold the prompt up to its anchor: routed on the index.
+    Indexed,
+    /// Followed a placement this router already knew of.
+    Followed,
+    /// This router's choice won the compare-and-set.
+    Claimed,
+    /// Another router's placement won the compare-and-set: rerouted to it.
+    Lost,
+    /// The compare-and-set failed (control plane unreachable): routed on the index.
+    Unplaced,
+    /// A live pinned prefix decided the worker.
+    Pinned,
 }
 
 /// Cached versus prompt tokens over some span of requests.
@@ -362,6 +388,7 @@ impl DecisionLog {
             decision_us: d.decision_us,
             accept_us: d.accept_us,
             attempts: d.attempts,
+            placement: d.placement,
             outcome: "in_flight",
             group_key: group.map(|h| h.0),
         });
@@ -602,6 +629,7 @@ mod tests {
             decision_us: 40,
             accept_us: 900,
             attempts: 1,
+            placement: PlacementStep::None,
         }
     }
 

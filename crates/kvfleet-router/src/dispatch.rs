@@ -11,11 +11,12 @@
 //! request elsewhere: the client has been sent nothing, and the worker's queue is gone.
 
 use crate::circuit_breaker::CircuitState;
-use crate::control_hooks::{PlacementRef, RequestFacts, RequestUsage};
-use crate::decision_log::NewDecision;
+use crate::control_hooks::{ControlHooks, PlacementRef, RequestFacts, RequestUsage};
+use crate::decision_log::{NewDecision, PlacementStep};
 use crate::fleet::Fleet;
 use crate::fleet_metrics as m;
 use crate::openai::error::ApiError;
+use crate::placement_claims::{ClaimTicket, ClaimTurn};
 use crate::routing_state::{InFlight, RouteRequest, Routed};
 use crate::wall_clock::unix_ms;
 use crate::worker_conn::WorkerConn;
@@ -206,40 +207,14 @@ where
     let started = Instant::now();
     let mut last_error = String::from("no worker is available");
     let hooks = fleet.control.hooks();
-    // A placement shared with other routers: the fork group, else the prompt's anchor
-    // block (covering at least half of it) while no worker is known to hold the prompt
-    // up to it. Siblings share their anchor, so the routers they reach agree on one
-    // worker; sessions behind one system prompt have different anchors, so a shared
-    // prompt never places them all on one worker.
     let anchor = anchor_block(spec.hashes.len());
-    let placement = match (&hooks, &spec.fork_group, anchor) {
-        (None, _, _) => None,
-        (Some(_), Some(g), _) => Some(PlacementRef::ForkGroup(g.clone())),
-        (Some(_), None, Some(at)) => {
-            let known = fleet.routing.holds_prefix(&spec.hashes[..=at]);
-            (!known).then_some(PlacementRef::PrefixRoot(spec.hashes[at].0))
-        }
-        (Some(_), None, None) => None,
-    };
-    let mut pin = match (&hooks, &placement) {
-        (Some(h), Some(key)) => h.placed_worker(key),
-        _ => None,
-    };
-    // A placed worker was sent a sibling of this prompt (by this router or another):
-    // it holds, or is computing, the prompt up to its anchor, even where this router's
-    // index has not heard of it yet. Counting those blocks as cached there keeps this
-    // request's prefill, and so the worker's backlog as this router sees it, from
-    // counting the shared prefix a second time.
+    let PlacementPlan {
+        mut pin,
+        mut pin_holds_blocks,
+        mut step,
+        mut ticket,
+    } = plan_placement(fleet, hooks.as_deref(), spec, anchor).await;
     let placed_blocks = anchor.map_or(0, |at| at + 1);
-    let mut pin_holds_blocks = if pin.is_some() { placed_blocks } else { 0 };
-    // A live pinned prefix names the worker holding it (and nothing evicts it there).
-    if let Some(w) = fleet.pins.worker_for(&spec.hashes, fleet.now_ms()) {
-        if fleet.conn(&w).is_some() {
-            pin = Some(w.to_string());
-            pin_holds_blocks = 0;
-        }
-    }
-    let mut claim_pending = placement.is_some() && pin.is_none();
     // Workers this request already failed on: a retry goes elsewhere.
     let mut tried: Vec<String> = exclude.to_vec();
     let route = |pin: Option<&str>, holds_blocks: usize, tried: &[String]| {
@@ -275,10 +250,16 @@ where
         let mut guard = InflightGuard::new(in_flight, &decision);
         // First to route this key: claim it (one compare-and-set per new key), and
         // follow whoever won.
-        if let (true, Some(h), Some(key)) = (claim_pending, &hooks, &placement) {
-            claim_pending = false;
+        if let (Some(t), Some(h)) = (ticket.take(), &hooks) {
             let chosen = decision.worker.to_string();
-            if let Some(owner) = h.claim(key.clone(), chosen.clone()).await {
+            let owner = h.claim(t.key().clone(), chosen.clone()).await;
+            t.resolve(owner.clone());
+            step = match &owner {
+                None => PlacementStep::Unplaced,
+                Some(o) if *o == chosen => PlacementStep::Claimed,
+                Some(_) => PlacementStep::Lost,
+            };
+            if let Some(owner) = owner {
                 if owner != chosen && fleet.conn(&owner).is_some() {
                     if let Some(r) = decision.reservation {
                         fleet.routing.cancel_reservation(r);
@@ -389,6 +370,7 @@ where
                             / 1000,
                         accept_us: started.elapsed().as_micros() as u64,
                         attempts: attempt as u32 + 1,
+                        placement: step,
                     },
                     &spec.hashes,
                 );
@@ -453,6 +435,91 @@ where
         }
     }
     Err(ApiError::unavailable(last_error))
+}
+
+/// How long a request waits for a sibling's claim of its placement on this router
+/// before routing on its own (the claim is one etcd call, itself bounded).
+const CLAIM_WAIT_LIMIT: Duration = Duration::from_secs(2);
+
+/// What a request's placement decided before it is routed.
+struct PlacementPlan {
+    /// The worker it must go to, if any.
+    pin: Option<String>,
+    /// Blocks of the prompt the pinned worker is taken to hold.
+    pin_holds_blocks: usize,
+    /// How placement took part, for the decision log.
+    step: PlacementStep,
+    /// This request claims its key once routed.
+    ticket: Option<ClaimTicket<PlacementRef>>,
+}
+
+/// Consults the pinned prefixes and the placement shared with other routers.
+///
+/// The placement key is the fork group, else the prompt's anchor block (covering at
+/// least half of it) while no worker is known to hold the prompt up to it. Siblings
+/// share their anchor, so the routers they reach agree on one worker; sessions behind
+/// one system prompt have different anchors, so a shared prompt never places them all
+/// on one worker. A sibling's claim of the key in flight on this router is waited for
+/// first: until it resolves, the claimer's reservation would pass for the prefix being
+/// held by a worker that may lose the claim.
+async fn plan_placement(
+    fleet: &Fleet,
+    hooks: Option<&dyn ControlHooks>,
+    spec: &GenerationSpec,
+    anchor: Option<usize>,
+) -> PlacementPlan {
+    let mut plan = PlacementPlan {
+        pin: None,
+        pin_holds_blocks: 0,
+        step: PlacementStep::None,
+        ticket: None,
+    };
+    // A live pinned prefix names the worker holding it (and nothing evicts it there).
+    if let Some(w) = fleet.pins.worker_for(&spec.hashes, fleet.now_ms()) {
+        if fleet.conn(&w).is_some() {
+            plan.pin = Some(w.to_string());
+            plan.step = PlacementStep::Pinned;
+            return plan;
+        }
+    }
+    let Some(h) = hooks else { return plan };
+    let key = match (&spec.fork_group, anchor) {
+        (Some(g), _) => PlacementRef::ForkGroup(g.clone()),
+        (None, Some(at)) => PlacementRef::PrefixRoot(spec.hashes[at].0),
+        (None, None) => return plan,
+    };
+    let claims = fleet.control.claims();
+    let connected = |w: Option<String>| w.filter(|w| fleet.conn(w).is_some());
+    let mut owner = match claims.in_flight(&key) {
+        Some(wait) => connected(wait.owner(CLAIM_WAIT_LIMIT).await),
+        None => None,
+    };
+    if owner.is_none() {
+        let known = matches!(key, PlacementRef::PrefixRoot(_))
+            && anchor.is_some_and(|at| fleet.routing.holds_prefix(&spec.hashes[..=at]));
+        if known {
+            plan.step = PlacementStep::Indexed;
+            return plan;
+        }
+        owner = h.placed_worker(&key);
+        if owner.is_none() {
+            match claims.begin(&key) {
+                ClaimTurn::Mine(t) => plan.ticket = Some(t),
+                ClaimTurn::Wait(wait) => owner = connected(wait.owner(CLAIM_WAIT_LIMIT).await),
+            }
+        }
+    }
+    if owner.is_some() {
+        // The placed worker was sent a sibling of this prompt (by this router or
+        // another): it holds, or is computing, the prompt up to its anchor, even where
+        // this router's index has not heard of it yet. Counting those blocks as cached
+        // there keeps this request's prefill, and so the worker's backlog as this
+        // router sees it, from counting the shared prefix a second time.
+        plan.pin_holds_blocks = anchor.map_or(0, |at| at + 1);
+        plan.step = PlacementStep::Followed;
+        plan.pin = owner;
+    }
+    plan
 }
 
 /// How the wait for an accepted request's first message (after the acknowledgement)

@@ -18,7 +18,7 @@
 //!   budget.
 //! - [`control_hooks`]: where a control plane (placement shared by several routers,
 //!   usage records) joins the request path; [`control_plane`] is the etcd/Kafka
-//!   implementation of it.
+//!   implementation of it; [`placement_claims`] keeps one claim per key in flight.
 //!
 //! On top of the fleet, the request path:
 //!
@@ -41,6 +41,7 @@ pub mod fleet_metrics;
 pub mod http_front;
 pub mod openai;
 pub mod pin_table;
+pub mod placement_claims;
 pub mod prefix_breaks;
 pub mod prompt_model;
 pub mod routing_state;

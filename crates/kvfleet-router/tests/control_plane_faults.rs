@@ -247,3 +247,66 @@ async fn a_request_cancelled_during_its_placement_claim_is_not_left_in_flight() 
     );
     assert_eq!(w0.generates(), 0);
 }
+
+/// Placement hooks standing for another router that won every key: a claim takes a
+/// while (an etcd round trip under load), then names a worker other than the one this
+/// router chose.
+#[derive(Default)]
+struct AnotherRouterWins {
+    claims: std::sync::Mutex<Vec<String>>,
+}
+
+impl ControlHooks for AnotherRouterWins {
+    fn placed_worker(&self, _key: &PlacementRef) -> Option<String> {
+        None
+    }
+    fn claim(&self, _key: PlacementRef, worker: String) -> BoxFuture<'static, Option<String>> {
+        let owner = if worker == "w0" { "w1" } else { "w0" };
+        self.claims.lock().expect("claims").push(worker);
+        Box::pin(async move {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            Some(owner.to_string())
+        })
+    }
+    fn request_done(&self, _usage: RequestUsage) {}
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn siblings_arriving_during_a_placement_claim_follow_its_owner() {
+    let fleet = fleet();
+    let mut workers = Vec::new();
+    for id in ["w0", "w1", "w2"] {
+        let w = FakeWorker::start(id, &[], Script::QueueFor(Duration::from_millis(300))).await;
+        fleet.add_worker(&w.endpoint).await.expect("add worker");
+        workers.push(w);
+    }
+    let hooks = Arc::new(AnotherRouterWins::default());
+    fleet.set_control_hooks(hooks.clone());
+
+    // Four siblings: 30 shared blocks (their anchor, block 15, lies inside them) and a
+    // one-block tail of their own, sent 20 ms apart, so the later ones arrive while the
+    // first one's claim is in flight.
+    let shared: Vec<u32> = (0..30 * BS).map(|i| i % 300 + 1).collect();
+    let mut handles = Vec::new();
+    for child in 0..4u32 {
+        let mut tokens = shared.clone();
+        tokens.extend((0..BS).map(|i| 400 + child * BS + i));
+        let spec = chat_spec(&format!("sibling-{child}"), tokens);
+        let fleet = fleet.clone();
+        handles.push(tokio::spawn(async move {
+            dispatch(&fleet, &spec).await.map(|d| d.worker)
+        }));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut served = Vec::new();
+    for h in handles {
+        served.push(h.await.expect("join").expect("dispatched"));
+    }
+    let claims = hooks.claims.lock().expect("claims").clone();
+    assert_eq!(claims.len(), 1, "one claim per key per router: {claims:?}");
+    let owner = if claims[0] == "w0" { "w1" } else { "w0" };
+    assert!(
+        served.iter().all(|w| w == owner),
+        "siblings split while the claim was in flight: served by {served:?}, owner {owner}"
+    );
+}

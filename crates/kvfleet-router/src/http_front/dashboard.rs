@@ -273,6 +273,7 @@ mod tests {
                 decision_us: 3,
                 accept_us: 500,
                 attempts: 1,
+                placement: crate::decision_log::PlacementStep::None,
             },
             &hashes,
         )
