@@ -127,8 +127,14 @@ impl KvCache {
         let mut out = Vec::with_capacity(self.bytes_per_block());
         for layer in &self.layers {
             for plane in [&layer.k, &layer.v] {
-                for x in &plane[id * stride..(id + 1) * stride] {
-                    out.extend_from_slice(&x.to_le_bytes());
+                let floats = &plane[id * stride..(id + 1) * stride];
+                if cfg!(target_endian = "little") {
+                    // The floats' memory is already the wire format: one copy.
+                    out.extend_from_slice(bytemuck::cast_slice::<f32, u8>(floats));
+                } else {
+                    floats
+                        .iter()
+                        .for_each(|x| out.extend_from_slice(&x.to_le_bytes()));
                 }
             }
         }
@@ -146,14 +152,18 @@ impl KvCache {
             )));
         }
         let stride = self.block_stride();
-        let mut src = bytes.chunks_exact(4);
+        let mut src = bytes.chunks_exact(4 * stride);
         for layer in &mut self.layers {
             for plane in [&mut layer.k, &mut layer.v] {
-                for (x, b) in plane[id * stride..(id + 1) * stride]
-                    .iter_mut()
-                    .zip(&mut src)
-                {
-                    *x = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                let floats = &mut plane[id * stride..(id + 1) * stride];
+                let Some(chunk) = src.next() else { break };
+                if cfg!(target_endian = "little") {
+                    // Cast the (aligned) floats, not the bytes, which may be unaligned.
+                    bytemuck::cast_slice_mut::<f32, u8>(floats).copy_from_slice(chunk);
+                } else {
+                    for (x, b) in floats.iter_mut().zip(chunk.chunks_exact(4)) {
+                        *x = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                    }
                 }
             }
         }
@@ -206,6 +216,20 @@ mod tests {
         }
         let bytes = kv.read_block(1).unwrap();
         assert_eq!(bytes.len(), kv.bytes_per_block());
+        // The wire format: little-endian f32s, layer 0 K, layer 0 V, layer 1 K, …
+        let expected: Vec<u8> = [4.25f32, 5.25, 6.25, 7.25, -4.5, -5.5, -6.5, -7.5]
+            .iter()
+            .chain(&[
+                104.25f32, 105.25, 106.25, 107.25, -104.5, -105.5, -106.5, -107.5,
+            ])
+            .flat_map(|x| x.to_le_bytes())
+            .collect();
+        assert_eq!(bytes, expected);
+        // Written from an unaligned buffer, it still lands bit for bit.
+        let mut unaligned = vec![0u8; bytes.len() + 1];
+        unaligned[1..].copy_from_slice(&bytes);
+        kv.write_block(0, &unaligned[1..]).unwrap();
+        assert_eq!(kv.read_block(0).unwrap(), bytes);
         kv.write_block(2, &bytes).unwrap();
         let stride = kv.block_stride();
         for l in 0..2 {
