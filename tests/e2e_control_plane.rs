@@ -116,6 +116,20 @@ fn healthy(router: &str) -> u64 {
         .unwrap_or(0)
 }
 
+/// A router's `kvfleet_router_placements_total{step}` counter.
+fn placements(router: &str, step: &str) -> u64 {
+    let text = client()
+        .get(format!("http://{router}/metrics"))
+        .send()
+        .and_then(|r| r.text())
+        .unwrap_or_default();
+    let series = format!("kvfleet_router_placements_total{{step=\"{step}\"}} ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(&series))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .map_or(0, |v| v as u64)
+}
+
 /// A router's newest `n` routing decisions, newest first: worker, how placement took
 /// part, workers tried, predicted and reported cached tokens.
 fn recent_decisions(router: &str, n: usize) -> Vec<(String, String, u64, u64, u64)> {
@@ -288,6 +302,13 @@ fn two_routers_three_workers_on_etcd_and_kafka() {
         "header-less siblings through two routers: one worker in {one_worker} of 20 agents, prefix computed once in {computed_once} of 20"
     );
     assert_eq!((one_worker, computed_once), (20, 20));
+    // Each agent's key was claimed once, by whichever router won it; the Prometheus
+    // counter of both routers says so.
+    let claimed: u64 = [&r1, &r2]
+        .iter()
+        .map(|r| placements(&r.addr, "claimed"))
+        .sum();
+    assert!(claimed >= 20, "{claimed} claims counted for 20 agents");
 
     // 2c. A herd: 12 sessions behind one shared ~1.2k-token system prompt, each with
     // ~1.5k tokens of its own, sent concurrently through both routers. The shared

@@ -77,6 +77,13 @@ pub struct RequestFacts {
 pub trait ControlHooks: Send + Sync {
     /// The worker `key` is placed on, from this router's local view (no I/O).
     fn placed_worker(&self, key: &PlacementRef) -> Option<String>;
+    /// The worker `key` is placed on, if this router saw it placed less than `within`
+    /// ago (no I/O). Siblings arrive together: one arriving that soon after the
+    /// placement follows it even once the prefix is indexed.
+    fn fresh_placement(&self, key: &PlacementRef, within: Duration) -> Option<String> {
+        let _ = (key, within);
+        None
+    }
     /// Claims `key` for `worker` (create-if-absent); resolves to the owner afterwards,
     /// or `None` if the claim could not be made (the request then goes to `worker`).
     fn claim(&self, key: PlacementRef, worker: String) -> BoxFuture<'static, Option<String>>;

@@ -22,7 +22,7 @@ use kvfleet_core::sync::lock;
 use kvfleet_routing::IndexError;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
@@ -40,7 +40,9 @@ pub struct RouterControl {
     fleet: Arc<Fleet>,
     placement: Arc<dyn Placement>,
     placement_ttl: Duration,
-    placed: Arc<Mutex<HashMap<PlacementRef, String>>>,
+    /// Placements as this router knows them: the owner, and when this router saw the
+    /// key placed (`None`: found in a listing, so of unknown age).
+    placed: Arc<Mutex<HashMap<PlacementRef, Placed>>>,
     incarnations: Mutex<HashMap<String, u64>>,
     usage_tx: Option<mpsc::Sender<UsageRecord>>,
     tasks: Mutex<Vec<JoinHandle<()>>>,
@@ -52,6 +54,22 @@ pub struct RouterControl {
 struct Members {
     known: HashMap<String, WorkerRecord>,
     adders: HashMap<String, JoinHandle<()>>,
+}
+
+/// A placement in this router's view.
+#[derive(Clone, Debug)]
+struct Placed {
+    worker: String,
+    seen: Option<Instant>,
+}
+
+impl Placed {
+    fn now(worker: String) -> Self {
+        Placed {
+            worker,
+            seen: Some(Instant::now()),
+        }
+    }
 }
 
 fn to_key(r: &PlacementRef) -> PlacementKey {
@@ -179,7 +197,7 @@ impl RouterControl {
     fn replace_placements(&self, placements: Vec<(PlacementKey, String)>) {
         let placed = placements
             .into_iter()
-            .filter_map(|(k, w)| from_key(&k).map(|r| (r, w)))
+            .filter_map(|(k, worker)| from_key(&k).map(|r| (r, Placed { worker, seen: None })))
             .collect();
         *lock(&self.placed) = placed;
     }
@@ -287,7 +305,7 @@ impl RouterControl {
         }
         lock(&self.incarnations).remove(id);
         self.fleet.remove_worker(id);
-        lock(&self.placed).retain(|_, w| w != id);
+        lock(&self.placed).retain(|_, p| p.worker != id);
         match self.placement.release_worker(id).await {
             Ok(n) if n > 0 => tracing::info!(worker = %id, "freed {n} placements"),
             Ok(_) => {}
@@ -365,7 +383,7 @@ impl RouterControl {
             match item {
                 Ok(PlacementEvent::Placed { key, worker, .. }) => {
                     if let Some(r) = from_key(&key) {
-                        lock(&self.placed).insert(r, worker);
+                        lock(&self.placed).insert(r, Placed::now(worker));
                     }
                 }
                 Ok(PlacementEvent::Freed { key, .. }) => {
@@ -461,7 +479,15 @@ async fn publish_usage(stream: Arc<KafkaEventStream>, mut rx: mpsc::Receiver<Usa
 
 impl ControlHooks for RouterControl {
     fn placed_worker(&self, key: &PlacementRef) -> Option<String> {
-        let w = lock(&self.placed).get(key).cloned()?;
+        let w = lock(&self.placed).get(key).map(|p| p.worker.clone())?;
+        self.fleet.conn(&w).map(|_| w)
+    }
+
+    fn fresh_placement(&self, key: &PlacementRef, within: Duration) -> Option<String> {
+        let w = lock(&self.placed)
+            .get(key)
+            .filter(|p| p.seen.is_some_and(|t| t.elapsed() < within))
+            .map(|p| p.worker.clone())?;
         self.fleet.conn(&w).map(|_| w)
     }
 
@@ -474,7 +500,7 @@ impl ControlHooks for RouterControl {
                 Ok(owner) => {
                     // Known here at once, not only when the watch brings it back: the
                     // next sibling on this router follows it without a round trip.
-                    lock(&placed).insert(key, owner.clone());
+                    lock(&placed).insert(key, Placed::now(owner.clone()));
                     Some(owner)
                 }
                 Err(e) => {
@@ -633,7 +659,10 @@ mod tests {
             assert_eq!(from_key(&to_key(&r)), Some(r));
         }
         // Placed, but on a worker this router has no connection to: not used.
-        lock(&rc.placed).insert(PlacementRef::ForkGroup("g1".into()), "w0".into());
+        lock(&rc.placed).insert(
+            PlacementRef::ForkGroup("g1".into()),
+            Placed::now("w0".into()),
+        );
         assert_eq!(
             rc.placed_worker(&PlacementRef::ForkGroup("g1".into())),
             None

@@ -119,8 +119,7 @@ pub struct NewDecision {
 
 /// How a request's placement (shared with other routers through a control plane) took
 /// part in its routing: it tells an SRE why siblings did or did not land together.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum PlacementStep {
     /// No control plane, or nothing to place (no fork group, no anchor block).
     #[default]
@@ -137,6 +136,28 @@ pub enum PlacementStep {
     Unplaced,
     /// A live pinned prefix decided the worker.
     Pinned,
+}
+
+impl Serialize for PlacementStep {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.name())
+    }
+}
+
+impl PlacementStep {
+    /// Its name, as in the decision log and the `step` label of
+    /// `kvfleet_router_placements_total`.
+    pub fn name(self) -> &'static str {
+        match self {
+            PlacementStep::None => "none",
+            PlacementStep::Indexed => "indexed",
+            PlacementStep::Followed => "followed",
+            PlacementStep::Claimed => "claimed",
+            PlacementStep::Lost => "lost",
+            PlacementStep::Unplaced => "unplaced",
+            PlacementStep::Pinned => "pinned",
+        }
+    }
 }
 
 /// Cached versus prompt tokens over some span of requests.

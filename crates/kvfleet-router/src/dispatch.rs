@@ -253,31 +253,37 @@ where
         if let (Some(t), Some(h)) = (ticket.take(), &hooks) {
             let chosen = decision.worker.to_string();
             let owner = h.claim(t.key().clone(), chosen.clone()).await;
-            t.resolve(owner.clone());
-            step = match &owner {
-                None => PlacementStep::Unplaced,
-                Some(o) if *o == chosen => PlacementStep::Claimed,
-                Some(_) => PlacementStep::Lost,
+            // Another router's placement, on a worker this router can reach.
+            let lost_to = owner
+                .clone()
+                .filter(|o| *o != chosen && fleet.conn(o).is_some());
+            step = match (&owner, &lost_to) {
+                (_, Some(_)) => PlacementStep::Lost,
+                (Some(o), None) if *o == chosen => PlacementStep::Claimed,
+                _ => PlacementStep::Unplaced,
             };
-            if let Some(owner) = owner {
-                if owner != chosen && fleet.conn(&owner).is_some() {
-                    if let Some(r) = decision.reservation {
-                        fleet.routing.cancel_reservation(r);
-                    }
-                    // Ends the first choice's in-flight count before routing again.
-                    drop(guard);
-                    pin = Some(owner);
-                    pin_holds_blocks = placed_blocks;
-                    let rerouted = match route(pin.as_deref(), pin_holds_blocks, &tried) {
-                        Ok(r) => r,
-                        Err(e) => {
-                            last_error = e.to_string();
-                            break;
-                        }
-                    };
-                    decision = rerouted.decision;
-                    guard = InflightGuard::new(rerouted.in_flight, &decision);
+            if lost_to.is_some() {
+                // Before any waiter is released: the losing choice's reservation must
+                // not pass for the prefix being held there.
+                if let Some(r) = decision.reservation.take() {
+                    fleet.routing.cancel_reservation(r);
                 }
+            }
+            t.resolve(owner);
+            if let Some(owner) = lost_to {
+                // Ends the first choice's in-flight count before routing again.
+                drop(guard);
+                pin = Some(owner);
+                pin_holds_blocks = placed_blocks;
+                let rerouted = match route(pin.as_deref(), pin_holds_blocks, &tried) {
+                    Ok(r) => r,
+                    Err(e) => {
+                        last_error = e.to_string();
+                        break;
+                    }
+                };
+                decision = rerouted.decision;
+                guard = InflightGuard::new(rerouted.in_flight, &decision);
             }
         }
         m::decision_phase("lock_wait", lock_wait_ns);
@@ -352,6 +358,9 @@ where
                     };
                 }
                 m::routed(&worker, decision.policy);
+                if step != PlacementStep::None {
+                    m::placement(step.name());
+                }
                 guard.decision_seq = fleet.decisions.record(
                     NewDecision {
                         unix_ms: unix_ms(),
@@ -441,6 +450,13 @@ where
 /// before routing on its own (the claim is one etcd call, itself bounded).
 const CLAIM_WAIT_LIMIT: Duration = Duration::from_secs(2);
 
+/// How long after a placement a prompt with the same key follows it even where the
+/// index already knows a holder: siblings arrive together, and while the first one's
+/// prefix is still being computed, the holder's load would otherwise send a sibling
+/// elsewhere (to recompute the prefix, or to pull blocks that are not there yet).
+/// Later prompts with the key are routed on the index and the cost model again.
+const SIBLING_WINDOW: Duration = Duration::from_secs(5);
+
 /// What a request's placement decided before it is routed.
 struct PlacementPlan {
     /// The worker it must go to, if any.
@@ -461,7 +477,8 @@ struct PlacementPlan {
 /// one system prompt have different anchors, so a shared prompt never places them all
 /// on one worker. A sibling's claim of the key in flight on this router is waited for
 /// first: until it resolves, the claimer's reservation would pass for the prefix being
-/// held by a worker that may lose the claim.
+/// held by a worker that may lose the claim. A placement younger than
+/// [`SIBLING_WINDOW`] is followed even where the prefix is indexed.
 async fn plan_placement(
     fleet: &Fleet,
     hooks: Option<&dyn ControlHooks>,
@@ -490,10 +507,14 @@ async fn plan_placement(
     };
     let claims = fleet.control.claims();
     let connected = |w: Option<String>| w.filter(|w| fleet.conn(w).is_some());
-    let mut owner = match claims.in_flight(&key) {
-        Some(wait) => connected(wait.owner(CLAIM_WAIT_LIMIT).await),
+    let waited = claims.in_flight(&key);
+    let mut owner = match &waited {
+        Some(wait) => connected(wait.clone().owner(CLAIM_WAIT_LIMIT).await),
         None => None,
     };
+    if owner.is_none() {
+        owner = h.fresh_placement(&key, SIBLING_WINDOW);
+    }
     if owner.is_none() {
         let known = matches!(key, PlacementRef::PrefixRoot(_))
             && anchor.is_some_and(|at| fleet.routing.holds_prefix(&spec.hashes[..=at]));
@@ -505,6 +526,8 @@ async fn plan_placement(
         if owner.is_none() {
             match claims.begin(&key) {
                 ClaimTurn::Mine(t) => plan.ticket = Some(t),
+                // Waited once already: route on this router's own view.
+                ClaimTurn::Wait(_) if waited.is_some() => {}
                 ClaimTurn::Wait(wait) => owner = connected(wait.owner(CLAIM_WAIT_LIMIT).await),
             }
         }

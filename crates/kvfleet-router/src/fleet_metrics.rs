@@ -112,6 +112,10 @@ fn describe() {
         "kvfleet_retries_total",
         "Requests retried on another worker before they started."
     );
+    describe_counter!(
+        "kvfleet_router_placements_total",
+        "Requests by how a placement shared with other routers took part (step: indexed, followed, claimed, lost, unplaced, pinned)."
+    );
     describe_gauge!(
         "kvfleet_worker_circuit_state",
         "A worker's circuit breaker: 0 closed, 1 open, 2 half-open."
@@ -261,6 +265,11 @@ pub fn peer_pull(worker: &str, holder: &str, blocks: usize) {
         .increment(1);
     counter!("kvfleet_peer_pull_hinted_blocks_total", "worker" => worker.to_string())
         .increment(blocks as u64);
+}
+
+/// How a routed request's placement took part (`crate::decision_log::PlacementStep`).
+pub fn placement(step: &'static str) {
+    counter!("kvfleet_router_placements_total", "step" => step).increment(1);
 }
 
 /// A request retried elsewhere before it started.

@@ -55,6 +55,7 @@ pub struct ClaimTicket<K: Hash + Eq> {
 }
 
 /// A wait for another request's claim of the same key.
+#[derive(Clone)]
 pub struct ClaimWait {
     rx: watch::Receiver<Outcome>,
 }

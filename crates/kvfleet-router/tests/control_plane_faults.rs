@@ -310,3 +310,47 @@ async fn siblings_arriving_during_a_placement_claim_follow_its_owner() {
         "siblings split while the claim was in flight: served by {served:?}, owner {owner}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sibling_follows_a_fresh_placement_even_where_another_worker_holds_the_prefix() {
+    let fleet = fleet();
+    let kv = MemKv::new();
+    let membership = Arc::new(KvMembership::new(kv.clone()));
+    let placement = Arc::new(KvPlacement::new(kv.clone()));
+    // An 8-block prompt (its anchor is its last block), all of it cached on w1.
+    let tokens: Vec<u32> = (0..8 * BS + 3).map(|i| i % 300 + 1).collect();
+    let spec = chat_spec("sibling", tokens);
+    let chain: Vec<(u64, Option<u64>)> = spec
+        .hashes
+        .iter()
+        .enumerate()
+        .map(|(i, h)| (h.0, i.checked_sub(1).map(|p| spec.hashes[p].0)))
+        .collect();
+    let w0 = FakeWorker::start("w0", &[], Script::Answer).await;
+    let w1 = FakeWorker::start("w1", &chain, Script::Answer).await;
+    let _r0 = register(membership.as_ref(), &w0, 1).await;
+    let _r1 = register(membership.as_ref(), &w1, 1).await;
+    let _rc = RouterControl::start_with(fleet.clone(), placement.clone(), membership, TTL)
+        .await
+        .expect("start");
+    assert!(eventually(|| healthy(&fleet).len() == 2).await);
+    assert!(eventually(|| fleet.routing.holds_prefix(&spec.hashes)).await);
+
+    // Another router placed the prompt's anchor on w0 just now (a sibling of this
+    // prompt is computing it there): this one follows, though w1 holds all of it.
+    let anchor = spec.hashes[7].0;
+    placement
+        .place(&PlacementKey::prefix_root(anchor), "w0", TTL)
+        .await
+        .expect("place");
+    let hooks = fleet.control.hooks().expect("hooks installed");
+    assert!(
+        eventually(|| hooks
+            .placed_worker(&PlacementRef::PrefixRoot(anchor))
+            .is_some())
+        .await
+    );
+    let served = dispatch(&fleet, &spec).await.expect("dispatched").worker;
+    assert_eq!(served, "w0", "a sibling left its fresh placement");
+    assert_eq!((w0.generates(), w1.generates()), (1, 0));
+}
