@@ -236,11 +236,15 @@ impl LlamaModel {
     }
 
     /// The weights, for backends that copy them to their own memory.
+    // Read by the CUDA backend only.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn weights(&self) -> &Weights {
         &self.weights
     }
 
     /// RoPE inverse frequencies (rope scaling applied), `head_dim / 2` of them.
+    // Read by the CUDA backend only.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn rope_inv_freq(&self) -> &[f32] {
         self.rope.inv_freq()
     }

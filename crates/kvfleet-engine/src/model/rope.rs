@@ -40,6 +40,8 @@ impl Rope {
     }
 
     /// The inverse frequency of each rotary pair, scaling applied.
+    // Read by the CUDA backend only.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn inv_freq(&self) -> &[f32] {
         &self.inv_freq
     }

@@ -533,6 +533,8 @@ impl Linear {
     }
 
     /// The bias, if this projection has one.
+    // Read by the CUDA backend only.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn bias(&self) -> Option<&[f32]> {
         self.bias.as_deref()
     }
@@ -681,6 +683,8 @@ impl Weights {
     }
 
     /// The `[vocab, hidden]` embedding, row-major f32 (a copy; dequantized when quantized).
+    // Read by the CUDA backend only.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn embed_data(&self) -> Result<Vec<f32>> {
         self.embed.to_f32()
     }
