@@ -60,6 +60,16 @@ pub struct RequestUsage {
     pub timestamp_ms: u64,
 }
 
+/// A placement as this router knows it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KnownPlacement {
+    /// The owner.
+    pub worker: String,
+    /// How long ago this router saw the key placed (`None`: unknown, e.g. found in a
+    /// listing at start).
+    pub age: Option<Duration>,
+}
+
 /// The request facts the hooks need, carried by a dispatched request.
 #[derive(Clone, Debug, Default)]
 pub struct RequestFacts {
@@ -75,14 +85,12 @@ pub struct RequestFacts {
 
 /// A control plane's part in routing.
 pub trait ControlHooks: Send + Sync {
-    /// The worker `key` is placed on, from this router's local view (no I/O).
-    fn placed_worker(&self, key: &PlacementRef) -> Option<String>;
-    /// The worker `key` is placed on, if this router saw it placed less than `within`
-    /// ago (no I/O). Siblings arrive together: one arriving that soon after the
-    /// placement follows it even once the prefix is indexed.
-    fn fresh_placement(&self, key: &PlacementRef, within: Duration) -> Option<String> {
-        let _ = (key, within);
-        None
+    /// Where `key` is placed, from this router's local view (no I/O), if on a worker
+    /// this router is connected to.
+    fn placement(&self, key: &PlacementRef) -> Option<KnownPlacement>;
+    /// The worker `key` is placed on ([`Self::placement`]).
+    fn placed_worker(&self, key: &PlacementRef) -> Option<String> {
+        self.placement(key).map(|p| p.worker)
     }
     /// Claims `key` for `worker` (create-if-absent); resolves to the owner afterwards,
     /// or `None` if the claim could not be made (the request then goes to `worker`).

@@ -7,7 +7,7 @@
 //! publishes a usage record per request. (The worker's part, registering and
 //! publishing its KV events, is `kvfleet_worker::control_plane`.)
 
-use crate::control_hooks::{ControlHooks, PlacementRef, RequestUsage};
+use crate::control_hooks::{ControlHooks, KnownPlacement, PlacementRef, RequestUsage};
 use crate::fleet::Fleet;
 use crate::supervision::apply_wire_batch;
 use anyhow::{Context, Result};
@@ -478,17 +478,12 @@ async fn publish_usage(stream: Arc<KafkaEventStream>, mut rx: mpsc::Receiver<Usa
 }
 
 impl ControlHooks for RouterControl {
-    fn placed_worker(&self, key: &PlacementRef) -> Option<String> {
-        let w = lock(&self.placed).get(key).map(|p| p.worker.clone())?;
-        self.fleet.conn(&w).map(|_| w)
-    }
-
-    fn fresh_placement(&self, key: &PlacementRef, within: Duration) -> Option<String> {
-        let w = lock(&self.placed)
-            .get(key)
-            .filter(|p| p.seen.is_some_and(|t| t.elapsed() < within))
-            .map(|p| p.worker.clone())?;
-        self.fleet.conn(&w).map(|_| w)
+    fn placement(&self, key: &PlacementRef) -> Option<KnownPlacement> {
+        let p = lock(&self.placed).get(key).cloned()?;
+        self.fleet.conn(&p.worker).map(|_| KnownPlacement {
+            age: p.seen.map(|t| t.elapsed()),
+            worker: p.worker,
+        })
     }
 
     fn claim(&self, key: PlacementRef, worker: String) -> BoxFuture<'static, Option<String>> {

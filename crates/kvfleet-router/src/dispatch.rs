@@ -208,13 +208,14 @@ where
     let mut last_error = String::from("no worker is available");
     let hooks = fleet.control.hooks();
     let anchor = anchor_block(spec.hashes.len());
+    // Blocks a placed worker is taken to hold: the prompt up to its anchor.
+    let placed_blocks = anchor.map_or(0, |at| at + 1);
     let PlacementPlan {
         mut pin,
         mut pin_holds_blocks,
         mut step,
         mut ticket,
-    } = plan_placement(fleet, hooks.as_deref(), spec, anchor).await;
-    let placed_blocks = anchor.map_or(0, |at| at + 1);
+    } = plan_placement(fleet, hooks.as_deref(), spec, anchor, placed_blocks).await;
     // Workers this request already failed on: a retry goes elsewhere.
     let mut tried: Vec<String> = exclude.to_vec();
     let route = |pin: Option<&str>, holds_blocks: usize, tried: &[String]| {
@@ -484,6 +485,7 @@ async fn plan_placement(
     hooks: Option<&dyn ControlHooks>,
     spec: &GenerationSpec,
     anchor: Option<usize>,
+    placed_blocks: usize,
 ) -> PlacementPlan {
     let mut plan = PlacementPlan {
         pin: None,
@@ -513,16 +515,18 @@ async fn plan_placement(
         None => None,
     };
     if owner.is_none() {
-        owner = h.fresh_placement(&key, SIBLING_WINDOW);
-    }
-    if owner.is_none() {
-        let known = matches!(key, PlacementRef::PrefixRoot(_))
+        let placed = h.placement(&key);
+        let fresh = placed
+            .as_ref()
+            .is_some_and(|p| p.age.is_some_and(|a| a < SIBLING_WINDOW));
+        let known = !fresh
+            && matches!(key, PlacementRef::PrefixRoot(_))
             && anchor.is_some_and(|at| fleet.routing.holds_prefix(&spec.hashes[..=at]));
         if known {
             plan.step = PlacementStep::Indexed;
             return plan;
         }
-        owner = h.placed_worker(&key);
+        owner = placed.map(|p| p.worker);
         if owner.is_none() {
             match claims.begin(&key) {
                 ClaimTurn::Mine(t) => plan.ticket = Some(t),
@@ -538,7 +542,7 @@ async fn plan_placement(
         // this router's index has not heard of it yet. Counting those blocks as cached
         // there keeps this request's prefill, and so the worker's backlog as this
         // router sees it, from counting the shared prefix a second time.
-        plan.pin_holds_blocks = anchor.map_or(0, |at| at + 1);
+        plan.pin_holds_blocks = placed_blocks;
         plan.step = PlacementStep::Followed;
         plan.pin = owner;
     }

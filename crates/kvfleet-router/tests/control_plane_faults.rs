@@ -9,7 +9,7 @@ use kvfleet_control::memory::MemKv;
 use kvfleet_control::{KvMembership, KvPlacement, Membership, Placement, PlacementKey};
 use kvfleet_control::{Registration, WorkerRecord};
 use kvfleet_router::circuit_breaker::{BreakerConfig, CircuitState};
-use kvfleet_router::control_hooks::{ControlHooks, PlacementRef, RequestUsage};
+use kvfleet_router::control_hooks::{ControlHooks, KnownPlacement, PlacementRef, RequestUsage};
 use kvfleet_router::control_plane::RouterControl;
 use kvfleet_router::dispatch::dispatch;
 use kvfleet_router::{Fleet, FleetConfig, RouterConfig};
@@ -209,7 +209,7 @@ async fn breakers_go_with_their_workers() {
 struct NeverClaims;
 
 impl ControlHooks for NeverClaims {
-    fn placed_worker(&self, _key: &PlacementRef) -> Option<String> {
+    fn placement(&self, _key: &PlacementRef) -> Option<KnownPlacement> {
         None
     }
     fn claim(&self, _key: PlacementRef, _worker: String) -> BoxFuture<'static, Option<String>> {
@@ -257,7 +257,7 @@ struct AnotherRouterWins {
 }
 
 impl ControlHooks for AnotherRouterWins {
-    fn placed_worker(&self, _key: &PlacementRef) -> Option<String> {
+    fn placement(&self, _key: &PlacementRef) -> Option<KnownPlacement> {
         None
     }
     fn claim(&self, _key: PlacementRef, worker: String) -> BoxFuture<'static, Option<String>> {

@@ -12,9 +12,9 @@
 //! equal loads, so equal costs, typically hundreds of idle workers at light load) are
 //! ordered by id hash, which is how `cache-aware` breaks ties: by the preferred order
 //! (the smallest id hash) and by the anchor's ring (the tied workers nearest at or
-//! after its point). Both are a range query. The router keeps the orders up to date on every
-//! load change (`O(log n)`), and a decision walks their heads run by run instead of
-//! pricing the fleet: at 1,024 workers it prices a handful of workers, not 1,024.
+//! after its point). Both are a range query. The router keeps the orders up to date on
+//! every load change (`O(log n)`), and a decision walks their heads run by run instead
+//! of pricing the fleet: at 1,024 workers it prices a handful of workers, not 1,024.
 
 use crate::load::CandidateLoad;
 use crate::registry::WorkerIdx;

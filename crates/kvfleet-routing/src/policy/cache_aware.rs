@@ -50,10 +50,11 @@
 //! idle workers tie at light load: the load order finds the 8 in `O(log n)` (see
 //! [`crate::load_order`]), and rendezvous among 8 neighbours evens out the ring's
 //! uneven arcs (a worker owning a long arc would otherwise win its anchors again and
-//! again, which makes two routers whose load views differ by that worker disagree). Conversations
-//! that share only a system prompt (under half their length) get different anchors,
-//! so where their costs tie they spread over the tied workers rather than following
-//! one; a conversation keeps its anchor from turn to turn until its length doubles.
+//! again, which makes two routers whose load views differ by that worker disagree).
+//! Conversations that share only a system prompt (under half their length) get
+//! different anchors, so where their costs tie they spread over the tied workers
+//! rather than following one; a conversation keeps its anchor from turn to turn until
+//! its length doubles.
 //! A prompt shorter than one block has nothing to keep together: its ties go to the
 //! candidate chosen least recently.
 //!
