@@ -343,6 +343,10 @@ pub struct SweepArgs {
     /// Cost model file (default: the built-in H200 estimate).
     #[arg(long)]
     cost_model: Option<PathBuf>,
+    /// `cache-aware` pulls a prefix from a peer when that gains it at least this many
+    /// blocks (0: no pulls, the router's default); the baselines never pull.
+    #[arg(long, default_value_t = 0)]
+    peer_pull_min_blocks: usize,
     /// Write the Markdown page here (default: print it).
     #[arg(long)]
     doc: Option<PathBuf>,
@@ -646,6 +650,7 @@ fn run_sweep_cmd(a: SweepArgs) -> Result<()> {
         seed: a.seed,
         mooncake,
         only: a.only.clone(),
+        peer_pull_min_blocks: a.peer_pull_min_blocks,
     };
     let wall = std::time::Instant::now();
     let rows = run_sweep(&cfg)?;
@@ -654,11 +659,16 @@ fn run_sweep_cmd(a: SweepArgs) -> Result<()> {
     doc.push_str(include_str!("../docs/policy-sweep.head.md"));
     let _ = writeln!(
         doc,
-        "\nRun: `kvfleet bench sweep --workers {} --sessions-per-worker {} --min-sessions {} --seed {}`; {} simulations in {:.0} s of wall time. Cost model `{}`. `cache-aware` weights: `{}`.\n",
+        "\nRun: `kvfleet bench sweep --workers {} --sessions-per-worker {} --min-sessions {} --seed {}{}`; {} simulations in {:.0} s of wall time. Cost model `{}`. `cache-aware` weights: `{}`.\n",
         a.workers.iter().map(|w| w.to_string()).collect::<Vec<_>>().join(","),
         a.sessions_per_worker,
         a.min_sessions,
         a.seed,
+        if a.peer_pull_min_blocks > 0 {
+            format!(" --peer-pull-min-blocks {}", a.peer_pull_min_blocks)
+        } else {
+            String::new()
+        },
         rows.len(),
         wall.elapsed().as_secs_f64(),
         cost.name,

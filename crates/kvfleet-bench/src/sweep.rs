@@ -63,6 +63,9 @@ pub struct SweepConfig {
     pub mooncake: Option<Trace>,
     /// Only these trace names (all when empty).
     pub only: Vec<String>,
+    /// `cache-aware` pulls a prefix from a peer when it gains at least this many
+    /// blocks (0: no pulls, the router's default); the baselines never pull.
+    pub peer_pull_min_blocks: usize,
 }
 
 /// Distinct blocks of `trace`.
@@ -211,6 +214,9 @@ pub fn run_sweep(cfg: &SweepConfig) -> Result<Vec<MatrixRow>> {
             let mut sc = SimConfig::new(j.workers, j.cache_blocks, *p);
             sc.cost = cfg.cost.clone();
             sc.router = cfg.router.clone();
+            if *p == SimPolicy::Kvfleet(kvfleet_routing::PolicyKind::CacheAware) {
+                sc.peer_pull_min_blocks = cfg.peer_pull_min_blocks;
+            }
             let result = simulate(&j.scaled, &sc)?;
             Ok(MatrixRow {
                 trace: j.trace.clone(),

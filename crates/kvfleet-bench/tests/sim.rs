@@ -176,6 +176,7 @@ fn the_sweep_checks_cache_aware_against_the_best_other_policy() {
         seed: 1,
         mooncake: None,
         only: vec!["fork".into(), "conversation".into()],
+        peer_pull_min_blocks: 0,
     };
     let rows = run_sweep(&cfg).unwrap();
     assert_eq!(rows.len(), 2 * 3);
@@ -301,4 +302,37 @@ fn peer_pulls_are_modelled_and_raise_the_hit_ratio_under_memory_pressure() {
     let mut sg = SimConfig::new(8, 1000, SimPolicy::SglangCacheAware);
     sg.peer_pull_min_blocks = 4;
     assert_eq!(simulate(&t, &sg).unwrap().peer_hit_blocks, 0);
+}
+
+#[test]
+fn a_prefix_still_being_computed_cannot_be_pulled() {
+    // Two siblings arrive while their 100-block prefix is computed on one worker; the
+    // other worker is idle. A pull of a prefix that does not exist yet would bring
+    // nothing (the simulator used to credit it as instantly there), so the siblings
+    // wait for it on its holder, and no block counts as pulled.
+    let line = |t: u64, own: Option<u64>| {
+        let mut ids: Vec<u64> = (1..=100).collect();
+        ids.extend(own);
+        format!(
+            r#"{{"timestamp":{t},"input_length":{},"output_length":4,"hash_ids":{ids:?}}}"#,
+            ids.len() * 512
+        )
+    };
+    let text = [line(0, None), line(10, Some(201)), line(20, Some(202))].join("\n");
+    let t = Trace::read(text.as_bytes()).unwrap();
+    let mut cfg = SimConfig::new(2, 1000, SimPolicy::Kvfleet(PolicyKind::CacheAware));
+    cfg.peer_pull_min_blocks = 4;
+    let r = simulate(&t, &cfg).unwrap();
+    assert_eq!(
+        r.peer_hit_blocks, 0,
+        "pulled blocks nobody had computed yet"
+    );
+    // Both siblings found the prefix on its holder, and waited there for it.
+    assert_eq!(r.hit_blocks, 200, "{:?}", r.worker_requests);
+    let cold = cfg.cost.prefill_ms(100 * 512);
+    assert!(
+        r.ttft_samples.iter().all(|&ms| ms >= cold - 20.0),
+        "a sibling's first token came before its prefix was computed: {:?} (cold {cold})",
+        r.ttft_samples
+    );
 }

@@ -1,6 +1,7 @@
 //! kvfleet's own policies under simulation: the real [`KvRouter`] (prefix index,
 //! pending reservations, load bookkeeping, policies), fed with the simulated workers'
-//! KV events (stored / removed, with per-worker sequence numbers) and load reports
+//! KV events (stored when a request's prefill ends, as the engine reports computed
+//! blocks; removed when evicted; with per-worker sequence numbers) and load reports
 //! from their queues, exactly as the live fleet's supervisors feed it.
 //!
 //! Hashes are the trace's chained hash ids, with the router's block size set to the
@@ -10,6 +11,7 @@
 use super::lru::ChainChange;
 use super::{RouteReq, SimRouter, SimWorker};
 use kvfleet_core::kv_events::{KvEvent, KvEventKind};
+use kvfleet_core::BlockHash;
 use kvfleet_routing::{KvRouter, PolicyKind, RouterConfig};
 
 /// A [`KvRouter`] driving one policy.
@@ -96,10 +98,6 @@ impl SimRouter for KvfleetPolicy {
             let removed = change.removed.clone();
             self.event(w, |seq| KvEvent::removed(seq, removed));
         }
-        for (parent, blocks) in &change.stored {
-            let (parent, blocks) = (*parent, blocks.clone());
-            self.event(w, |seq| KvEvent::stored(seq, parent, blocks));
-        }
         // Lower-tier changes, in order, one event per run of the same tier and kind.
         for run in change
             .lower
@@ -121,6 +119,23 @@ impl SimRouter for KvfleetPolicy {
             self.event(w, |seq| KvEvent { seq, kind });
         }
         self.report(w, workers);
+    }
+
+    fn on_computed(
+        &mut self,
+        w: usize,
+        stored: &[(Option<BlockHash>, Vec<BlockHash>)],
+        gone: &[BlockHash],
+        _workers: &[SimWorker],
+    ) {
+        for (parent, blocks) in stored {
+            let (parent, blocks) = (*parent, blocks.clone());
+            self.event(w, |seq| KvEvent::stored(seq, parent, blocks));
+        }
+        if !gone.is_empty() {
+            let gone = gone.to_vec();
+            self.event(w, |seq| KvEvent::removed(seq, gone));
+        }
     }
 
     fn on_load_changed(&mut self, w: usize, workers: &[SimWorker]) {

@@ -133,6 +133,10 @@ pub struct SimWorker {
     pub prefill_computed: u64,
     /// Requests served.
     pub requests: u64,
+    /// Blocks stored by requests whose prefill has not finished (with how many such
+    /// requests stored each): cached for routing, but not yet computed, so a peer
+    /// cannot pull them yet.
+    unready: HashMap<BlockHash, u32>,
 }
 
 impl SimWorker {
@@ -149,6 +153,45 @@ impl SimWorker {
             inflight: 0,
             prefill_computed: 0,
             requests: 0,
+            unready: HashMap::new(),
+        }
+    }
+
+    /// The leading blocks of `chain` (up to `end`) this worker can hand to a peer now:
+    /// computed and in its device pool or host tier.
+    fn pullable(&self, chain: &[BlockHash], end: usize) -> usize {
+        chain[..end.min(chain.len())]
+            .iter()
+            .take_while(|&&h| {
+                (self.lru.contains(h) || self.host.contains(h)) && !self.unready.contains_key(&h)
+            })
+            .count()
+    }
+
+    /// The blocks of `runs` (parent, blocks) no longer in the device pool: evicted
+    /// while their request waited (a real worker allocates at admission and pins them
+    /// until computed; this queue does not, so it reports them computed and then gone).
+    fn evicted_of(&self, runs: &[(Option<BlockHash>, Vec<BlockHash>)]) -> Vec<BlockHash> {
+        runs.iter()
+            .flat_map(|(_, b)| b.iter().copied())
+            .filter(|&h| !self.lru.contains(h))
+            .collect()
+    }
+
+    fn mark_unready(&mut self, blocks: &[BlockHash]) {
+        for &h in blocks {
+            *self.unready.entry(h).or_default() += 1;
+        }
+    }
+
+    fn mark_ready(&mut self, blocks: &[BlockHash]) {
+        for h in blocks {
+            if let Some(n) = self.unready.get_mut(h) {
+                *n -= 1;
+                if *n == 0 {
+                    self.unready.remove(h);
+                }
+            }
         }
     }
 
@@ -279,8 +322,22 @@ pub trait SimRouter {
     /// Picks a worker; returns it and a token handed back to
     /// [`on_finished`](Self::on_finished).
     fn route(&mut self, req: &RouteReq<'_>, workers: &[SimWorker], now_ms: f64) -> (usize, usize);
-    /// Worker `w` enqueued a request whose chain changed its cache by `change`.
+    /// Worker `w` enqueued a request whose chain changed its cache by `change`: its
+    /// evictions and lower-tier moves happen now; the blocks it stores
+    /// (`change.stored`) are computed later, and reported by
+    /// [`on_computed`](Self::on_computed).
     fn on_enqueued(&mut self, _w: usize, _change: &ChainChange, _workers: &[SimWorker]) {}
+    /// Worker `w` finished computing a request's new blocks (runs of parent, blocks),
+    /// as a real worker reports them once computed; `gone`: those of them already
+    /// evicted again.
+    fn on_computed(
+        &mut self,
+        _w: usize,
+        _stored: &[(Option<BlockHash>, Vec<BlockHash>)],
+        _gone: &[BlockHash],
+        _workers: &[SimWorker],
+    ) {
+    }
     /// Worker `w`'s queues changed.
     fn on_load_changed(&mut self, _w: usize, _workers: &[SimWorker]) {}
     /// A request routed with `token` finished on `w`.
@@ -455,7 +512,7 @@ enum Ev {
     DecodeDone(usize),
 }
 
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Debug, Default)]
 struct ReqState {
     worker: usize,
     token: usize,
@@ -468,6 +525,9 @@ struct ReqState {
     lane_tokens: usize,
     /// A worker's prefill lane was idle when this request arrived.
     idle_elsewhere: bool,
+    /// The runs of blocks this request stored (parent, blocks), computed when its
+    /// prefill ends.
+    computing: Vec<(Option<BlockHash>, Vec<BlockHash>)>,
     done: bool,
 }
 
@@ -579,17 +639,20 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                 anyhow::ensure!(w < workers.len(), "router chose a worker out of range");
                 let pull = router.take_pull();
                 let tier_hits = workers[w].tiered_match(chain);
-                // What a pull really brings: the source's device and host blocks now,
-                // past those the chosen worker has.
+                // What a pull really brings: the source's computed device and host
+                // blocks now, past those the chosen worker has.
                 let peer = pull.map_or(0, |(src, end)| {
-                    let s = workers
+                    workers
                         .get(src)
-                        .map_or(TierHits::default(), |s| s.tiered_match(chain));
-                    end.min(s.device + s.host).saturating_sub(tier_hits.total())
+                        .map_or(0, |s| s.pullable(chain, end))
+                        .saturating_sub(tier_hits.total())
                 });
                 let wk = &mut workers[w];
                 let hits = tier_hits.total() + peer;
                 let change = wk.admit(chain, tier_hits);
+                for (_, run) in &change.stored {
+                    wk.mark_unready(run);
+                }
                 let cached = (hits * bs).min(r.input_length.saturating_sub(1));
                 let uncached = r.input_length - cached;
                 let load_ms = cfg.cost.host_load_ms(tier_hits.host * bs)
@@ -621,6 +684,7 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                     load_ms,
                     lane_tokens,
                     idle_elsewhere,
+                    computing: change.stored.clone(),
                     done: false,
                 };
                 if wk.prefilling.is_none() {
@@ -638,6 +702,11 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                 };
                 prefilling -= 1;
                 wk.queued_prefill_tokens -= st[i].lane_tokens;
+                let computed = std::mem::take(&mut st[i].computing);
+                for (_, run) in &computed {
+                    wk.mark_ready(run);
+                }
+                let gone = wk.evicted_of(&computed);
                 let took = now - st[i].sent_ms;
                 if st[i].idle_elsewhere && took > cfg.cost.prefill_ms(recs[i].input_length) {
                     avoidable_waits += 1;
@@ -653,6 +722,9 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                 if let Some(t) = start_prefill(wk, &st, &cfg.cost) {
                     prefilling += 1;
                     push(&mut heap, now + t, Ev::PrefillDone(w));
+                }
+                if !computed.is_empty() {
+                    router.on_computed(w, &computed, &gone, &workers);
                 }
                 router.on_load_changed(w, &workers);
             }
@@ -836,6 +908,9 @@ mod tests {
         for chain in [h(&[1, 2]), h(&[3, 4])] {
             let ch = wk.admit(&chain, TierHits::default());
             router.on_enqueued(0, &ch, &workers);
+            // Computed: stored, then whatever was evicted meanwhile removed again.
+            let gone = wk.evicted_of(&ch.stored);
+            router.on_computed(0, &ch.stored, &gone, &workers);
         }
         let idx = router.router().worker_index("w0").unwrap();
         let index = router.router().index();
