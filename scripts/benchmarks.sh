@@ -56,3 +56,6 @@ cp "$OUT/replay/worker_load.svg" docs/plots/replay_worker_load.svg
 "$BIN" bench sweep --mooncake "$MOONCAKE" --doc docs/policy-sweep.md --json docs/bench/policy-sweep.json
 "$BIN" bench sweep --mooncake "$MOONCAKE" --seed 2 --workers 8,64 --doc docs/policy-sweep-seed2.md \
   --json docs/bench/policy-sweep-seed2.json
+# The same with peer pulls on (cache-aware only; docs/policy-sweep-pulls.md).
+"$BIN" bench sweep --mooncake "$MOONCAKE" --peer-pull-min-blocks 4 \
+  --doc docs/policy-sweep-pulls.md --json docs/bench/policy-sweep-pulls.json

@@ -4,7 +4,7 @@ use clap::Args;
 use kvfleet_engine::Device;
 use kvfleet_router::circuit_breaker::BreakerConfig;
 use kvfleet_router::worker_conn::ConnTimeouts;
-use kvfleet_router::{CacheAwareConfig, TierCostConfig};
+use kvfleet_router::{CacheAwareConfig, PullTrigger, TierCostConfig};
 use kvfleet_router::{Fleet, FleetConfig, PolicyKind, RouterConfig};
 use kvfleet_worker::{WorkerConfig, WorkerModel};
 use std::sync::Arc;
@@ -257,6 +257,11 @@ pub struct RoutingArgs {
     /// default) recomputes them instead.
     #[arg(long, default_value_t = 0)]
     pub peer_pull_min_blocks: usize,
+    /// When `cache-aware` moves a request to pull its prefix elsewhere: `idle-wait`
+    /// (default) only to end a wait longer than a cold start on an idle worker;
+    /// `cost` whenever pricing the pull makes another worker cheapest.
+    #[arg(long, default_value = "idle-wait", value_parser = parse_pull_trigger)]
+    pub peer_pull_trigger: PullTrigger,
     /// Worker-to-worker bandwidth (GB/s) that prices a pulled block's transfer.
     #[arg(long, default_value_t = 12.5, value_parser = positive_f64)]
     pub peer_bandwidth_gbs: f64,
@@ -279,6 +284,15 @@ pub struct RoutingArgs {
     /// On SIGTERM, how long (s) streams in flight may take to finish before exit.
     #[arg(long, default_value_t = 30)]
     pub drain_timeout: u64,
+}
+
+/// Parses `--peer-pull-trigger`.
+fn parse_pull_trigger(s: &str) -> Result<PullTrigger, String> {
+    match s {
+        "idle-wait" => Ok(PullTrigger::IdleWait),
+        "cost" => Ok(PullTrigger::Cost),
+        _ => Err(format!("{s:?} is not a pull trigger (idle-wait or cost)")),
+    }
 }
 
 /// Parses a rate flag: a finite number above zero.
@@ -309,6 +323,7 @@ impl RoutingArgs {
                         prefill_tokens_per_s: self.prefill_tokens_per_s,
                         ..TierCostConfig::default()
                     },
+                    pull_trigger: self.peer_pull_trigger,
                     ..CacheAwareConfig::default()
                 },
                 ..RouterConfig::default()

@@ -55,5 +55,5 @@ pub mod worker_tiers;
 
 pub use fleet::{Fleet, FleetConfig};
 // Part of `FleetConfig`'s public surface.
-pub use kvfleet_routing::policy::{CacheAwareConfig, TierCostConfig};
+pub use kvfleet_routing::policy::{CacheAwareConfig, PullTrigger, TierCostConfig};
 pub use kvfleet_routing::{PolicyKind, RouterConfig};

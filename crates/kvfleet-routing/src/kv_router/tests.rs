@@ -739,12 +739,20 @@ fn tier_pricing_takes_the_kv_size_a_worker_reports() {
 /// Two workers; w0 holds the whole 100-block prompt on its device; pulls of at least
 /// `min_blocks` blocks (0: off).
 fn pull_fleet(min_blocks: usize) -> (KvRouter, Vec<BlockHash>, usize) {
+    pull_fleet_with(min_blocks, crate::policy::PullTrigger::Cost)
+}
+
+fn pull_fleet_with(
+    min_blocks: usize,
+    trigger: crate::policy::PullTrigger,
+) -> (KvRouter, Vec<BlockHash>, usize) {
     let mut r = KvRouter::new(RouterConfig {
         cache_aware: CacheAwareConfig {
             tiers: crate::policy::TierCostConfig {
                 peer_pull_min_blocks: min_blocks,
                 ..Default::default()
             },
+            pull_trigger: trigger,
             ..CacheAwareConfig::default()
         },
         ..RouterConfig::default()
@@ -786,6 +794,23 @@ fn a_swamped_holder_hands_its_prefix_to_an_idle_worker_by_pull() {
     backlog(&mut r, "w0", 0);
     let d = r.route(&h, n, PolicyKind::CacheAware, 0).unwrap();
     assert_eq!((&*d.worker, d.pull.as_ref()), ("w0", None));
+}
+
+#[test]
+fn the_idle_wait_trigger_pulls_only_past_a_cold_start() {
+    // The default trigger: 1,000 queued tokens on the holder are under a 1,617-token
+    // cold start on w1, so the request waits there; 2,000 are past it, and w1 pulls.
+    let (mut r, h, n) = pull_fleet_with(4, crate::policy::PullTrigger::default());
+    backlog(&mut r, "w0", 1_000);
+    let d = r.route(&h, n, PolicyKind::CacheAware, 0).unwrap();
+    assert_eq!((&*d.worker, d.pull.as_ref()), ("w0", None));
+    assert_eq!(d.reservation, None, "w0 already holds the whole chain");
+    r.request_finished(&d.worker, d.prefill_tokens).unwrap();
+    backlog(&mut r, "w0", 2_000);
+    let d = r.route(&h, n, PolicyKind::CacheAware, 0).unwrap();
+    assert_eq!(&*d.worker, "w1");
+    assert_eq!(d.spilled_from.as_deref(), Some("w0"));
+    assert_eq!(d.peer_blocks, 100);
 }
 
 #[test]

@@ -38,6 +38,10 @@
 //! against 5 (held-out seed 2), with the hit ratio within 0.001 of before on average
 //! (docs/policy-sweep.md).
 //!
+//! With peer pulls on, [`PullTrigger`] says when a request moves to pull its prefix:
+//! by default (`idle-wait`) only to end a wait longer than a cold start on an idle
+//! lane; with `cost`, whenever pricing the pull makes another worker cheapest.
+//!
 //! **Ties** (with `near_tie_tokens` / `near_tie_ratio`, costs that close to the
 //! cheapest count as ties too) are broken on the prompt's *anchor*, the chained hash
 //! of its block `2^⌊log2 n⌋ − 1` (`n` full blocks), which covers at least half the
@@ -100,6 +104,27 @@ pub struct CacheAwareConfig {
     pub near_tie_ratio: f64,
     /// How host and disk hits are priced (default: by load time).
     pub tiers: TierCostConfig,
+    /// When a request goes to another worker to pull its prefix there, with peer pulls
+    /// on (default `idle-wait`).
+    pub pull_trigger: PullTrigger,
+}
+
+/// When `cache-aware` sends a request to a worker that pulls its prefix from a peer
+/// (with peer pulls on, [`TierCostConfig::peer_pull_min_blocks`] > 0).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PullTrigger {
+    /// Every candidate is priced with the blocks it could pull (at their transfer
+    /// time), and the cheapest wins.
+    Cost,
+    /// Routing is priced without pulls; the choice is replaced by the idle prefill lane
+    /// that can pull the prefix only when the choice would make the request wait
+    /// longer than a cold start on an idle lane, and the pulled start there is
+    /// sooner still. Copies are made only to end such a wait, so they crowd the
+    /// pools less (docs/policy-sweep-pulls.md: 18 of 54 groups meet all three
+    /// targets at 8-64 workers, against 16 with `cost` and 12 without pulls).
+    #[default]
+    IdleWait,
 }
 
 impl Default for CacheAwareConfig {
@@ -114,6 +139,7 @@ impl Default for CacheAwareConfig {
             near_tie_tokens: 0.0,
             near_tie_ratio: 0.0,
             tiers: TierCostConfig::default(),
+            pull_trigger: PullTrigger::IdleWait,
         }
     }
 }
@@ -167,7 +193,14 @@ impl CacheAware {
 
     /// Estimated cost of sending the request of `ctx` to `c`.
     pub fn cost(&self, ctx: &RouteContext<'_>, c: &Candidate) -> f64 {
-        self.priced(ctx, c, self.config.tiers.pulls_enabled()).0
+        self.priced(ctx, c, self.pulls_priced()).0
+    }
+
+    /// Whether candidates are priced with the blocks they could pull: pulls on, and
+    /// triggered by cost.
+    #[inline]
+    fn pulls_priced(&self) -> bool {
+        self.config.tiers.pulls_enabled() && self.config.pull_trigger == PullTrigger::Cost
     }
 
     /// `c`'s [`cost`](Self::cost) and the prompt tokens it would compute, worked out
@@ -226,7 +259,7 @@ impl CacheAware {
     /// `c`'s [`cost`](Self::cost) and whether it is within its bounds (`bound` from
     /// [`load_bound`](Self::load_bound)), as [`RoutingPolicy::select`] prices it.
     pub fn price(&self, ctx: &RouteContext<'_>, c: &Candidate, bound: f64) -> (f64, bool) {
-        self.price_with(ctx, c, bound, self.config.tiers.pulls_enabled())
+        self.price_with(ctx, c, bound, self.pulls_priced())
     }
 
     #[inline]
@@ -285,7 +318,7 @@ impl RoutingPolicy for CacheAware {
         let mut within = std::mem::take(&mut self.within);
         within.clear();
         let bound = self.load_bound(ctx.fleet);
-        let pulls = self.config.tiers.pulls_enabled();
+        let pulls = self.pulls_priced();
 
         // The cheapest worker, and the cheapest within its bounds; the keys of those
         // within bounds are kept for the tie pass. Each candidate's cost and computed
@@ -308,11 +341,69 @@ impl RoutingPolicy for CacheAware {
         let anchor = prompt_anchor(ctx.hashes);
         let picked = self.pick(best, best_ok, &within, anchor);
         self.within = within;
-        picked
+        match picked {
+            Some(sel)
+                if self.config.pull_trigger == PullTrigger::IdleWait
+                    && self.config.tiers.pulls_enabled() =>
+            {
+                Some(self.pull_to_end_a_wait(ctx, sel).unwrap_or(sel))
+            }
+            other => other,
+        }
     }
 }
 
 impl CacheAware {
+    /// Tokens `c` must compute (or load) before this request's first token: its
+    /// backlog, then the request's own prefill, with or without the blocks it could
+    /// pull.
+    fn time_to_first_token(&self, ctx: &RouteContext<'_>, c: &Candidate, pulls: bool) -> f64 {
+        let pulled = self.pulled(ctx, c, pulls);
+        let computed = ctx
+            .uncached_tokens(c)
+            .saturating_sub(pulled * ctx.block_size);
+        c.load.prefill_backlog_tokens() as f64 + computed as f64 + self.loaded(ctx, c, pulled)
+    }
+
+    /// [`PullTrigger::IdleWait`]: the idle prefill lane that pulls the prompt's prefix,
+    /// when `sel` would make the request wait longer than a cold start on an idle lane
+    /// and the pulled start there is sooner still.
+    fn pull_to_end_a_wait(&self, ctx: &RouteContext<'_>, sel: Selection) -> Option<Selection> {
+        let chosen = ctx.candidates.iter().find(|c| c.worker == sel.worker)?;
+        let wait = self.time_to_first_token(ctx, chosen, false);
+        let idle = || {
+            ctx.candidates
+                .iter()
+                .filter(|c| c.load.prefill_backlog_tokens() == 0)
+        };
+        let cold = idle()
+            .map(|c| self.time_to_first_token(ctx, c, false))
+            .fold(f64::INFINITY, f64::min);
+        if wait <= cold {
+            return None;
+        }
+        // The soonest pulled start; then fewer sequences, then the smaller id hash (the
+        // load order's preference, so the ordered walk's candidates choose the same).
+        let (start, _, _, worker) = idle()
+            .filter(|c| self.pulled(ctx, c, true) > 0)
+            .map(|c| {
+                (
+                    self.time_to_first_token(ctx, c, true),
+                    c.load.active_sequences(),
+                    c.id_hash,
+                    c.worker,
+                )
+            })
+            .min_by(|a, b| {
+                a.0.total_cmp(&b.0)
+                    .then((a.1, a.2, a.3).cmp(&(b.1, b.2, b.3)))
+            })?;
+        (start < wait).then_some(Selection {
+            worker,
+            spilled_from: Some(sel.worker),
+        })
+    }
+
     /// The end of [`RoutingPolicy::select`]: `best` overall, `best_ok` within bounds,
     /// `within` every candidate within bounds; near ties are broken on `anchor`.
     fn pick(
@@ -628,6 +719,42 @@ mod tests {
     }
 
     #[test]
+    fn with_the_idle_wait_trigger_a_pull_only_ends_a_wait_past_a_cold_start() {
+        // w0 holds 100 of 101 blocks (1,617 prompt tokens); w1's lane is idle.
+        let route = |backlog: usize| {
+            let c = vec![cand(0, backlog, 1, 100), cand(1, 0, 0, 0)];
+            let mut ctx = ctx(&c, 101);
+            ctx.peer_source = Some(PeerSource {
+                worker: WorkerIdx(0),
+                blocks: 100,
+            });
+            let mut p = CacheAware::new(CacheAwareConfig {
+                pull_trigger: PullTrigger::IdleWait,
+                tiers: TierCostConfig {
+                    peer_pull_min_blocks: 1,
+                    ..TierCostConfig::default()
+                },
+                ..CacheAwareConfig::default()
+            });
+            p.select(&ctx).unwrap()
+        };
+        // 1,000 tokens queued: the wait there (1,017) is under a cold start on w1
+        // (1,617), so it stays, where the `cost` trigger pulls to w1 (next test).
+        assert_eq!(route(1_000).worker, WorkerIdx(0));
+        // 2,000 queued: past a cold start; w1 pulls and starts in about 150 tokens.
+        let sel = route(2_000);
+        assert_eq!(sel.worker, WorkerIdx(1));
+        assert_eq!(sel.spilled_from, Some(WorkerIdx(0)));
+        // Without pulls the same trigger changes nothing.
+        let c = vec![cand(0, 2_000, 1, 100), cand(1, 0, 0, 0)];
+        let mut off = CacheAware::new(CacheAwareConfig {
+            pull_trigger: PullTrigger::IdleWait,
+            ..CacheAwareConfig::default()
+        });
+        assert_eq!(off.select(&ctx(&c, 101)).unwrap().worker, WorkerIdx(0));
+    }
+
+    #[test]
     fn with_peer_pulls_a_busy_holder_loses_to_an_idle_worker_that_pulls() {
         // w0 holds 100 of 101 blocks but has 1,000 tokens of prefill queued; w1 is
         // idle. Without pulls a cold start on w1 (2 × 1,617 = 3,234) loses to waiting
@@ -643,6 +770,7 @@ mod tests {
         let mut off = CacheAware::default();
         assert_eq!(off.select(&ctx).unwrap().worker, WorkerIdx(0));
         let mut on = CacheAware::new(CacheAwareConfig {
+            pull_trigger: PullTrigger::Cost,
             tiers: TierCostConfig {
                 peer_pull_min_blocks: 1,
                 ..TierCostConfig::default()

@@ -20,7 +20,7 @@ mod tier_cost;
 
 pub use cache_aware::{
     anchor_block, prompt_anchor, rendezvous_score, ring_point, CacheAware, CacheAwareConfig,
-    TIE_RING_REACH,
+    PullTrigger, TIE_RING_REACH,
 };
 pub use consistent_hash::{ConsistentHash, ConsistentHashConfig};
 pub use least_loaded::LeastLoaded;
