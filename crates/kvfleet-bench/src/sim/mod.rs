@@ -616,6 +616,7 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
     // Workers whose prefill lane is busy, kept up to date on every start and finish.
     let mut prefilling = 0usize;
     let mut avoidable_waits = 0usize;
+    let pulls = cfg.peer_pull_min_blocks > 0;
 
     while let Some(Reverse((tb, _, ev))) = heap.pop() {
         now = f64::from_bits(tb);
@@ -650,8 +651,11 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                 let wk = &mut workers[w];
                 let hits = tier_hits.total() + peer;
                 let change = wk.admit(chain, tier_hits);
-                for (_, run) in &change.stored {
-                    wk.mark_unready(run);
+                // Only a pull asks what is computed yet.
+                if pulls {
+                    for (_, run) in &change.stored {
+                        wk.mark_unready(run);
+                    }
                 }
                 let cached = (hits * bs).min(r.input_length.saturating_sub(1));
                 let uncached = r.input_length - cached;
@@ -703,8 +707,10 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                 prefilling -= 1;
                 wk.queued_prefill_tokens -= st[i].lane_tokens;
                 let computed = std::mem::take(&mut st[i].computing);
-                for (_, run) in &computed {
-                    wk.mark_ready(run);
+                if pulls {
+                    for (_, run) in &computed {
+                        wk.mark_ready(run);
+                    }
                 }
                 let gone = wk.evicted_of(&computed);
                 let took = now - st[i].sent_ms;

@@ -208,15 +208,23 @@ impl CacheAware {
     /// are on, decided once per request rather than per candidate.
     #[inline]
     fn priced(&self, ctx: &RouteContext<'_>, c: &Candidate, pulls: bool) -> (f64, usize) {
-        let pulled = self.pulled(ctx, c, pulls);
-        // Prompt tokens in none of `c`'s tiers and not pulled.
-        let computed = ctx
-            .uncached_tokens(c)
-            .saturating_sub(pulled * ctx.block_size);
-        let cost = self.prefill_weight(c) * (computed as f64 + self.loaded(ctx, c, pulled))
+        let (computed, own) = self.own_prefill(ctx, c, pulls);
+        let cost = self.prefill_weight(c) * own
             + c.load.prefill_backlog_tokens() as f64
             + self.config.decode_cost_per_sequence * c.load.active_sequences() as f64;
         (cost, computed)
+    }
+
+    /// This request's own prefill on `c`: the prompt tokens in none of `c`'s tiers and
+    /// not pulled, and those plus the load time of its tier and pulled blocks, in
+    /// recomputed-token equivalents.
+    #[inline]
+    fn own_prefill(&self, ctx: &RouteContext<'_>, c: &Candidate, pulls: bool) -> (usize, f64) {
+        let pulled = self.pulled(ctx, c, pulls);
+        let computed = ctx
+            .uncached_tokens(c)
+            .saturating_sub(pulled * ctx.block_size);
+        (computed, computed as f64 + self.loaded(ctx, c, pulled))
     }
 
     /// Blocks `c` would pull from a peer (0 with pulls off).
@@ -358,47 +366,48 @@ impl CacheAware {
     /// backlog, then the request's own prefill, with or without the blocks it could
     /// pull.
     fn time_to_first_token(&self, ctx: &RouteContext<'_>, c: &Candidate, pulls: bool) -> f64 {
-        let pulled = self.pulled(ctx, c, pulls);
-        let computed = ctx
-            .uncached_tokens(c)
-            .saturating_sub(pulled * ctx.block_size);
-        c.load.prefill_backlog_tokens() as f64 + computed as f64 + self.loaded(ctx, c, pulled)
+        c.load.prefill_backlog_tokens() as f64 + self.own_prefill(ctx, c, pulls).1
     }
 
     /// [`PullTrigger::IdleWait`]: the idle prefill lane that pulls the prompt's prefix,
     /// when `sel` would make the request wait longer than a cold start on an idle lane
     /// and the pulled start there is sooner still.
     fn pull_to_end_a_wait(&self, ctx: &RouteContext<'_>, sel: Selection) -> Option<Selection> {
-        let chosen = ctx.candidates.iter().find(|c| c.worker == sel.worker)?;
-        let wait = self.time_to_first_token(ctx, chosen, false);
-        let idle = || {
-            ctx.candidates
-                .iter()
-                .filter(|c| c.load.prefill_backlog_tokens() == 0)
-        };
-        let cold = idle()
-            .map(|c| self.time_to_first_token(ctx, c, false))
-            .fold(f64::INFINITY, f64::min);
-        if wait <= cold {
-            return None;
+        let at = ctx
+            .candidates
+            .binary_search_by_key(&sel.worker, |c| c.worker)
+            .ok()?;
+        let wait = self.time_to_first_token(ctx, &ctx.candidates[at], false);
+        // Over the idle lanes: the soonest cold start, and the soonest pulled start
+        // (then fewer sequences, then the smaller id hash: the load order's preference,
+        // so the ordered walk's candidates choose the same).
+        let mut cold = f64::INFINITY;
+        let mut pull: Option<(f64, usize, u64, WorkerIdx)> = None;
+        for c in ctx
+            .candidates
+            .iter()
+            .filter(|c| c.load.prefill_backlog_tokens() == 0)
+        {
+            cold = cold.min(self.time_to_first_token(ctx, c, false));
+            if self.pulled(ctx, c, true) == 0 {
+                continue;
+            }
+            let k = (
+                self.time_to_first_token(ctx, c, true),
+                c.load.active_sequences(),
+                c.id_hash,
+                c.worker,
+            );
+            if pull.is_none_or(|p| {
+                k.0.total_cmp(&p.0)
+                    .then((k.1, k.2, k.3).cmp(&(p.1, p.2, p.3)))
+                    .is_lt()
+            }) {
+                pull = Some(k);
+            }
         }
-        // The soonest pulled start; then fewer sequences, then the smaller id hash (the
-        // load order's preference, so the ordered walk's candidates choose the same).
-        let (start, _, _, worker) = idle()
-            .filter(|c| self.pulled(ctx, c, true) > 0)
-            .map(|c| {
-                (
-                    self.time_to_first_token(ctx, c, true),
-                    c.load.active_sequences(),
-                    c.id_hash,
-                    c.worker,
-                )
-            })
-            .min_by(|a, b| {
-                a.0.total_cmp(&b.0)
-                    .then((a.1, a.2, a.3).cmp(&(b.1, b.2, b.3)))
-            })?;
-        (start < wait).then_some(Selection {
+        let (start, _, _, worker) = pull?;
+        (wait > cold && start < wait).then_some(Selection {
             worker,
             spilled_from: Some(sel.worker),
         })
