@@ -257,11 +257,10 @@ impl RoutingState {
         hold(&self.kv).last_seq(id)
     }
 
-    /// Prices tier hits with the KV size a worker reported (see
-    /// [`KvRouter::set_kv_block_bytes`]).
-    pub fn set_kv_block_bytes(&self, block_bytes: u64, block_size: usize) {
+    /// Records the KV size worker `id` reported (see [`KvRouter::set_kv_block_bytes`]).
+    pub fn set_kv_block_bytes(&self, id: &str, block_bytes: u64, block_size: usize) {
         self.kv_block_bytes.store(block_bytes, Ordering::Relaxed);
-        hold(&self.kv).set_kv_block_bytes(block_bytes, block_size);
+        hold(&self.kv).set_kv_block_bytes(id, block_bytes, block_size);
     }
 
     /// Bytes of one KV block as the workers last reported it (0 before any, or from

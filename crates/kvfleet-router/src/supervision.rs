@@ -404,9 +404,13 @@ impl WorkerSupervision {
         self.routing
             .add_worker(conn.id(), conn.info.block_size as usize)
             .map_err(|e| e.to_string())?;
-        // Tier hits are priced by the served model's KV bytes, not a default model's.
-        self.routing
-            .set_kv_block_bytes(conn.info.kv_block_bytes, conn.info.block_size as usize);
+        // Tier hits are priced by the served model's KV bytes, not a default model's;
+        // a worker with none to move (the simulated engine) takes no part in pulls.
+        self.routing.set_kv_block_bytes(
+            conn.id(),
+            conn.info.kv_block_bytes,
+            conn.info.block_size as usize,
+        );
         self.resync(&conn).await.map_err(|e| e.to_string())?;
         Ok(conn)
     }

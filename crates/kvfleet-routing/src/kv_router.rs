@@ -240,6 +240,9 @@ struct WorkerEntry {
     id: Arc<str>,
     id_hash: u64,
     load: WorkerLoad,
+    /// Whether the worker can hand KV blocks to a peer and import them (false once it
+    /// reported no KV block bytes: the simulated engine has no KV to move).
+    kv_movable: bool,
 }
 
 /// What a decision reads of each worker, kept dense beside the entries (24 bytes a
@@ -336,9 +339,18 @@ impl KvRouter {
         self.registry.get(id)
     }
 
-    /// Prices tier hits with the KV size of the served model: `block_bytes` of one
-    /// block of `block_size` tokens, as a worker's `Info` reports it. Ignored when 0.
-    pub fn set_kv_block_bytes(&mut self, block_bytes: u64, block_size: usize) {
+    /// Records the KV size worker `id` reports in its `Info`: `block_bytes` of one
+    /// block of `block_size` tokens. Tier hits and pulls are priced with it. A worker
+    /// reporting 0 cannot copy blocks out or in (the simulated engine), so it is never
+    /// a pull's source or target, and the pricing stays as it was.
+    pub fn set_kv_block_bytes(&mut self, id: &str, block_bytes: u64, block_size: usize) {
+        if let Some(Some(e)) = self
+            .registry
+            .get(id)
+            .and_then(|w| self.workers.get_mut(w.index()))
+        {
+            e.kv_movable = block_bytes > 0;
+        }
         if block_bytes == 0 || block_size == 0 {
             return;
         }
@@ -396,6 +408,7 @@ impl KvRouter {
                 id: Arc::from(id),
                 id_hash: stable_str_hash(id),
                 load: WorkerLoad::default(),
+                kv_movable: true,
             });
             self.rescore(idx);
         }
@@ -723,7 +736,12 @@ impl KvRouter {
         // Any policy's choice pulls what a peer holds beyond it (cache-aware chose
         // knowing it would).
         let min_pull = self.config.cache_aware.tiers.peer_pull_min_blocks;
-        let pull = peer_source.and_then(|src| {
+        let target_movable = self
+            .workers
+            .get(worker.index())
+            .and_then(Option::as_ref)
+            .is_some_and(|e| e.kv_movable);
+        let pull = peer_source.filter(|_| target_movable).and_then(|src| {
             let blocks = src.pull_blocks(&chosen, min_pull);
             if blocks == 0 {
                 return None;
@@ -866,7 +884,9 @@ impl KvRouter {
                 .get(w.index())
                 .and_then(Option::as_ref)
                 .is_some_and(|e| {
-                    !self.fenced.contains(&*e.id) && !exclude.iter().any(|x| **x == *e.id)
+                    e.kv_movable
+                        && !self.fenced.contains(&*e.id)
+                        && !exclude.iter().any(|x| **x == *e.id)
                 })
         };
         let mut best: Option<PeerSource> = None;

@@ -723,7 +723,7 @@ fn tier_pricing_takes_the_kv_size_a_worker_reports() {
         .tiers
         .load_fraction(kvfleet_core::kv_events::Medium::Host);
     // SmolLM2-135M on the CPU: 737,280 bytes per 16-token block.
-    r.set_kv_block_bytes(737_280, 16);
+    r.set_kv_block_bytes("w0", 737_280, 16);
     let tiers = &r.config().cache_aware.tiers;
     assert_eq!(tiers.kv_bytes_per_token, 46_080.0);
     let after = tiers.load_fraction(kvfleet_core::kv_events::Medium::Host);
@@ -732,7 +732,7 @@ fn tier_pricing_takes_the_kv_size_a_worker_reports() {
         "host load time scales with the model's KV bytes: {before} -> {after}"
     );
     // A worker that cannot copy blocks out reports 0: the pricing stays as it was.
-    r.set_kv_block_bytes(0, 16);
+    r.set_kv_block_bytes("w0", 0, 16);
     assert_eq!(r.config().cache_aware.tiers.kv_bytes_per_token, 46_080.0);
 }
 
@@ -853,6 +853,35 @@ fn any_policy_pulls_what_it_lacks_and_never_from_an_excluded_holder() {
         .route_excluding(&h, n, None, PolicyKind::CacheAware, 0, &["w0".to_string()])
         .unwrap();
     assert_eq!((&*d.worker, d.pull.as_ref()), ("w1", None));
+}
+
+#[test]
+fn a_worker_with_no_kv_to_move_is_never_a_pull_source_or_target() {
+    // Round-robin alternates w0, w1: w1 would pull w0's 100 blocks.
+    let pulls_of = |r: &mut KvRouter, h: &[BlockHash], n: usize| {
+        (0..2)
+            .map(|_| {
+                let d = r.route(h, n, PolicyKind::RoundRobin, 0).unwrap();
+                (d.worker.to_string(), d.pull.map(|p| p.from.to_string()))
+            })
+            .collect::<Vec<_>>()
+    };
+    let (mut r, h, n) = pull_fleet(4);
+    let mut seen = pulls_of(&mut r, &h, n);
+    seen.sort();
+    assert_eq!(
+        seen,
+        [("w0".into(), None), ("w1".into(), Some("w0".into()))]
+    );
+    // The holder is a simulated engine (0 KV bytes): w1 recomputes.
+    let (mut r, h, n) = pull_fleet(4);
+    r.set_kv_block_bytes("w0", 0, BS);
+    assert!(pulls_of(&mut r, &h, n).iter().all(|(_, p)| p.is_none()));
+    // The puller is one: it cannot import what w0 would send.
+    let (mut r, h, n) = pull_fleet(4);
+    r.set_kv_block_bytes("w0", 737_280, BS);
+    r.set_kv_block_bytes("w1", 0, BS);
+    assert!(pulls_of(&mut r, &h, n).iter().all(|(_, p)| p.is_none()));
 }
 
 mod ordered_walk {
