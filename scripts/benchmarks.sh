@@ -56,6 +56,7 @@ cp "$OUT/replay/worker_load.svg" docs/plots/replay_worker_load.svg
 "$BIN" bench sweep --mooncake "$MOONCAKE" --doc docs/policy-sweep.md --json docs/bench/policy-sweep.json
 "$BIN" bench sweep --mooncake "$MOONCAKE" --seed 2 --workers 8,64 --doc docs/policy-sweep-seed2.md \
   --json docs/bench/policy-sweep-seed2.json
-# The same with peer pulls on (cache-aware only; docs/policy-sweep-pulls.md).
-"$BIN" bench sweep --mooncake "$MOONCAKE" --peer-pull-min-blocks 4 \
-  --doc docs/policy-sweep-pulls.md --json docs/bench/policy-sweep-pulls.json
+# The same with peer pulls off (`--peer-pull-min-blocks 0`, the router's default until
+# 2026-12-04; docs/policy-sweep-no-pulls.md), to show what pulls are worth.
+"$BIN" bench sweep --mooncake "$MOONCAKE" --peer-pull-min-blocks 0 \
+  --doc docs/policy-sweep-no-pulls.md --json docs/bench/policy-sweep-no-pulls.json

@@ -216,6 +216,28 @@ def main():
         }
         report["ok"] &= not errors
 
+    # Peer pulls: the router flag only when set, and while pulls are on (the router's
+    # default) the NetworkPolicy lets workers reach each other's gRPC port (FetchBlocks).
+    pull_cases = {"pulls_default": ({}, None, True),
+                  "pulls_off": ({"peerPullMinBlocks": 0}, "--peer-pull-min-blocks=0", False),
+                  "pulls_at_8": ({"peerPullMinBlocks": 8}, "--peer-pull-min-blocks=8", True)}
+    report["pull_cases"] = {}
+    for case, (router, flag, peers) in pull_cases.items():
+        objs = render({"router": router, "networkPolicy": {"enabled": True}})
+        errors = [e for _, o in objs for e in validate(o)]
+        args = [o for _, o in objs if o["kind"] == "Deployment"][0][
+            "spec"]["template"]["spec"]["containers"][0]["args"]
+        flags = [a for a in args if a.startswith("--peer-pull-min-blocks")]
+        policy = [o for _, o in objs if o["kind"] == "NetworkPolicy"
+                  and o["metadata"]["name"].endswith("-worker")][0]
+        grpc_from = [f["podSelector"]["matchLabels"].get("app.kubernetes.io/component")
+                     for f in policy["spec"]["ingress"][0]["from"]]
+        ok = (not errors and flags == ([flag] if flag else [])
+              and grpc_from == (["router", "worker"] if peers else ["router"]))
+        report["pull_cases"][case] = {"router_flags": flags, "grpc_from": grpc_from,
+                                      "validation_errors": errors, "ok": ok}
+        report["ok"] &= ok
+
     # The chart refuses combinations that cannot work.
     bad_values = {
         "two_routers_without_etcd": ({"router": {"replicas": 2}}, "more than one router"),

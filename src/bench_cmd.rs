@@ -7,7 +7,7 @@ use kvfleet_bench::matrix::{matrix_markdown, run_matrix, MatrixConfig, MatrixTra
 use kvfleet_bench::replay::{replay, ReplayConfig};
 use kvfleet_bench::report::{replay_markdown, write_file, write_replay_report};
 use kvfleet_bench::sim::cost_model::CostModel;
-use kvfleet_bench::sim::{simulate, SimConfig, SimPolicy};
+use kvfleet_bench::sim::{comparison_pull_min_blocks, simulate, SimConfig, SimPolicy};
 use kvfleet_bench::trace_gen::{generate, Arrival, GenConfig};
 use kvfleet_bench::Trace;
 use std::fmt::Write;
@@ -344,9 +344,10 @@ pub struct SweepArgs {
     #[arg(long)]
     cost_model: Option<PathBuf>,
     /// `cache-aware` pulls a prefix from a peer when that gains it at least this many
-    /// blocks (0: no pulls, the router's default); the baselines never pull.
-    #[arg(long, default_value_t = 0)]
-    peer_pull_min_blocks: usize,
+    /// blocks (0: no pulls; default: as `kvfleet router` does, 256 tokens' worth in
+    /// the trace's blocks); the baselines never pull.
+    #[arg(long)]
+    peer_pull_min_blocks: Option<usize>,
     /// Write the Markdown page here (default: print it).
     #[arg(long)]
     doc: Option<PathBuf>,
@@ -373,6 +374,11 @@ pub struct MatrixArgs {
     /// Cost model file (default: the built-in H200 estimate).
     #[arg(long)]
     cost_model: Option<PathBuf>,
+    /// `cache-aware` pulls a prefix from a peer when that gains it at least this many
+    /// blocks (0: no pulls; default: as `kvfleet router` does, 256 tokens' worth in
+    /// the trace's blocks); the baselines never pull.
+    #[arg(long)]
+    peer_pull_min_blocks: Option<usize>,
     /// Requests of the scale run (0: skip it).
     #[arg(long, default_value_t = 100_000)]
     scale_requests: usize,
@@ -508,6 +514,7 @@ fn run_matrix_cmd(a: MatrixArgs) -> Result<()> {
         ],
         policies: SimPolicy::all(),
         cost: cost.clone(),
+        peer_pull_min_blocks: a.peer_pull_min_blocks,
     };
     let wall = std::time::Instant::now();
     let rows = run_matrix(&cfg, |r| {
@@ -561,6 +568,8 @@ fn run_matrix_cmd(a: MatrixArgs) -> Result<()> {
         ] {
             let mut sc = SimConfig::new(a.scale_workers, a.cache_blocks, p);
             sc.cost = cost.clone();
+            sc.peer_pull_min_blocks =
+                comparison_pull_min_blocks(p, a.peer_pull_min_blocks, scaled.block_size());
             let r = simulate(&scaled, &sc)?;
             eprintln!("scale {}: {:.1} s", r.policy, r.wall_s);
             let _ = writeln!(
@@ -585,6 +594,9 @@ fn run_matrix_cmd(a: MatrixArgs) -> Result<()> {
             SimPolicy::Kvfleet(kvfleet_router::PolicyKind::CacheAware),
         );
         sc.cost = CostModel::cpu_small();
+        // The live cluster routed with `kvfleet up`'s defaults, pulls included.
+        sc.peer_pull_min_blocks =
+            comparison_pull_min_blocks(sc.policy, a.peer_pull_min_blocks, trace.block_size());
         let r = simulate(&trace, &sc)?;
         let err = (measured - r.cached_token_ratio).abs() / r.cached_token_ratio.max(1e-12);
         let _ = writeln!(doc, "## Replay against a live cluster vs. the simulator\n\n{}\n\n| figure | replay (measured) | simulator (predicted) |\n| --- | ---: | ---: |\n| requests ok / failed | {} / {} | {} |\n| cached-token ratio | **{:.3}** | **{:.3}** |\n| TTFT p50 / p99 ms | {:.0} / {:.0} | {:.0} / {:.0} (cpu-small cost model) |\n\nRelative difference of the cached-token ratio: **{:.1}%** (target ≤ 10%).\n\n![replay TTFT CDF](plots/replay_ttft_cdf.svg)\n![replay cached ratio over time](plots/replay_hit_ratio.svg)\n![replay per-worker load](plots/replay_worker_load.svg)\n", a.replay_setup.clone().unwrap_or_default(), rep["ok"], rep["failed"], r.requests, measured, r.cached_token_ratio, rep["ttft_ms"]["p50"].as_f64().unwrap_or(0.0), rep["ttft_ms"]["p99"].as_f64().unwrap_or(0.0), r.ttft_ms.p50, r.ttft_ms.p99, err * 100.0);
@@ -664,11 +676,9 @@ fn run_sweep_cmd(a: SweepArgs) -> Result<()> {
         a.sessions_per_worker,
         a.min_sessions,
         a.seed,
-        if a.peer_pull_min_blocks > 0 {
-            format!(" --peer-pull-min-blocks {}", a.peer_pull_min_blocks)
-        } else {
-            String::new()
-        },
+        a.peer_pull_min_blocks
+            .map(|n| format!(" --peer-pull-min-blocks {n}"))
+            .unwrap_or_default(),
         rows.len(),
         wall.elapsed().as_secs_f64(),
         cost.name,

@@ -4,7 +4,7 @@ use clap::Args;
 use kvfleet_engine::Device;
 use kvfleet_router::circuit_breaker::BreakerConfig;
 use kvfleet_router::worker_conn::ConnTimeouts;
-use kvfleet_router::{CacheAwareConfig, PullTrigger, TierCostConfig};
+use kvfleet_router::{default_peer_pull_min_blocks, CacheAwareConfig, PullTrigger, TierCostConfig};
 use kvfleet_router::{Fleet, FleetConfig, PolicyKind, RouterConfig};
 use kvfleet_worker::{WorkerConfig, WorkerModel};
 use std::sync::Arc;
@@ -253,10 +253,12 @@ pub struct RoutingArgs {
     pub tokenizer_memo_bytes: usize,
     /// Let the chosen worker pull a prompt's prefix blocks from the worker that holds
     /// them (gRPC FetchBlocks) when that one holds at least this many more blocks;
-    /// `cache-aware` then weighs the transfer against the holder's queue. 0 (the
-    /// default) recomputes them instead.
-    #[arg(long, default_value_t = 0)]
-    pub peer_pull_min_blocks: usize,
+    /// `cache-aware` moves a request to pull only to end a wait longer than a cold
+    /// start (`--peer-pull-trigger`). Default: 256 tokens' worth (16 blocks of 16
+    /// tokens). 0 recomputes instead; use it where workers cannot reach each other's
+    /// gRPC port. Workers of the simulated engine never pull.
+    #[arg(long)]
+    pub peer_pull_min_blocks: Option<usize>,
     /// When `cache-aware` moves a request to pull its prefix elsewhere: `idle-wait`
     /// (default) only to end a wait longer than a cold start on an idle worker;
     /// `cost` whenever pricing the pull makes another worker cheapest.
@@ -316,7 +318,9 @@ impl RoutingArgs {
                 block_size,
                 cache_aware: CacheAwareConfig {
                     tiers: TierCostConfig {
-                        peer_pull_min_blocks: self.peer_pull_min_blocks,
+                        peer_pull_min_blocks: self
+                            .peer_pull_min_blocks
+                            .unwrap_or_else(|| default_peer_pull_min_blocks(block_size)),
                         peer_bytes_per_s: self.peer_bandwidth_gbs * 1e9,
                         host_bytes_per_s: self.host_bandwidth_gbs * 1e9,
                         disk_bytes_per_s: self.disk_bandwidth_gbs * 1e9,

@@ -7,6 +7,7 @@ use kvfleet_bench::report::{sim_markdown, write_sim_report};
 use kvfleet_bench::sim::cost_model::CostModel;
 use kvfleet_bench::sim::{simulate, SimConfig, SimPolicy, TierScoring};
 use kvfleet_bench::Trace;
+use kvfleet_routing::policy::default_peer_pull_min_blocks;
 use std::path::PathBuf;
 
 /// Arguments of `kvfleet sim`.
@@ -34,9 +35,10 @@ pub struct SimArgs {
     tier_scoring: TierScoring,
     /// kvfleet's router pulls a prompt's prefix from the worker holding it when that
     /// saves at least this many blocks, priced by the cost model's peer bandwidth
-    /// (0: no pulls).
-    #[arg(long, default_value_t = 0)]
-    peer_pull_min_blocks: usize,
+    /// (0: no pulls; default: as `kvfleet router` does, 256 tokens' worth in the
+    /// trace's blocks).
+    #[arg(long)]
+    peer_pull_min_blocks: Option<usize>,
     /// Policies, comma-separated or repeated: cache-aware, round-robin, least-loaded,
     /// consistent-hash, random, sglang-cache-aware, dynamo-kv-cost, sglang-spill,
     /// dynamo-lmetric, or `all`.
@@ -126,7 +128,9 @@ pub fn run(args: SimArgs) -> Result<()> {
         cfg.host_blocks = args.host_blocks;
         cfg.disk_blocks = args.disk_blocks;
         cfg.tier_scoring = args.tier_scoring;
-        cfg.peer_pull_min_blocks = args.peer_pull_min_blocks;
+        cfg.peer_pull_min_blocks = args
+            .peer_pull_min_blocks
+            .unwrap_or_else(|| default_peer_pull_min_blocks(trace.block_size()));
         let r = simulate(&trace, &cfg).with_context(|| format!("simulating {}", p.as_str()))?;
         eprintln!(
             "{}: hit ratio {:.3}, TTFT p99 {:.0} ms, {:.2} s wall",

@@ -89,7 +89,8 @@ fn fork_children_land_on_one_worker_and_compute_the_prefix_once() {
         "cache-aware computed {computed} prompt tokens for 5 children"
     );
 
-    let c = Cluster::up(&["--workers", "4"]);
+    // Without peer pulls, round-robin recomputes the prefix on each new worker.
+    let c = Cluster::up(&["--workers", "4", "--peer-pull-min-blocks", "0"]);
     let (rr_workers, rr_computed) = fork_fan_out(&c, 20, "round-robin");
     let distinct: std::collections::HashSet<_> = rr_workers.iter().collect();
     assert!(
@@ -100,8 +101,21 @@ fn fork_children_land_on_one_worker_and_compute_the_prefix_once() {
         rr_computed > 3 * 4000,
         "round-robin recomputes the prefix on each new worker ({rr_computed} tokens)"
     );
+    // With pulls (the default) the children still spread, but each new worker pulls
+    // the prefix its holder reported instead of computing it again.
+    let c = Cluster::up(&["--workers", "4"]);
+    let (pull_workers, pull_computed) = fork_fan_out(&c, 20, "round-robin");
+    let distinct: std::collections::HashSet<_> = pull_workers.iter().collect();
+    assert!(
+        distinct.len() >= 3,
+        "round-robin should spread: {pull_workers:?}"
+    );
+    assert!(
+        pull_computed * 2 < rr_computed,
+        "pulls should spare most of the recompute: {pull_computed} vs {rr_computed} tokens"
+    );
     eprintln!(
-        "fork fan-out prompt tokens computed: cache-aware {computed}, round-robin {rr_computed}"
+        "fork fan-out prompt tokens computed: cache-aware {computed}, round-robin {rr_computed}, round-robin with pulls {pull_computed}"
     );
 }
 

@@ -11,7 +11,7 @@ use crate::bounds::{bounds, Bounds};
 use crate::plots::{bar_chart, cdf_points, line_chart};
 use crate::report::write_file;
 use crate::sim::cost_model::CostModel;
-use crate::sim::{simulate, SimConfig, SimPolicy, SimResult};
+use crate::sim::{comparison_pull_min_blocks, simulate, SimConfig, SimPolicy, SimResult};
 use crate::trace::Trace;
 use anyhow::Result;
 use serde::Serialize;
@@ -42,6 +42,9 @@ pub struct MatrixConfig {
     pub policies: Vec<SimPolicy>,
     /// Cost model.
     pub cost: CostModel,
+    /// `cache-aware`'s pull threshold (`None`: the serving default; see
+    /// [`comparison_pull_min_blocks`]); the baselines never pull.
+    pub peer_pull_min_blocks: Option<usize>,
 }
 
 /// One row: a simulation with its setup.
@@ -100,6 +103,11 @@ pub fn run_matrix(
                 for &p in &cfg.policies {
                     let mut sc = SimConfig::new(n, cfg.cache_blocks, p);
                     sc.cost = cfg.cost.clone();
+                    sc.peer_pull_min_blocks = comparison_pull_min_blocks(
+                        p,
+                        cfg.peer_pull_min_blocks,
+                        scaled.block_size(),
+                    );
                     let result = simulate(&scaled, &sc)?;
                     let row = MatrixRow {
                         trace: t.name.clone(),

@@ -18,7 +18,7 @@
 use crate::bounds::{bounds, chains};
 use crate::matrix::{load_scale, MatrixRow};
 use crate::sim::cost_model::CostModel;
-use crate::sim::{simulate, SimConfig, SimPolicy};
+use crate::sim::{comparison_pull_min_blocks, simulate, SimConfig, SimPolicy};
 use crate::trace::Trace;
 use crate::trace_gen::{generate, Arrival, GenConfig};
 use anyhow::Result;
@@ -64,8 +64,9 @@ pub struct SweepConfig {
     /// Only these trace names (all when empty).
     pub only: Vec<String>,
     /// `cache-aware` pulls a prefix from a peer when it gains at least this many
-    /// blocks (0: no pulls, the router's default); the baselines never pull.
-    pub peer_pull_min_blocks: usize,
+    /// blocks (0: no pulls; `None`: the serving default for the trace's block size,
+    /// see [`comparison_pull_min_blocks`]); the baselines never pull.
+    pub peer_pull_min_blocks: Option<usize>,
 }
 
 /// Distinct blocks of `trace`.
@@ -214,9 +215,8 @@ pub fn run_sweep(cfg: &SweepConfig) -> Result<Vec<MatrixRow>> {
             let mut sc = SimConfig::new(j.workers, j.cache_blocks, *p);
             sc.cost = cfg.cost.clone();
             sc.router = cfg.router.clone();
-            if *p == SimPolicy::Kvfleet(kvfleet_routing::PolicyKind::CacheAware) {
-                sc.peer_pull_min_blocks = cfg.peer_pull_min_blocks;
-            }
+            sc.peer_pull_min_blocks =
+                comparison_pull_min_blocks(*p, cfg.peer_pull_min_blocks, j.scaled.block_size());
             let result = simulate(&j.scaled, &sc)?;
             Ok(MatrixRow {
                 trace: j.trace.clone(),

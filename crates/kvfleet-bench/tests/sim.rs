@@ -176,7 +176,7 @@ fn the_sweep_checks_cache_aware_against_the_best_other_policy() {
         seed: 1,
         mooncake: None,
         only: vec!["fork".into(), "conversation".into()],
-        peer_pull_min_blocks: 0,
+        peer_pull_min_blocks: Some(0),
     };
     let rows = run_sweep(&cfg).unwrap();
     assert_eq!(rows.len(), 2 * 3);

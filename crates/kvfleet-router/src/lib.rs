@@ -55,5 +55,7 @@ pub mod worker_tiers;
 
 pub use fleet::{Fleet, FleetConfig};
 // Part of `FleetConfig`'s public surface.
-pub use kvfleet_routing::policy::{CacheAwareConfig, PullTrigger, TierCostConfig};
+pub use kvfleet_routing::policy::{
+    default_peer_pull_min_blocks, CacheAwareConfig, PullTrigger, TierCostConfig,
+};
 pub use kvfleet_routing::{PolicyKind, RouterConfig};

@@ -46,6 +46,7 @@ use cost_model::CostModel;
 use dynamo_kv_cost::{DynamoConfig, DynamoKvCost, DynamoMetric};
 use kvfleet_core::kv_events::Medium;
 use kvfleet_core::BlockHash;
+use kvfleet_routing::policy::default_peer_pull_min_blocks;
 pub use kvfleet_routing::policy::TierScoring;
 use kvfleet_routing::{PolicyKind, RouterConfig};
 use lru::{ChainChange, LowerOp, LruBlockCache};
@@ -378,6 +379,22 @@ pub struct SimConfig {
     pub dynamo: DynamoConfig,
     /// Buckets of the hit-ratio timeline.
     pub timeline_buckets: usize,
+}
+
+/// The pull threshold of `policy` in a comparison of policies (the sweep, the
+/// matrix): `cache-aware` pulls as `kvfleet router` does, from `explicit` blocks or by
+/// default from [`default_peer_pull_min_blocks`] of the trace's `block_size`; every
+/// other policy never pulls, as the baselines cannot.
+pub fn comparison_pull_min_blocks(
+    policy: SimPolicy,
+    explicit: Option<usize>,
+    block_size: usize,
+) -> usize {
+    if policy == SimPolicy::Kvfleet(kvfleet_routing::PolicyKind::CacheAware) {
+        explicit.unwrap_or_else(|| default_peer_pull_min_blocks(block_size))
+    } else {
+        0
+    }
 }
 
 impl SimConfig {

@@ -121,7 +121,7 @@ pub enum PullTrigger {
     /// that can pull the prefix only when the choice would make the request wait
     /// longer than a cold start on an idle lane, and the pulled start there is
     /// sooner still. Copies are made only to end such a wait, so they crowd the
-    /// pools less (docs/policy-sweep-pulls.md: 18 of 54 groups meet all three
+    /// pools less (docs/policy-sweep.head.md: 18 of 54 groups meet all three
     /// targets at 8-64 workers, against 16 with `cost` and 12 without pulls).
     #[default]
     IdleWait,

@@ -26,7 +26,9 @@ pub use consistent_hash::{ConsistentHash, ConsistentHashConfig};
 pub use least_loaded::LeastLoaded;
 pub use random::RandomPolicy;
 pub use round_robin::RoundRobin;
-pub use tier_cost::{TierCostConfig, TierScoring};
+pub use tier_cost::{
+    default_peer_pull_min_blocks, TierCostConfig, TierScoring, DEFAULT_PEER_PULL_MIN_TOKENS,
+};
 
 use crate::load::CandidateLoad;
 use crate::registry::WorkerIdx;

@@ -33,6 +33,21 @@
 use kvfleet_core::kv_events::Medium;
 use serde::{Deserialize, Serialize};
 
+/// The smallest prefix, in tokens, that `kvfleet router` and `kvfleet up` pull from a
+/// peer by default (`--peer-pull-min-blocks` unset): below it a transfer's round trip
+/// costs about what recomputing saves (256 tokens are 32 ms of prefill at 8,000
+/// tokens/s). The core's own [`TierCostConfig::default`] keeps pulls off: only the
+/// deployment knows whether its workers can reach each other.
+pub const DEFAULT_PEER_PULL_MIN_TOKENS: usize = 256;
+
+/// [`DEFAULT_PEER_PULL_MIN_TOKENS`] in whole blocks of `block_size` tokens (at least 1):
+/// the serving default of `peer_pull_min_blocks`.
+pub fn default_peer_pull_min_blocks(block_size: usize) -> usize {
+    DEFAULT_PEER_PULL_MIN_TOKENS
+        .div_ceil(block_size.max(1))
+        .max(1)
+}
+
 /// How tier hits are scored.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -205,5 +220,14 @@ mod tests {
         };
         assert_eq!(slow.peer_load_fraction(), 1.0);
         assert!(!slow.pulls_enabled());
+    }
+
+    #[test]
+    fn the_serving_default_pulls_256_tokens_or_more_in_whole_blocks() {
+        assert_eq!(default_peer_pull_min_blocks(16), 16);
+        assert_eq!(default_peer_pull_min_blocks(100), 3);
+        // A trace's 512-token blocks: one block is already past 256 tokens.
+        assert_eq!(default_peer_pull_min_blocks(512), 1);
+        assert_eq!(default_peer_pull_min_blocks(0), 256);
     }
 }
