@@ -279,10 +279,17 @@ impl CacheAware {
         pulls: bool,
     ) -> (f64, bool) {
         let (cost, computed) = self.priced(ctx, c, pulls);
+        (cost, self.within_bounds(c, computed, bound))
+    }
+
+    /// Whether `c`, taking a request that computes `computed` prompt tokens there,
+    /// stays within the bounded-load guard (`bound` from [`Self::load_bound`]) and the
+    /// prefill backlog cap.
+    #[inline]
+    fn within_bounds(&self, c: &Candidate, computed: usize, bound: f64) -> bool {
         let cap = self.config.max_prefill_backlog_tokens.unwrap_or(usize::MAX);
-        let over = (c.load.active_sequences() + 1) as f64 > bound
-            || c.load.prefill_backlog_tokens().saturating_add(computed) > cap;
-        (cost, !over)
+        (c.load.active_sequences() + 1) as f64 <= bound
+            && c.load.prefill_backlog_tokens().saturating_add(computed) <= cap
     }
 
     /// The widest near-tie band of a choice costing at most `cost`: a candidate
@@ -378,9 +385,12 @@ impl CacheAware {
             .binary_search_by_key(&sel.worker, |c| c.worker)
             .ok()?;
         let wait = self.time_to_first_token(ctx, &ctx.candidates[at], false);
+        let bound = self.load_bound(ctx.fleet);
         // Over the idle lanes: the soonest cold start, and the soonest pulled start
         // (then fewer sequences, then the smaller id hash: the load order's preference,
-        // so the ordered walk's candidates choose the same).
+        // so the ordered walk's candidates choose the same). A lane whose decode load
+        // is over the bounded-load guard may time the cold start, but never takes the
+        // pull: the guard holds for every choice.
         let mut cold = f64::INFINITY;
         let mut pull: Option<(f64, usize, u64, WorkerIdx)> = None;
         for c in ctx
@@ -389,7 +399,9 @@ impl CacheAware {
             .filter(|c| c.load.prefill_backlog_tokens() == 0)
         {
             cold = cold.min(self.time_to_first_token(ctx, c, false));
-            if self.pulled(ctx, c, true) == 0 {
+            if self.pulled(ctx, c, true) == 0
+                || !self.within_bounds(c, self.own_prefill(ctx, c, true).0, bound)
+            {
                 continue;
             }
             let k = (
@@ -761,6 +773,39 @@ mod tests {
             ..CacheAwareConfig::default()
         });
         assert_eq!(off.select(&ctx(&c, 101)).unwrap().worker, WorkerIdx(0));
+    }
+
+    #[test]
+    fn the_idle_wait_trigger_never_pulls_onto_a_worker_over_its_load_bound() {
+        // w0 holds 100 of 101 blocks behind 2,000 queued tokens: past a cold start, so
+        // the trigger looks for an idle lane to pull to. w1's lane is idle, but it
+        // decodes `active` sequences; w2 is busy.
+        let route = |active: usize| {
+            let c = vec![
+                cand(0, 2_000, 1, 100),
+                cand(1, 0, active, 0),
+                cand(2, 5_000, 1, 0),
+            ];
+            let mut ctx = ctx(&c, 101);
+            ctx.peer_source = Some(PeerSource {
+                worker: WorkerIdx(0),
+                blocks: 100,
+            });
+            let mut p = CacheAware::new(CacheAwareConfig {
+                pull_trigger: PullTrigger::IdleWait,
+                tiers: TierCostConfig {
+                    peer_pull_min_blocks: 1,
+                    ..TierCostConfig::default()
+                },
+                ..CacheAwareConfig::default()
+            });
+            p.select(&ctx).unwrap().worker
+        };
+        // 10 sequences: within (1.25 × 13 / 3 + 16 = 21.4); w1 pulls.
+        assert_eq!(route(10), WorkerIdx(1));
+        // 60: the bound is 1.25 × 63 / 3 + 16 = 42.25, and w1 would hold 61: the
+        // request stays with the holder.
+        assert_eq!(route(60), WorkerIdx(0));
     }
 
     #[test]
