@@ -1,19 +1,24 @@
 #!/usr/bin/env python3
 """Cross-worker prefix transfer vs recompute, on the real default model.
 
-Starts two `kvfleet worker` processes and a `kvfleet router --peer-pull-min-blocks 2`,
-then for each of REPS fresh prompts of about TOKENS tokens:
+Starts two `kvfleet worker` processes and a `kvfleet router` with its defaults (peer
+pulls on), then for each of REPS fresh prompts of about TOKENS tokens:
   1. sends it to one worker (cold: the whole prompt is computed there);
   2. sends it again, round-robin, so it lands on the other worker, which pulls the
      prefix blocks from the first over gRPC (FetchBlocks) instead of recomputing;
 and reports both latencies (max_tokens=1, so latency ~ TTFT) and their ratio, side by
-side in one run. Usage: scripts/bench_peer_pull.py [BIN] (default target/release/kvfleet).
+side in one run. Then the `idle-wait` trigger with `cache-aware`: a fresh prompt is
+computed on one worker, that worker is given a long cold prompt (BUSY_TOKENS), and the
+fresh prompt is sent again while the long one is in prefill; it should go to the idle
+worker and pull its prefix there rather than queue behind the long prefill.
+Usage: scripts/bench_peer_pull.py [BIN] (default target/release/kvfleet).
 """
-import json, os, subprocess, sys, time, urllib.request
+import json, os, subprocess, sys, threading, time, urllib.request
 
 BIN = sys.argv[1] if len(sys.argv) > 1 else "target/release/kvfleet"
 TOKENS = int(os.environ.get("TOKENS", "2650"))  # words ~ 2,070 SmolLM2 tokens
 REPS = int(os.environ.get("REPS", "3"))
+BUSY_TOKENS = int(os.environ.get("BUSY_TOKENS", "6000"))
 
 
 def start(args, scheme):
@@ -38,7 +43,7 @@ def words(seed, n):
 MODEL = None
 
 
-def ask(url, text):
+def ask(url, text, policy="round-robin"):
     global MODEL
     if MODEL is None:
         with urllib.request.urlopen(url + "/v1/models", timeout=30) as r:
@@ -47,7 +52,7 @@ def ask(url, text):
                        "max_tokens": 1, "temperature": 0}).encode()
     req = urllib.request.Request(url + "/v1/chat/completions", body,
                                  {"content-type": "application/json",
-                                  "x-kvfleet-policy": "round-robin"})
+                                  "x-kvfleet-policy": policy})
     t = time.perf_counter()
     with urllib.request.urlopen(req, timeout=600) as r:
         data = json.load(r)
@@ -61,8 +66,8 @@ def main():
         w0, a0 = start(["worker", "--grpc", "127.0.0.1:0", "--worker-id", "w0"], "grpc://")
         w1, a1 = start(["worker", "--grpc", "127.0.0.1:0", "--worker-id", "w1"], "grpc://")
         procs += [w0, w1]
-        r, ra = start(["router", "--http", "127.0.0.1:0", "--workers", f"{a0},{a1}",
-                       "--peer-pull-min-blocks", "2"], "http://")
+        r, ra = start(["router", "--http", "127.0.0.1:0", "--workers", f"{a0},{a1}"],
+                      "http://")
         procs.append(r)
         url = "http://" + ra
         ask(url, "warm up")
@@ -79,6 +84,31 @@ def main():
         print("|---:|---:|---|---:|---|---:|---:|")
         for p, ct, cw, pt, pw, c in rows:
             print(f"| {p} | {ct:.3f} | {cw} | {pt:.3f} | {pw} | {c} | {ct / pt:.1f}× |")
+
+        # The idle-wait trigger: the holder busy with a long cold prefill.
+        text = words(900, int(TOKENS / 1.3))
+        cold_t, holder, cu = ask(url, text)
+        _, other, _ = ask(url, "advance round-robin to the holder")
+        time.sleep(1.0)
+        busy = {}
+        long_text = words(901, int(BUSY_TOKENS / 1.3))
+        t = threading.Thread(target=lambda: busy.update(r=ask(url, long_text)))
+        t.start()
+        time.sleep(0.3)
+        moved_t, mw, mu = ask(url, text, "cache-aware")
+        t.join()
+        busy_t, bw, bu = busy["r"]
+        print()
+        print("| request | worker | prompt tokens | cached | latency (s) |")
+        print("|---|---|---:|---:|---:|")
+        print(f"| fresh prompt, cold | {holder} | {cu['prompt_tokens']} | 0 | {cold_t:.3f} |")
+        print(f"| long cold prompt on the holder | {bw} | {bu['prompt_tokens']} | "
+              f"{bu['prompt_tokens_details']['cached_tokens']} | {busy_t:.3f} |")
+        print(f"| fresh prompt again, cache-aware, while the holder is busy | {mw} | "
+              f"{mu['prompt_tokens']} | {mu['prompt_tokens_details']['cached_tokens']} | "
+              f"{moved_t:.3f} |")
+        ok = mw == other and bw == holder
+        print(f"\nmoved to the idle worker and pulled: {'yes' if ok else 'no'}")
     finally:
         for p in procs:
             p.kill()
