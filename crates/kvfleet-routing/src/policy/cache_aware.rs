@@ -739,25 +739,30 @@ mod tests {
         assert_eq!(p.select(&ctx(&c, 2_010)).unwrap().worker, WorkerIdx(2));
     }
 
+    /// `cache-aware` with the idle-wait trigger and pulls on, choosing among `c` for a
+    /// 101-block prompt whose first 100 blocks w0 can hand over.
+    fn select_idle_wait_pulling_from_w0(c: &[Candidate]) -> Selection {
+        let mut ctx = ctx(c, 101);
+        ctx.peer_source = Some(PeerSource {
+            worker: WorkerIdx(0),
+            blocks: 100,
+        });
+        let mut p = CacheAware::new(CacheAwareConfig {
+            pull_trigger: PullTrigger::IdleWait,
+            tiers: TierCostConfig {
+                peer_pull_min_blocks: 1,
+                ..TierCostConfig::default()
+            },
+            ..CacheAwareConfig::default()
+        });
+        p.select(&ctx).unwrap()
+    }
+
     #[test]
     fn with_the_idle_wait_trigger_a_pull_only_ends_a_wait_past_a_cold_start() {
         // w0 holds 100 of 101 blocks (1,617 prompt tokens); w1's lane is idle.
         let route = |backlog: usize| {
-            let c = vec![cand(0, backlog, 1, 100), cand(1, 0, 0, 0)];
-            let mut ctx = ctx(&c, 101);
-            ctx.peer_source = Some(PeerSource {
-                worker: WorkerIdx(0),
-                blocks: 100,
-            });
-            let mut p = CacheAware::new(CacheAwareConfig {
-                pull_trigger: PullTrigger::IdleWait,
-                tiers: TierCostConfig {
-                    peer_pull_min_blocks: 1,
-                    ..TierCostConfig::default()
-                },
-                ..CacheAwareConfig::default()
-            });
-            p.select(&ctx).unwrap()
+            select_idle_wait_pulling_from_w0(&[cand(0, backlog, 1, 100), cand(1, 0, 0, 0)])
         };
         // 1,000 tokens queued: the wait there (1,017) is under a cold start on w1
         // (1,617), so it stays, where the `cost` trigger pulls to w1 (next test).
@@ -781,25 +786,12 @@ mod tests {
         // the trigger looks for an idle lane to pull to. w1's lane is idle, but it
         // decodes `active` sequences; w2 is busy.
         let route = |active: usize| {
-            let c = vec![
+            select_idle_wait_pulling_from_w0(&[
                 cand(0, 2_000, 1, 100),
                 cand(1, 0, active, 0),
                 cand(2, 5_000, 1, 0),
-            ];
-            let mut ctx = ctx(&c, 101);
-            ctx.peer_source = Some(PeerSource {
-                worker: WorkerIdx(0),
-                blocks: 100,
-            });
-            let mut p = CacheAware::new(CacheAwareConfig {
-                pull_trigger: PullTrigger::IdleWait,
-                tiers: TierCostConfig {
-                    peer_pull_min_blocks: 1,
-                    ..TierCostConfig::default()
-                },
-                ..CacheAwareConfig::default()
-            });
-            p.select(&ctx).unwrap().worker
+            ])
+            .worker
         };
         // 10 sequences: within (1.25 × 13 / 3 + 16 = 21.4); w1 pulls.
         assert_eq!(route(10), WorkerIdx(1));
