@@ -224,10 +224,22 @@ def workers():
             description="Blocks each worker holds below its pool, per tier.")
     b.panel("Disk tier faults by kind",
             f"sum by (worker, kind) (rate(kvfleet_worker_disk_tier_faults_total{w}[{RI}]))",
-            legend="{{worker}} {{kind}}", w=24,
+            legend="{{worker}} {{kind}}",
             description="full (ENOSPC or quota: demotion to disk pauses), write_error, backlog "
             "(writer queue full: the demotion is dropped), missing and corrupt files (read as "
             "a miss). Each costs a recompute, never a wrong block.")
+    # Peer pulls are on by default (router --peer-pull-min-blocks); the worker counters
+    # are exposed at 0 from start.
+    b.panel("Peer pulls: blocks pulled and failed pulls",
+            [(f"sum by (worker) (rate(kvfleet_worker_peer_pull_blocks_total{w}[{RI}]))",
+              "{{worker}} blocks"),
+             (f"sum by (worker) (rate(kvfleet_worker_peer_pull_failures_total{w}[{RI}]))",
+              "{{worker}} failed pulls")],
+            description="Blocks a worker fetched from the peer holding them (FetchBlocks) "
+            "instead of recomputing them, and pulls that stopped short (peer unreachable, "
+            "refused or dead mid-transfer: the rest is recomputed). Steady failures mean "
+            "the workers cannot reach each other's gRPC port: open it, or run the router "
+            "with --peer-pull-min-blocks 0.")
     b.write()
 
 

@@ -364,8 +364,8 @@ fn metrics_are_exposed_in_prometheus_format() {
 
 #[test]
 fn a_fresh_cluster_exposes_its_rare_series_at_zero() {
-    // Dashboards and alerts on fork groups and prefix breaks must read 0 on a fresh
-    // deployment, not "No data" until the first fork or break.
+    // Dashboards and alerts on fork groups, prefix breaks and peer pulls must read 0 on
+    // a fresh deployment, not "No data" until the first fork, break or pull.
     let c = Cluster::up(&["--workers", "1"]);
     let text = c.get_text("/metrics");
     let value = |series: &str| -> Option<f64> {
@@ -389,6 +389,14 @@ fn a_fresh_cluster_exposes_its_rare_series_at_zero() {
         series.push(format!(
             "kvfleet_prefix_breaks_total{{reason=\"{reason}\"}}"
         ));
+    }
+    // Peer pulls are on by default: their counters read 0 before the first pull.
+    for name in [
+        "kvfleet_worker_peer_pull_blocks_total",
+        "kvfleet_worker_peer_pull_bytes_total",
+        "kvfleet_worker_peer_pull_failures_total",
+    ] {
+        series.push(format!("{name}{{worker=\"worker-0\"}}"));
     }
     for s in &series {
         assert_eq!(value(s), Some(0.0), "{s} is not exposed at 0:\n{text}");

@@ -48,6 +48,15 @@ impl PeerPuller {
     /// A puller for worker `worker` (its metrics label), with the TLS client config
     /// used for `https://` peers.
     pub fn new(worker: &str, tls: Option<ClientTlsConfig>) -> Arc<Self> {
+        // Exposed from the start, so that a fleet that has not pulled yet reads 0 on the
+        // dashboards (pulls are on by default; a failure count is what an SRE watches).
+        for name in [
+            "kvfleet_worker_peer_pull_blocks_total",
+            "kvfleet_worker_peer_pull_bytes_total",
+            "kvfleet_worker_peer_pull_failures_total",
+        ] {
+            counter!(name, "worker" => worker.to_string()).increment(0);
+        }
         Arc::new(Self {
             worker: worker.to_string(),
             tls,
