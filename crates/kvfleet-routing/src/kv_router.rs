@@ -344,11 +344,7 @@ impl KvRouter {
     /// reporting 0 cannot copy blocks out or in (the simulated engine), so it is never
     /// a pull's source or target, and the pricing stays as it was.
     pub fn set_kv_block_bytes(&mut self, id: &str, block_bytes: u64, block_size: usize) {
-        if let Some(Some(e)) = self
-            .registry
-            .get(id)
-            .and_then(|w| self.workers.get_mut(w.index()))
-        {
+        if let Ok((_, e)) = self.entry_mut(id) {
             e.kv_movable = block_bytes > 0;
         }
         if block_bytes == 0 || block_size == 0 {

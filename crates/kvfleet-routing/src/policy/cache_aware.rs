@@ -220,7 +220,17 @@ impl CacheAware {
     /// recomputed-token equivalents.
     #[inline]
     fn own_prefill(&self, ctx: &RouteContext<'_>, c: &Candidate, pulls: bool) -> (usize, f64) {
-        let pulled = self.pulled(ctx, c, pulls);
+        self.own_prefill_pulling(ctx, c, self.pulled(ctx, c, pulls))
+    }
+
+    /// [`Self::own_prefill`] with `pulled` blocks brought from a peer.
+    #[inline]
+    fn own_prefill_pulling(
+        &self,
+        ctx: &RouteContext<'_>,
+        c: &Candidate,
+        pulled: usize,
+    ) -> (usize, f64) {
         let computed = ctx
             .uncached_tokens(c)
             .saturating_sub(pulled * ctx.block_size);
@@ -399,13 +409,16 @@ impl CacheAware {
             .filter(|c| c.load.prefill_backlog_tokens() == 0)
         {
             cold = cold.min(self.time_to_first_token(ctx, c, false));
-            if self.pulled(ctx, c, true) == 0
-                || !self.within_bounds(c, self.own_prefill(ctx, c, true).0, bound)
-            {
+            let pulled = self.pulled(ctx, c, true);
+            if pulled == 0 {
+                continue;
+            }
+            let (computed, prefill) = self.own_prefill_pulling(ctx, c, pulled);
+            if !self.within_bounds(c, computed, bound) {
                 continue;
             }
             let k = (
-                self.time_to_first_token(ctx, c, true),
+                c.load.prefill_backlog_tokens() as f64 + prefill,
                 c.load.active_sequences(),
                 c.id_hash,
                 c.worker,
