@@ -2,6 +2,7 @@
 //! over its own KV memory. The CPU backend is candle-based; a CUDA backend plugs in
 //! behind the same trait.
 
+use crate::block_export::KvBlockReader;
 use crate::error::Result;
 use crate::kv_cache::KvCache;
 use crate::kv_sizing::KvSizing;
@@ -62,6 +63,11 @@ pub trait ModelBackend: Send {
             self.device_name()
         )))
     }
+    /// A reader of this backend's KV memory for other threads, when it has one: peers'
+    /// `FetchBlocks` are then served without waiting for the step in progress.
+    fn block_reader(&self) -> Option<Arc<dyn KvBlockReader>> {
+        None
+    }
     /// Overwrites one block's K/V with bytes [`ModelBackend::read_block`] produced
     /// (same format and length, checked by the caller).
     fn write_block(&mut self, id: u32, bytes: &[u8]) -> Result<()> {
@@ -116,6 +122,9 @@ impl ModelBackend for CpuBackend {
     }
     fn read_block(&mut self, id: u32) -> Result<Vec<u8>> {
         self.kv.read_block(id)
+    }
+    fn block_reader(&self) -> Option<Arc<dyn KvBlockReader>> {
+        Some(self.kv.reader())
     }
     fn write_block(&mut self, id: u32, bytes: &[u8]) -> Result<()> {
         self.kv.write_block(id, bytes)

@@ -12,9 +12,14 @@
 //!
 //! Every operation is O(1): the free list is an intrusive doubly linked list over the
 //! block array, and the hash map is keyed by the hash itself.
+//!
+//! Once asked for one, the pool also keeps a [`ReadyIndex`] of its ready blocks, which
+//! other threads read to copy blocks out while the engine steps.
 
+use crate::block_export::ReadyIndex;
 use crate::kv_events::{push_coalesced, KvEventKind, Medium};
 use kvfleet_core::{BlockHash, BlockHashMap};
+use std::sync::Arc;
 
 /// Index of a KV block in the pool (and in the KV memory).
 pub type BlockId = u32;
@@ -45,6 +50,7 @@ pub struct BlockPool {
     free_len: usize,
     ready_cached: usize,
     events: Vec<KvEventKind>,
+    ready_index: Option<Arc<ReadyIndex>>,
 }
 
 impl BlockPool {
@@ -59,6 +65,7 @@ impl BlockPool {
             free_len: 0,
             ready_cached: 0,
             events: Vec::new(),
+            ready_index: None,
         };
         for i in 0..num_blocks {
             pool.blocks.push(BlockMeta {
@@ -187,6 +194,9 @@ impl BlockPool {
         if let Some(h) = b.hash {
             let parent = b.parent;
             self.ready_cached += 1;
+            if let Some(index) = &self.ready_index {
+                index.insert(h, id, parent);
+            }
             push_coalesced(
                 &mut self.events,
                 KvEventKind::Stored {
@@ -282,6 +292,22 @@ impl BlockPool {
         self.events.push(KvEventKind::Cleared);
     }
 
+    /// The index of ready blocks that other threads may copy out, kept from now on
+    /// (created, with the blocks ready now, on the first call).
+    pub fn ready_index(&mut self) -> Arc<ReadyIndex> {
+        if let Some(index) = &self.ready_index {
+            return Arc::clone(index);
+        }
+        let index = Arc::new(ReadyIndex::default());
+        for (id, b) in self.blocks.iter().enumerate() {
+            if let (Some(h), true) = (b.hash, b.ready) {
+                index.insert(h, id as BlockId, b.parent);
+            }
+        }
+        self.ready_index = Some(Arc::clone(&index));
+        index
+    }
+
     /// Every ready cached block with its parent, for a router's resync (`CacheDump`).
     pub fn cached_blocks(&self) -> Vec<(BlockHash, Option<BlockHash>)> {
         self.blocks
@@ -366,6 +392,19 @@ impl BlockPool {
         if ready != self.ready_cached {
             return Err(format!("ready count {ready} vs {}", self.ready_cached));
         }
+        if let Some(index) = &self.ready_index {
+            // Exactly the ready hashed blocks, each where the pool has it.
+            if index.len() != ready {
+                return Err(format!("ready index holds {} of {ready}", index.len()));
+            }
+            for (i, b) in self.blocks.iter().enumerate() {
+                if let (Some(h), true) = (b.hash, b.ready) {
+                    if index.id_of(h) != Some(i as BlockId) {
+                        return Err(format!("ready index misplaces block {i} ({h})"));
+                    }
+                }
+            }
+        }
         for (h, id) in &self.by_hash {
             if self.blocks[*id as usize].hash != Some(*h) {
                 return Err(format!("map entry {h} -> {id} stale"));
@@ -380,6 +419,10 @@ impl BlockPool {
             self.by_hash.remove(&h);
             if b.ready {
                 self.ready_cached -= 1;
+                // Before the block can be handed out and rewritten.
+                if let Some(index) = &self.ready_index {
+                    index.remove(h);
+                }
             }
         }
         b.parent = None;

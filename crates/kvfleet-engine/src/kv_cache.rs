@@ -4,6 +4,15 @@
 //! `[num_blocks][block_size][n_kv_heads][head_dim]`. Position `p` of a sequence lives in
 //! block `block_table[p / block_size]` at offset `p % block_size`. The block pool decides
 //! which blocks a sequence owns; this type only stores the numbers.
+//!
+//! Each layer sits behind its own lock so that another thread can copy blocks out
+//! ([`KvBlockReader`]) while a step runs: a step holds a layer's write lock only while
+//! it writes that layer's new keys and values, and reads it, like the copier, under a
+//! read lock. Which blocks are safe to copy is the block pool's business
+//! ([`crate::block_export`]).
+
+use crate::block_export::KvBlockReader;
+use std::sync::{Arc, PoisonError, RwLock};
 
 /// Keys and values of one layer.
 #[derive(Debug, Clone)]
@@ -12,14 +21,20 @@ pub(crate) struct LayerKv {
     pub(crate) v: Vec<f32>,
 }
 
-/// Paged key/value storage for all layers of a model.
-#[derive(Debug, Clone)]
-pub struct KvCache {
-    layers: Vec<LayerKv>,
+/// The layers and their shape, shared with block readers on other threads.
+#[derive(Debug)]
+struct KvStorage {
+    layers: Box<[RwLock<LayerKv>]>,
     num_blocks: usize,
     block_size: usize,
     n_kv_heads: usize,
     head_dim: usize,
+}
+
+/// Paged key/value storage for all layers of a model.
+#[derive(Debug)]
+pub struct KvCache {
+    storage: Arc<KvStorage>,
 }
 
 impl KvCache {
@@ -38,48 +53,52 @@ impl KvCache {
         assert!(block_size > 0, "KvCache block_size must be positive");
         let len = num_blocks * block_size * n_kv_heads * head_dim;
         let layers = (0..num_layers)
-            .map(|_| LayerKv {
-                k: vec![0.0; len],
-                v: vec![0.0; len],
+            .map(|_| {
+                RwLock::new(LayerKv {
+                    k: vec![0.0; len],
+                    v: vec![0.0; len],
+                })
             })
             .collect();
         Self {
-            layers,
-            num_blocks,
-            block_size,
-            n_kv_heads,
-            head_dim,
+            storage: Arc::new(KvStorage {
+                layers,
+                num_blocks,
+                block_size,
+                n_kv_heads,
+                head_dim,
+            }),
         }
     }
 
     /// Number of blocks per layer.
     pub fn num_blocks(&self) -> usize {
-        self.num_blocks
+        self.storage.num_blocks
     }
 
     /// Tokens per block.
     pub fn block_size(&self) -> usize {
-        self.block_size
+        self.storage.block_size
     }
 
     /// Number of layers.
     pub fn num_layers(&self) -> usize {
-        self.layers.len()
+        self.storage.layers.len()
     }
 
     /// Key/value heads per position.
     pub fn n_kv_heads(&self) -> usize {
-        self.n_kv_heads
+        self.storage.n_kv_heads
     }
 
     /// Width of one head.
     pub fn head_dim(&self) -> usize {
-        self.head_dim
+        self.storage.head_dim
     }
 
     /// Floats per block in one layer's K (or V) array.
     pub(crate) fn block_stride(&self) -> usize {
-        self.block_size * self.n_kv_heads * self.head_dim
+        self.storage.block_stride()
     }
 
     /// Copies block `src` onto block `dst` in every layer, keys and values: the data half
@@ -90,60 +109,52 @@ impl KvCache {
     pub fn copy_block(&mut self, src: u32, dst: u32) {
         let (src, dst) = (src as usize, dst as usize);
         assert!(
-            src < self.num_blocks && dst < self.num_blocks,
+            src < self.num_blocks() && dst < self.num_blocks(),
             "copy_block({src}, {dst}) outside a cache of {} blocks",
-            self.num_blocks
+            self.num_blocks()
         );
         if src == dst {
             return;
         }
         let stride = self.block_stride();
-        for layer in &mut self.layers {
-            layer
-                .k
-                .copy_within(src * stride..(src + 1) * stride, dst * stride);
-            layer
-                .v
-                .copy_within(src * stride..(src + 1) * stride, dst * stride);
+        for li in 0..self.num_layers() {
+            self.with_layer_mut(li, |layer| {
+                layer
+                    .k
+                    .copy_within(src * stride..(src + 1) * stride, dst * stride);
+                layer
+                    .v
+                    .copy_within(src * stride..(src + 1) * stride, dst * stride);
+            });
         }
     }
 
     /// Bytes held by keys and values.
     pub fn bytes(&self) -> usize {
-        2 * self.layers.len() * self.num_blocks * self.block_stride() * std::mem::size_of::<f32>()
+        self.num_blocks() * self.bytes_per_block()
     }
 
     /// Bytes one block takes across all layers, keys and values: what the block pool
     /// multiplies by its block count when sizing the cache from a memory budget.
     pub fn bytes_per_block(&self) -> usize {
-        2 * self.layers.len() * self.block_stride() * std::mem::size_of::<f32>()
+        self.storage.bytes_per_block()
     }
 
     /// One block's keys and values, every layer, as little-endian f32 bytes in the
     /// order layer 0 K, layer 0 V, layer 1 K, …: what a lower tier or a peer stores.
     pub fn read_block(&self, id: u32) -> crate::error::Result<Vec<u8>> {
-        let id = self.check_block(id)?;
-        let stride = self.block_stride();
-        let mut out = Vec::with_capacity(self.bytes_per_block());
-        for layer in &self.layers {
-            for plane in [&layer.k, &layer.v] {
-                let floats = &plane[id * stride..(id + 1) * stride];
-                if cfg!(target_endian = "little") {
-                    // The floats' memory is already the wire format: one copy.
-                    out.extend_from_slice(bytemuck::cast_slice::<f32, u8>(floats));
-                } else {
-                    floats
-                        .iter()
-                        .for_each(|x| out.extend_from_slice(&x.to_le_bytes()));
-                }
-            }
-        }
-        Ok(out)
+        Ok(self.storage.read_blocks(&[id])?.remove(0))
+    }
+
+    /// A handle that copies blocks out of this cache from any thread (it shares the
+    /// memory; the caller must know the blocks it reads are not being rewritten).
+    pub fn reader(&self) -> Arc<dyn KvBlockReader> {
+        Arc::clone(&self.storage) as Arc<dyn KvBlockReader>
     }
 
     /// Overwrites one block with bytes [`KvCache::read_block`] produced.
     pub fn write_block(&mut self, id: u32, bytes: &[u8]) -> crate::error::Result<()> {
-        let id = self.check_block(id)?;
+        let id = self.storage.check_block(id)?;
         if bytes.len() != self.bytes_per_block() {
             return Err(crate::error::EngineError::InvalidRequest(format!(
                 "a KV block is {} bytes here, got {}",
@@ -153,21 +164,55 @@ impl KvCache {
         }
         let stride = self.block_stride();
         let mut src = bytes.chunks_exact(4 * stride);
-        for layer in &mut self.layers {
-            for plane in [&mut layer.k, &mut layer.v] {
-                let floats = &mut plane[id * stride..(id + 1) * stride];
-                let Some(chunk) = src.next() else { break };
-                if cfg!(target_endian = "little") {
-                    // Cast the (aligned) floats, not the bytes, which may be unaligned.
-                    bytemuck::cast_slice_mut::<f32, u8>(floats).copy_from_slice(chunk);
-                } else {
-                    for (x, b) in floats.iter_mut().zip(chunk.chunks_exact(4)) {
-                        *x = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        for li in 0..self.num_layers() {
+            self.with_layer_mut(li, |layer| {
+                for plane in [&mut layer.k, &mut layer.v] {
+                    let floats = &mut plane[id * stride..(id + 1) * stride];
+                    let Some(chunk) = src.next() else { return };
+                    if cfg!(target_endian = "little") {
+                        // Cast the (aligned) floats, not the bytes, which may be unaligned.
+                        bytemuck::cast_slice_mut::<f32, u8>(floats).copy_from_slice(chunk);
+                    } else {
+                        for (x, b) in floats.iter_mut().zip(chunk.chunks_exact(4)) {
+                            *x = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                        }
                     }
                 }
-            }
+            });
         }
         Ok(())
+    }
+
+    /// Runs `f` over one layer's keys and values, read-only (block readers may read
+    /// the same layer meanwhile).
+    pub(crate) fn with_layer<R>(&self, layer: usize, f: impl FnOnce(&LayerKv) -> R) -> R {
+        let guard = self.storage.layers[layer]
+            .read()
+            .unwrap_or_else(PoisonError::into_inner);
+        f(&guard)
+    }
+
+    /// Runs `f` over one layer's keys and values for writing; block readers of that
+    /// layer wait until it returns, so keep it short.
+    pub(crate) fn with_layer_mut<R>(
+        &mut self,
+        layer: usize,
+        f: impl FnOnce(&mut LayerKv) -> R,
+    ) -> R {
+        let mut guard = self.storage.layers[layer]
+            .write()
+            .unwrap_or_else(PoisonError::into_inner);
+        f(&mut guard)
+    }
+}
+
+impl KvStorage {
+    fn block_stride(&self) -> usize {
+        self.block_size * self.n_kv_heads * self.head_dim
+    }
+
+    fn bytes_per_block(&self) -> usize {
+        2 * self.layers.len() * self.block_stride() * std::mem::size_of::<f32>()
     }
 
     fn check_block(&self, id: u32) -> crate::error::Result<usize> {
@@ -180,13 +225,38 @@ impl KvCache {
         }
         Ok(id)
     }
+}
 
-    pub(crate) fn layer(&self, layer: usize) -> &LayerKv {
-        &self.layers[layer]
-    }
-
-    pub(crate) fn layer_mut(&mut self, layer: usize) -> &mut LayerKv {
-        &mut self.layers[layer]
+impl KvBlockReader for KvStorage {
+    fn read_blocks(&self, ids: &[u32]) -> crate::error::Result<Vec<Vec<u8>>> {
+        let ids = ids
+            .iter()
+            .map(|&id| self.check_block(id))
+            .collect::<crate::error::Result<Vec<_>>>()?;
+        let stride = self.block_stride();
+        let mut out: Vec<Vec<u8>> = ids
+            .iter()
+            .map(|_| Vec::with_capacity(self.bytes_per_block()))
+            .collect();
+        // Layer by layer, each under its read lock once for every block asked for: a
+        // step waits at most one layer's copy to write that layer.
+        for layer in self.layers.iter() {
+            let layer = layer.read().unwrap_or_else(PoisonError::into_inner);
+            for (&id, buf) in ids.iter().zip(out.iter_mut()) {
+                for plane in [&layer.k, &layer.v] {
+                    let floats = &plane[id * stride..(id + 1) * stride];
+                    if cfg!(target_endian = "little") {
+                        // The floats' memory is already the wire format: one copy.
+                        buf.extend_from_slice(bytemuck::cast_slice::<f32, u8>(floats));
+                    } else {
+                        floats
+                            .iter()
+                            .for_each(|x| buf.extend_from_slice(&x.to_le_bytes()));
+                    }
+                }
+            }
+        }
+        Ok(out)
     }
 }
 
@@ -206,13 +276,15 @@ mod tests {
     #[test]
     fn a_block_read_out_and_written_elsewhere_is_bit_identical() {
         let mut kv = KvCache::new(2, 3, 2, 1, 2);
-        for (l, layer) in kv.layers.iter_mut().enumerate() {
-            for (i, x) in layer.k.iter_mut().enumerate() {
-                *x = (l * 100 + i) as f32 + 0.25;
-            }
-            for (i, x) in layer.v.iter_mut().enumerate() {
-                *x = -((l * 100 + i) as f32) - 0.5;
-            }
+        for l in 0..kv.num_layers() {
+            kv.with_layer_mut(l, |layer| {
+                for (i, x) in layer.k.iter_mut().enumerate() {
+                    *x = (l * 100 + i) as f32 + 0.25;
+                }
+                for (i, x) in layer.v.iter_mut().enumerate() {
+                    *x = -((l * 100 + i) as f32) - 0.5;
+                }
+            });
         }
         let bytes = kv.read_block(1).unwrap();
         assert_eq!(bytes.len(), kv.bytes_per_block());
@@ -233,9 +305,10 @@ mod tests {
         kv.write_block(2, &bytes).unwrap();
         let stride = kv.block_stride();
         for l in 0..2 {
-            let layer = kv.layer(l);
-            assert_eq!(layer.k[2 * stride..3 * stride], layer.k[stride..2 * stride]);
-            assert_eq!(layer.v[2 * stride..3 * stride], layer.v[stride..2 * stride]);
+            kv.with_layer(l, |layer| {
+                assert_eq!(layer.k[2 * stride..3 * stride], layer.k[stride..2 * stride]);
+                assert_eq!(layer.v[2 * stride..3 * stride], layer.v[stride..2 * stride]);
+            });
         }
         assert!(
             kv.write_block(2, &bytes[1..]).is_err(),
@@ -248,18 +321,26 @@ mod tests {
     fn copy_block_copies_every_layer_k_and_v() {
         let mut kv = KvCache::new(2, 4, 2, 1, 2);
         let stride = kv.block_stride();
-        for (l, layer) in kv.layers.iter_mut().enumerate() {
-            for (i, x) in layer.k.iter_mut().enumerate() {
-                *x = (l * 1000 + i) as f32;
-            }
-            for (i, x) in layer.v.iter_mut().enumerate() {
-                *x = -((l * 1000 + i) as f32);
-            }
+        for l in 0..kv.num_layers() {
+            kv.with_layer_mut(l, |layer| {
+                for (i, x) in layer.k.iter_mut().enumerate() {
+                    *x = (l * 1000 + i) as f32;
+                }
+                for (i, x) in layer.v.iter_mut().enumerate() {
+                    *x = -((l * 1000 + i) as f32);
+                }
+            });
         }
-        let before = kv.clone();
+        let snapshot = |kv: &KvCache| -> Vec<LayerKv> {
+            (0..kv.num_layers())
+                .map(|l| kv.with_layer(l, LayerKv::clone))
+                .collect()
+        };
+        let before = snapshot(&kv);
         kv.copy_block(1, 3);
+        let after = snapshot(&kv);
         for l in 0..2 {
-            let (a, b) = (kv.layer(l), before.layer(l));
+            let (a, b) = (&after[l], &before[l]);
             assert_eq!(a.k[3 * stride..4 * stride], b.k[stride..2 * stride]);
             assert_eq!(a.v[3 * stride..4 * stride], b.v[stride..2 * stride]);
             // Everything else is untouched.

@@ -3,6 +3,8 @@
 //!
 //! - [`block_pool`]: fixed KV blocks, reference counted and addressed by chained hash,
 //!   with an LRU free list whose blocks stay cached until reused.
+//! - [`block_export`]: copying ready blocks out for a peer from another thread while
+//!   the engine steps.
 //! - [`scheduler`]: continuous batching with chunked prefill, prefix reuse at
 //!   admission, in-flight sharing, and preemption by recompute.
 //! - [`engine`]: one step = schedule, batched forward, sample, publish KV events.
@@ -25,6 +27,7 @@
 //!   of computing (`kvfleet worker --engine sim`), for load tests of real fleets.
 
 pub mod backend;
+pub mod block_export;
 pub mod block_pool;
 pub mod constrained;
 #[cfg(feature = "cuda")]
@@ -51,6 +54,7 @@ pub mod stop_matcher;
 pub mod throughput;
 
 pub use backend::{CpuBackend, ModelBackend, StepShape};
+pub use block_export::{BlockExporter, KvBlockReader};
 pub use device::{new_backend, Device};
 pub use engine::{
     Completion, Engine, EngineConfig, EngineLoad, EngineStats, ForkChild, ForkRequest, PinClock,

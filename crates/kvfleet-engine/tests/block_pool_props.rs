@@ -187,8 +187,11 @@ proptest! {
         num_blocks in 1usize..24,
         ops in proptest::collection::vec(op(), 1..120),
     ) {
+        let mut pool = BlockPool::new(num_blocks);
+        // Kept from the start, so every step checks it against the pool.
+        let ready_index = pool.ready_index();
         let mut s = Shadow {
-            pool: BlockPool::new(num_blocks),
+            pool,
             content: vec![None; num_blocks],
             seqs: Vec::new(),
             next_owner: 1,
@@ -203,6 +206,14 @@ proptest! {
                 prop_assert!(s.pool.ref_count(b) >= n, "block {} refcount below its holders", b);
             }
             prop_assert_eq!(s.pool.num_in_use(), s.holders().len());
+            // What another thread would copy out holds what its hash names.
+            for c in 0..4u8 {
+                for d in 0..8u8 {
+                    if let Some(b) = ready_index.id_of(chain_hash(c, d)) {
+                        prop_assert_eq!(s.content[b as usize], Some(chain_hash(c, d)));
+                    }
+                }
+            }
         }
         // Free everything: no block may leak.
         let seqs = std::mem::take(&mut s.seqs);

@@ -5,8 +5,8 @@
 
 use kvfleet_engine::kv_tiers::disk_tier::STAGING_FILE;
 use kvfleet_engine::{
-    CpuBackend, DiskTierConfig, Engine, EngineConfig, KvEventKind, LlamaModel, Medium, ModelConfig,
-    RecordingSink, Request, SamplingParams, TierConfig,
+    CpuBackend, DiskTierConfig, Engine, EngineConfig, KvBlockReader, KvEventKind, LlamaModel,
+    Medium, ModelBackend, ModelConfig, RecordingSink, Request, SamplingParams, TierConfig,
 };
 mod support;
 
@@ -22,7 +22,10 @@ fn model() -> Arc<LlamaModel> {
 }
 
 fn engine(model: &Arc<LlamaModel>, num_blocks: usize) -> Engine {
-    let backend = CpuBackend::new(model.clone(), num_blocks, BS);
+    engine_on(CpuBackend::new(model.clone(), num_blocks, BS))
+}
+
+fn engine_on(backend: CpuBackend) -> Engine {
     Engine::new(
         EngineConfig {
             model_id: "tiny".into(),
@@ -367,4 +370,86 @@ fn blocks_exported_by_one_engine_and_imported_by_another_give_the_cold_logits() 
         .add_request(Request::new(8, a.clone(), SamplingParams::default()))
         .expect("add");
     assert_eq!(other.stage_peer_blocks(8, &[bad]), 0);
+}
+
+#[test]
+fn blocks_copied_from_another_thread_while_the_engine_evicts_them_are_never_torn() {
+    // Four prompts of five blocks take turns in a 12-block pool, so every run evicts
+    // blocks another thread may be copying; every block it is handed must hold its
+    // own prompt's K/V, never some of another's.
+    let m = model();
+    let prompts: Vec<Vec<u32>> = (0..4).map(|s| prompt(40 + s, 5 * BS + 3)).collect();
+    let floats = |b: &[u8]| -> Vec<f32> {
+        b.chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect()
+    };
+    let mut reference = std::collections::HashMap::new();
+    let mut all_hashes = Vec::new();
+    for p in &prompts {
+        let mut alone = engine(&m, 16);
+        run(&mut alone, 1, p);
+        let hashes = kvfleet_core::hash_blocks(alone.namespace_seed(""), p, BS);
+        for b in alone.export_blocks(&hashes).expect("export") {
+            reference.insert(b.hash, floats(&b.bytes));
+        }
+        all_hashes.push(hashes);
+    }
+    assert_eq!(reference.len(), 20, "the prompts share no block");
+
+    let backend = CpuBackend::new(m.clone(), 12, BS);
+    let memory = backend
+        .block_reader()
+        .expect("the CPU backend reads off-thread");
+    let mut e = engine_on(backend);
+    // Each copy starts a moment after its lookup, so that the engine often evicts and
+    // rewrites a block between the two: what the exporter must notice.
+    let exporter = e
+        .block_exporter()
+        .expect("an exporter")
+        .with_reader(Arc::new(SlowReader(memory)));
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let copier = {
+        let stop = Arc::clone(&stop);
+        let reference = reference.clone();
+        std::thread::spawn(move || {
+            let (mut served, mut torn) = (0usize, 0usize);
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                for hashes in &all_hashes {
+                    for b in exporter.export(hashes).expect("copy") {
+                        served += 1;
+                        let want = &reference[&b.hash];
+                        if max_diff(&floats(&b.bytes), want) > 1e-3 {
+                            torn += 1;
+                        }
+                    }
+                }
+            }
+            (served, torn)
+        })
+    };
+    let mut id = 10;
+    for _ in 0..25 {
+        for p in &prompts {
+            id += 1;
+            run(&mut e, id, p);
+        }
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (served, torn) = copier.join().expect("copier");
+    assert_eq!(torn, 0, "{torn} of {served} copied blocks held other K/V");
+    assert!(
+        served > 0,
+        "the copier was served blocks while the engine ran"
+    );
+}
+
+/// Copies through `.0` after a pause.
+struct SlowReader(Arc<dyn KvBlockReader>);
+
+impl KvBlockReader for SlowReader {
+    fn read_blocks(&self, ids: &[u32]) -> kvfleet_engine::Result<Vec<Vec<u8>>> {
+        std::thread::sleep(Duration::from_micros(300));
+        self.0.read_blocks(ids)
+    }
 }

@@ -30,9 +30,9 @@ use crate::outbox::{Delivery, Outbox};
 use crate::tier_metrics::TierMetrics;
 use kvfleet_core::{hash_blocks, TokenId, Tokenizer};
 use kvfleet_engine::{
-    load_model, new_backend, Engine, EngineError, FinishReason, ForkChild, ForkRequest,
-    LoadedModel, ModelBackend, ProgressGuard, Request, RequestId, SimBackend, StepOutput,
-    MAX_IDLE_STEPS,
+    load_model, new_backend, BlockExporter, Engine, EngineError, FinishReason, ForkChild,
+    ForkRequest, LoadedModel, ModelBackend, ProgressGuard, Request, RequestId, SimBackend,
+    StepOutput, MAX_IDLE_STEPS,
 };
 use kvfleet_proto::v1 as pb;
 use std::collections::HashMap;
@@ -55,8 +55,9 @@ const MAX_COMMANDS_PER_TURN: usize = 256;
 pub(crate) struct EngineThread {
     /// Where to send commands.
     pub handle: EngineHandle,
-    /// The worker's static facts once the model is loaded, or why it could not be.
-    pub ready: oneshot::Receiver<Result<pb::InfoResponse, WorkerError>>,
+    /// The worker's static facts once the model is loaded (and an exporter of its
+    /// blocks for peers, when the backend has one), or why it could not be.
+    pub ready: oneshot::Receiver<Result<(pb::InfoResponse, Option<BlockExporter>), WorkerError>>,
     /// Its sender is dropped when the thread ends.
     pub stopped: watch::Receiver<()>,
     /// What the engine publishes for the handlers (load, unfinished names).
@@ -87,14 +88,15 @@ pub(crate) fn spawn(
             // whoever sees `stopped` already sees how it ended.
             let _stopped = stopped_tx;
             let reporter = reporter;
-            let (engine, info) = match build_engine(&config, events) {
+            let (mut engine, info) = match build_engine(&config, events) {
                 Ok(built) => built,
                 Err(e) => {
                     let _ = ready_tx.send(Err(e));
                     return;
                 }
             };
-            if ready_tx.send(Ok(info)).is_err() {
+            let exporter = engine.block_exporter();
+            if ready_tx.send(Ok((info, exporter))).is_err() {
                 return;
             }
             EngineLoop::new(

@@ -1,8 +1,11 @@
 //! The tonic service: the `kvfleet.v1.Worker` RPCs, answered by the engine thread
 //! (`Generate`, `Fork`), the state it publishes (`Load`, `Abort`, which queues the
-//! abort and returns), the event log (`KvEvents`, `CacheDump`) or the worker's static
-//! facts (`Info`). Handlers never block and never wait behind an engine step, except
-//! `Generate` and `Fork` for their acceptance: they queue a command with `try_send`.
+//! abort and returns), the event log (`KvEvents`, `CacheDump`), the device pool's
+//! shared block index and KV memory (`FetchBlocks`, copied on a blocking thread) or the
+//! worker's static facts (`Info`). Handlers never block and never wait behind an engine
+//! step, except `Generate` and `Fork` for their acceptance (they queue a command with
+//! `try_send`) and `FetchBlocks` for blocks below the pool or on a backend without a
+//! shared reader.
 
 use crate::commands::{Command, EngineHandle, ForkChildCommand, ForkCommand, GenerateCommand};
 use crate::config::WorkerConfig;
@@ -14,6 +17,8 @@ use crate::error::WorkerError;
 use crate::event_log::EventLog;
 use crate::peer_pull::{PeerPuller, MAX_PULL_BLOCKS};
 use futures::Stream;
+use kvfleet_core::BlockHash;
+use kvfleet_engine::{BlockExporter, KvBlockPayload};
 use kvfleet_proto::kv_events::medium_to_wire;
 use kvfleet_proto::v1 as pb;
 use kvfleet_proto::v1::worker_server::{Worker, WorkerServer};
@@ -55,7 +60,14 @@ pub struct WorkerService {
     health: EngineHealth,
     peers: Arc<PeerPuller>,
     exit_mid_fetch_after: Option<usize>,
+    /// Copies pool blocks out for peers without waiting for the engine's step.
+    exporter: Option<BlockExporter>,
+    /// Whether blocks may also sit in tiers below the pool (only the engine reads those).
+    tiers: bool,
 }
+
+/// Blocks copied out of the pool per blocking task while a `FetchBlocks` stream drains.
+const EXPORT_CHUNK: usize = 32;
 
 /// The `FetchBlocks` response stream.
 pub type FetchBlocksStream = ReceiverStream<Result<pb::KvBlockData, Status>>;
@@ -84,7 +96,7 @@ impl WorkerService {
             config.event_subscriber_buffer,
         ));
         let thread = engine_loop::spawn(&config, Arc::clone(&events))?;
-        let info = thread
+        let (info, exporter) = thread
             .ready
             .await
             .map_err(|_| WorkerError::Task("the engine thread exited while starting".into()))??;
@@ -108,6 +120,8 @@ impl WorkerService {
             health: thread.health,
             peers: PeerPuller::new(&config.worker_id, config.peer_tls.clone()),
             exit_mid_fetch_after: config.faults.exit_mid_fetch_after,
+            exporter,
+            tiers: config.kv_tiers.enabled(),
         })
     }
 
@@ -319,35 +333,39 @@ impl Worker for WorkerService {
                 "at most {MAX_PULL_BLOCKS} blocks per FetchBlocks call"
             )));
         }
-        let (reply, blocks) = oneshot::channel();
-        self.engine.send(Command::Export {
-            hashes: req.block_hashes,
-            reply,
-        })?;
-        let blocks = blocks
-            .await
-            .map_err(|_| Status::unavailable("the worker's engine stopped"))?;
-        // A few blocks in flight at a time: the payloads are already in memory, the
-        // channel only paces the sends.
+        let hashes = req.block_hashes;
+        // A few blocks in flight at a time: they are copied as the stream is drained,
+        // so a long pull holds a few chunks in memory, not the whole prefix.
         let (tx, rx) = mpsc::channel(4);
-        let exit_after = self.exit_mid_fetch_after;
-        tokio::spawn(async move {
-            for (i, b) in blocks.into_iter().enumerate() {
-                if exit_after == Some(i) {
-                    // Fault hook: die mid-transfer, as a killed process would.
-                    std::process::exit(137);
-                }
-                let msg = pb::KvBlockData {
-                    hash: b.hash.0,
-                    parent_hash: b.parent.map(|p| p.0),
-                    checksum: xxhash_rust::xxh3::xxh3_64(&b.bytes),
-                    data: b.bytes.to_vec(),
-                };
-                if tx.send(Ok(msg)).await.is_err() {
-                    return;
-                }
+        let sender = BlockSender {
+            tx,
+            sent: 0,
+            exit_after: self.exit_mid_fetch_after,
+        };
+        match self.exporter.clone() {
+            // Copied off the engine thread: a busy holder serves without waiting for
+            // its step. Blocks below the pool are the engine's to export.
+            Some(exporter) => {
+                let engine = self.engine.clone();
+                let below_pool = self.tiers;
+                tokio::spawn(async move {
+                    let mut sender = sender;
+                    if !sender.send_from_pool(&exporter, &hashes).await {
+                        return;
+                    }
+                    if below_pool && sender.sent < hashes.len() {
+                        let rest = hashes[sender.sent..].to_vec();
+                        if let Ok(blocks) = export_on_engine(&engine, rest).await {
+                            sender.send_all(blocks).await;
+                        }
+                    }
+                });
             }
-        });
+            None => {
+                let blocks = export_on_engine(&self.engine, hashes).await?;
+                tokio::spawn(sender.send_all(blocks));
+            }
+        }
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 
@@ -467,5 +485,76 @@ impl Worker for WorkerService {
             self.engine.send(Command::Abort { request_id })?;
         }
         Ok(Response::new(pb::AbortResponse { found }))
+    }
+}
+
+/// Asks the engine thread for the leading run of `hashes` it holds (pool, then the
+/// tiers below it); answered between two steps.
+async fn export_on_engine(
+    engine: &EngineHandle,
+    hashes: Vec<u64>,
+) -> Result<Vec<KvBlockPayload>, Status> {
+    let (reply, blocks) = oneshot::channel();
+    engine.send(Command::Export { hashes, reply })?;
+    blocks
+        .await
+        .map_err(|_| Status::unavailable("the worker's engine stopped"))
+}
+
+/// The sending end of one `FetchBlocks` stream.
+struct BlockSender {
+    tx: mpsc::Sender<Result<pb::KvBlockData, Status>>,
+    sent: usize,
+    /// Fault hook: die after this many blocks, as a killed process would.
+    exit_after: Option<usize>,
+}
+
+impl BlockSender {
+    /// Sends one block; false once the peer has gone.
+    async fn send(&mut self, b: KvBlockPayload) -> bool {
+        if self.exit_after == Some(self.sent) {
+            std::process::exit(137);
+        }
+        let msg = pb::KvBlockData {
+            hash: b.hash.0,
+            parent_hash: b.parent.map(|p| p.0),
+            checksum: xxhash_rust::xxh3::xxh3_64(&b.bytes),
+            data: b.bytes.to_vec(),
+        };
+        if self.tx.send(Ok(msg)).await.is_err() {
+            return false;
+        }
+        self.sent += 1;
+        true
+    }
+
+    async fn send_all(mut self, blocks: Vec<KvBlockPayload>) {
+        for b in blocks {
+            if !self.send(b).await {
+                return;
+            }
+        }
+    }
+
+    /// Sends the leading run of `hashes` held in the device pool, copied a chunk at
+    /// a time on a blocking thread; false once the peer has gone.
+    async fn send_from_pool(&mut self, exporter: &BlockExporter, hashes: &[u64]) -> bool {
+        for chunk in hashes.chunks(EXPORT_CHUNK) {
+            let asked: Vec<BlockHash> = chunk.iter().copied().map(BlockHash).collect();
+            let x = exporter.clone();
+            let copied = tokio::task::spawn_blocking(move || x.export(&asked)).await;
+            // A copy that failed is a short run: the peer recomputes the rest.
+            let blocks = copied.ok().and_then(Result::ok).unwrap_or_default();
+            let whole = blocks.len() == chunk.len();
+            for b in blocks {
+                if !self.send(b).await {
+                    return false;
+                }
+            }
+            if !whole {
+                break;
+            }
+        }
+        true
     }
 }

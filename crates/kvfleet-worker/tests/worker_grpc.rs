@@ -537,6 +537,65 @@ async fn load_cache_dump_and_abort_answer_while_a_long_step_runs() {
     handle.shutdown().await.unwrap();
 }
 
+/// Every block of a `FetchBlocks` answer, within `within`.
+async fn fetch_all(
+    client: &mut WorkerClient<Channel>,
+    info: &pb::InfoResponse,
+    hashes: &[u64],
+    within: Duration,
+) -> Vec<pb::KvBlockData> {
+    let req = pb::FetchBlocksRequest {
+        block_hashes: hashes.to_vec(),
+        block_format: info.kv_block_format.clone(),
+        block_bytes: info.kv_block_bytes,
+    };
+    tokio::time::timeout(within, async {
+        let mut stream = client.fetch_blocks(req).await.expect("fetch").into_inner();
+        let mut out = Vec::new();
+        while let Some(b) = stream.message().await.expect("block") {
+            out.push(b);
+        }
+        out
+    })
+    .await
+    .expect("FetchBlocks answered in time")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fetch_blocks_is_served_while_a_long_step_runs() {
+    // A pull goes to a holder because it is busy: its blocks must not wait for the
+    // step in progress (4 s here, a long prefill on a real model).
+    let (handle, mut client) = worker("w-export-busy", |c| {
+        c.faults.step_delay = Some(Duration::from_secs(4));
+    })
+    .await;
+    let info = client.info(pb::InfoRequest {}).await.unwrap().into_inner();
+    let held = prompt(7, 3 * BS + 5);
+    generate(&mut client, request("held", held.clone(), 1)).await;
+    let want = common::hashes(&held);
+    assert_eq!(want.len(), 3);
+    let idle = fetch_all(&mut client, &info, &want, Duration::from_secs(10)).await;
+    assert_eq!(idle.len(), 3, "the idle holder serves every block");
+
+    let busy_stream = client
+        .generate(request("busy", prompt(8, 40), 1))
+        .await
+        .expect("accepted")
+        .into_inner();
+    // The engine thread is now inside its step.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let busy = fetch_all(&mut client, &info, &want, Duration::from_secs(1)).await;
+    assert_eq!(busy.len(), 3, "served during the step");
+    for (a, b) in idle.iter().zip(&busy) {
+        assert_eq!(a.hash, b.hash);
+        assert_eq!(a.parent_hash, b.parent_hash);
+        assert_eq!(a.data.len() as u64, info.kv_block_bytes);
+        assert_eq!(a.data, b.data, "the same K/V, whichever thread copied it");
+    }
+    collect(busy_stream).await;
+    handle.shutdown().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_accepted_request_is_acknowledged_at_once_with_its_queue_position() {
     // One sequence at a time: while `a` runs, later requests wait in the queue.

@@ -3,6 +3,7 @@
 //! host or disk tier (or a peer's blocks) into the pool, and the events of both.
 
 use super::Engine;
+use crate::block_export::BlockExporter;
 use crate::block_pool::BlockId;
 use crate::error::{EngineError, Result};
 use crate::kv_events::Medium;
@@ -64,6 +65,16 @@ impl Engine {
     /// The format and size of the blocks [`Engine::export_blocks`] returns.
     pub fn block_format(&self) -> (&'static str, usize) {
         (self.backend.block_format(), self.backend.block_bytes())
+    }
+
+    /// An exporter of the device pool's ready blocks for other threads, when the
+    /// backend's KV memory can be read from them (see [`crate::block_export`]).
+    pub fn block_exporter(&mut self) -> Option<BlockExporter> {
+        let reader = self.backend.block_reader()?;
+        Some(BlockExporter::new(
+            self.scheduler.pool.ready_index(),
+            reader,
+        ))
     }
 
     /// The leading run of `hashes` this engine holds (device pool first, then the host

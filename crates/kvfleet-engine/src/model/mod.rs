@@ -344,37 +344,41 @@ impl LlamaModel {
             let stride = qkv.len() / n;
             // Keys and values of every new token go to their slots first: a token's
             // attention reads its own and its predecessors' through the same path.
-            let lkv = kv.layer_mut(li);
-            for p in &plans {
-                for (t, row) in p.rows.clone().enumerate() {
-                    let pos = p.item.start_pos + t;
-                    let slot = p.item.block_table[pos / bs] as usize * bs + pos % bs;
-                    let src = &qkv[row * stride..(row + 1) * stride];
-                    lkv.k[slot * kvd..(slot + 1) * kvd].copy_from_slice(&src[qd..qd + kvd]);
-                    lkv.v[slot * kvd..(slot + 1) * kvd]
-                        .copy_from_slice(&src[qd + kvd..qd + 2 * kvd]);
+            // (Under the layer's write lock only while the slots are written: a block
+            // reader on another thread may copy this layer during the attention.)
+            kv.with_layer_mut(li, |lkv| {
+                for p in &plans {
+                    for (t, row) in p.rows.clone().enumerate() {
+                        let pos = p.item.start_pos + t;
+                        let slot = p.item.block_table[pos / bs] as usize * bs + pos % bs;
+                        let src = &qkv[row * stride..(row + 1) * stride];
+                        lkv.k[slot * kvd..(slot + 1) * kvd].copy_from_slice(&src[qd..qd + kvd]);
+                        lkv.v[slot * kvd..(slot + 1) * kvd]
+                            .copy_from_slice(&src[qd + kvd..qd + 2 * kvd]);
+                    }
                 }
-            }
+            });
             let last = li + 1 == n_layers;
             let queries = if last { &last_queries } else { &all_queries };
             let m: usize = queries.iter().map(|q| q.rows.len()).sum();
             bufs.attn.clear();
             bufs.attn.resize(m * qd, 0.0);
-            let lkv = kv.layer(li);
-            let paged = PagedKv {
-                k: &lkv.k,
-                v: &lkv.v,
-                block_size: bs,
-            };
-            paged_attention(
-                &self.geom,
-                &qkv,
-                stride,
-                queries,
-                paged,
-                &mut bufs.attn_bufs,
-                &mut bufs.attn,
-            );
+            kv.with_layer(li, |lkv| {
+                let paged = PagedKv {
+                    k: &lkv.k,
+                    v: &lkv.v,
+                    block_size: bs,
+                };
+                paged_attention(
+                    &self.geom,
+                    &qkv,
+                    stride,
+                    queries,
+                    paged,
+                    &mut bufs.attn_bufs,
+                    &mut bufs.attn,
+                );
+            });
             if last && m < n {
                 let mut kept = Vec::with_capacity(m * h);
                 for q in queries {
