@@ -374,6 +374,7 @@ fn main() {
                 matched_blocks: if w % 2 == 0 { 1_000 } else { 64 },
                 host_blocks: 0,
                 disk_blocks: 0,
+                kv_movable: true,
             })
             .collect();
         let ctx = RouteContext {

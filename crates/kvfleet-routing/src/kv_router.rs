@@ -252,6 +252,7 @@ struct WorkerEntry {
 struct Scored {
     id_hash: u64,
     load: CandidateLoad,
+    kv_movable: bool,
 }
 
 /// The pure routing core; see the module docs.
@@ -344,8 +345,9 @@ impl KvRouter {
     /// reporting 0 cannot copy blocks out or in (the simulated engine), so it is never
     /// a pull's source or target, and the pricing stays as it was.
     pub fn set_kv_block_bytes(&mut self, id: &str, block_bytes: u64, block_size: usize) {
-        if let Ok((_, e)) = self.entry_mut(id) {
+        if let Ok((idx, e)) = self.entry_mut(id) {
             e.kv_movable = block_bytes > 0;
+            self.rescore(idx);
         }
         if block_bytes == 0 || block_size == 0 {
             return;
@@ -862,6 +864,7 @@ impl KvRouter {
             matched_blocks,
             host_blocks,
             disk_blocks,
+            kv_movable: e.kv_movable,
         }
     }
 
@@ -953,6 +956,7 @@ impl KvRouter {
             .map(|e| Scored {
                 id_hash: e.id_hash,
                 load: CandidateLoad::from(&e.load),
+                kv_movable: e.kv_movable,
             });
         self.load_order
             .set(idx, self.scored[i].map(|s| (s.load, s.id_hash)));

@@ -205,6 +205,7 @@ impl KvRouter {
                 matched_blocks: class as usize,
                 host_blocks: 0,
                 disk_blocks: 0,
+                kv_movable: e.kv_movable,
             })
         };
         // The next run of members after `after` in `lane`, if its cost is within

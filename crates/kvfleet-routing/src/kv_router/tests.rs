@@ -884,6 +884,30 @@ fn a_worker_with_no_kv_to_move_is_never_a_pull_source_or_target() {
     assert!(pulls_of(&mut r, &h, n).iter().all(|(_, p)| p.is_none()));
 }
 
+#[test]
+fn the_idle_wait_trigger_never_sends_a_request_to_pull_onto_a_worker_that_cannot() {
+    // w0 holds 100 of 101 blocks behind 2,000 queued tokens: past a cold start, so the
+    // idle w1 would take the request and pull. A simulated-engine w1 cannot import
+    // blocks: the request stays on the holder instead of recomputing on w1.
+    let route = |w1_bytes: u64, with_w2: bool| {
+        let (mut r, h, n) = pull_fleet_with(4, crate::policy::PullTrigger::IdleWait);
+        r.set_kv_block_bytes("w0", 737_280, BS);
+        r.set_kv_block_bytes("w1", w1_bytes, BS);
+        if with_w2 {
+            r.add_worker("w2", BS).unwrap();
+        }
+        backlog(&mut r, "w0", 2_000);
+        let d = r.route(&h, n, PolicyKind::CacheAware, 0).unwrap();
+        let pulled_from = d.pull.as_ref().map(|p| p.from.to_string());
+        (d.worker.to_string(), pulled_from, d.predicted_cached_tokens)
+    };
+    let w0 = Some("w0".to_string());
+    assert_eq!(route(737_280, false), ("w1".into(), w0.clone(), 100 * BS));
+    assert_eq!(route(0, false), ("w0".into(), None, 100 * BS));
+    // An idle worker that can import takes the pull in w1's place.
+    assert_eq!(route(0, true), ("w2".into(), w0, 100 * BS));
+}
+
 mod ordered_walk {
     //! `cache-aware` walking the load order chooses exactly what pricing every worker
     //! chooses.

@@ -545,6 +545,7 @@ mod tests {
             matched_blocks: matched,
             host_blocks: 0,
             disk_blocks: 0,
+            kv_movable: true,
         }
     }
 

@@ -53,6 +53,9 @@ pub struct Candidate {
     pub host_blocks: usize,
     /// Blocks after those the worker holds on disk only (capped likewise).
     pub disk_blocks: usize,
+    /// Whether the worker can import a peer's blocks (it reports KV block bytes; a
+    /// simulated engine does not): only then is it a pull target.
+    pub kv_movable: bool,
 }
 
 /// Everything a policy may look at to route one request.
@@ -130,11 +133,15 @@ impl RouteContext<'_> {
 
 impl PeerSource {
     /// Blocks `c` would pull from this source: those after everything `c` holds
-    /// itself, when the source is another worker ahead by at least `min_blocks` (0
-    /// otherwise, and always 0 with `min_blocks` 0).
+    /// itself, when the source is another worker ahead by at least `min_blocks` and
+    /// `c` can import blocks (0 otherwise, and always 0 with `min_blocks` 0).
     pub fn pull_blocks(&self, c: &Candidate, min_blocks: usize) -> usize {
         let have = c.matched_blocks + c.host_blocks + c.disk_blocks;
-        if min_blocks == 0 || self.worker == c.worker || self.blocks < have + min_blocks {
+        if min_blocks == 0
+            || !c.kv_movable
+            || self.worker == c.worker
+            || self.blocks < have + min_blocks
+        {
             return 0;
         }
         self.blocks - have
