@@ -93,6 +93,10 @@ fn get(router: &str, path: &str) -> Value {
 fn send(router: &str, body: &Value, headers: &[(&str, &str)]) -> (u16, Option<String>, u64) {
     let url = format!("http://{router}/v1/chat/completions");
     let (status, worker, v) = post_json(&client(), &url, body, headers);
+    if status != 200 {
+        // The error body names the worker and what failed; a flake is diagnosable from CI.
+        eprintln!("{router} answered {status}: {v}");
+    }
     let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"]
         .as_u64()
         .unwrap_or(0);
