@@ -20,10 +20,11 @@
 //!
 //! Then the write-behind's share of a serving engine's time: a stream of distinct
 //! prompts (4 at a time, 16 blocks each, 16 tokens generated) on a pool that holds
-//! about two of them, so every step's newly cached blocks are copied to host before
-//! they can be evicted. It prints the engine's own counters (`demotion_ns` against
-//! `forward_ns`) and the stream's wall time with the host tier against without,
-//! side by side.
+//! about two batches of them, so every step's newly cached blocks are copied to host
+//! before they can be evicted: on the engine thread between steps, or on the write-out
+//! thread while it steps. It prints the engine's own counters (`demotion_ns`, the
+//! engine thread's write-behind time, against `forward_ns`; blocks copied on and off
+//! the engine thread) and the stream's wall time against no tiers, side by side.
 //!
 //! After criterion's groups a summary table prints blocks/s, GB/s and each operation's
 //! share of memcpy speed (medians of its own runs).
@@ -563,11 +564,59 @@ fn stream(e: &mut Engine, vocab: u32, seed: u32) -> Duration {
     t.elapsed()
 }
 
+/// Where the stream's write-behind copies blocks down.
+#[derive(Clone, Copy, PartialEq)]
+enum WriteBehind {
+    /// No tiers at all: the baseline wall time.
+    None,
+    /// On the engine thread, between steps (a backend without an off-thread reader).
+    OnThread,
+    /// On the write-out thread while the engine steps (the CPU backend's default).
+    OffThread,
+}
+
+/// A serving engine with steps of 256 tokens (a horizon of 25 blocks) on a pool of
+/// 140 blocks, about two batches of the stream, over a host tier of 400.
+fn serving_engine(model: &Arc<LlamaModel>, how: WriteBehind) -> Engine {
+    let mut e = Engine::new(
+        EngineConfig {
+            model_id: "bench".into(),
+            block_size: BS,
+            max_num_seqs: 4,
+            max_batched_tokens: 256,
+            max_prefill_chunk: 256,
+        },
+        Box::new(CpuBackend::new(model.clone(), 140, BS)),
+        None,
+    )
+    .expect("engine");
+    if how != WriteBehind::None {
+        let bytes = 400 * (e.block_format().1 + HOST_OVERHEAD);
+        e.set_kv_tiers(&TierConfig {
+            host_bytes: bytes,
+            disk: None,
+        })
+        .expect("tiers");
+    }
+    if how == WriteBehind::OnThread {
+        e.set_write_out(None).expect("in-thread write-behind");
+    }
+    e
+}
+
 fn write_behind_share() {
-    println!("\nWrite-behind share of engine time (24 prompts of 16 blocks, 4 at a time, pool of 40 blocks)");
+    println!("\nWrite-behind on the engine thread vs off it (24 prompts of 16 blocks, 4 at a time, 256-token steps, pool of 140 blocks)");
     println!(
-        "{:<8} {:>14} {:>14} {:>10} {:>16} {:>16} {:>8}",
-        "model", "demotion ms", "forward ms", "share", "wall tiers ms", "wall none ms", "ratio"
+        "{:<8} {:<10} {:>12} {:>12} {:>8} {:>10} {:>10} {:>10} {:>8}",
+        "model",
+        "copies",
+        "engine ms",
+        "forward ms",
+        "share",
+        "on-thread",
+        "off-thread",
+        "wall ms",
+        "vs none"
     );
     for (name, cfg) in [
         ("tiny", ModelConfig::tiny()),
@@ -575,30 +624,47 @@ fn write_behind_share() {
     ] {
         let model = Arc::new(LlamaModel::seeded(cfg, 1).expect("model"));
         let vocab = model.config().vocab_size as u32;
-        let (mut with, mut without) = (Vec::new(), Vec::new());
-        let (mut demotion, mut forward) = (0u64, 0u64);
-        // Interleaved runs, so drift on a noisy machine hits both alike.
+        let kinds = [
+            ("none", WriteBehind::None),
+            ("on", WriteBehind::OnThread),
+            ("off", WriteBehind::OffThread),
+        ];
+        let mut walls = vec![Vec::new(); kinds.len()];
+        let mut totals = vec![(0u64, 0u64, 0u64, 0u64); kinds.len()];
+        // Interleaved runs, so drift on a noisy machine hits all three alike.
         for run in 0..3u32 {
-            let mut t = engine(&model, 40, 400);
-            with.push(stream(&mut t, vocab, run + 1).as_secs_f64());
-            demotion += t.stats().demotion_ns;
-            forward += t.stats().forward_ns;
-            assert!(t.tier_stats().is_some_and(|s| s.demoted_blocks > 0));
-            let mut n = engine(&model, 40, 0);
-            without.push(stream(&mut n, vocab, run + 1).as_secs_f64());
+            for (k, &(_, how)) in kinds.iter().enumerate() {
+                let mut e = serving_engine(&model, how);
+                walls[k].push(stream(&mut e, vocab, run + 1).as_secs_f64());
+                let s = e.stats();
+                let t = &mut totals[k];
+                t.0 += s.demotion_ns;
+                t.1 += s.forward_ns;
+                t.2 += s.demoted_on_thread;
+                t.3 += s.demoted_off_thread;
+                if how != WriteBehind::None {
+                    let misses = e.tier_stats().map_or(0, |t| t.demotion_misses);
+                    assert_eq!(misses, 0, "write-behind lost a block");
+                }
+            }
         }
-        with.sort_by(f64::total_cmp);
-        without.sort_by(f64::total_cmp);
-        let (w, n) = (with[1], without[1]);
-        println!(
-            "{name:<8} {:>14.2} {:>14.2} {:>9.2}% {:>16.1} {:>16.1} {:>8.3}",
-            demotion as f64 / 3e6,
-            forward as f64 / 3e6,
-            100.0 * demotion as f64 / forward.max(1) as f64,
-            w * 1e3,
-            n * 1e3,
-            w / n
-        );
+        for w in &mut walls {
+            w.sort_by(f64::total_cmp);
+        }
+        let none = walls[0][1];
+        for (k, &(label, _)) in kinds.iter().enumerate() {
+            let (demotion, forward, on, off) = totals[k];
+            println!(
+                "{name:<8} {label:<10} {:>12.2} {:>12.2} {:>7.2}% {:>10} {:>10} {:>10.1} {:>8.3}",
+                demotion as f64 / 3e6,
+                forward as f64 / 3e6,
+                100.0 * demotion as f64 / forward.max(1) as f64,
+                on / 3,
+                off / 3,
+                walls[k][1] * 1e3,
+                walls[k][1] / none
+            );
+        }
     }
 }
 

@@ -95,6 +95,23 @@ impl ReadyIndex {
             .collect()
     }
 
+    fn entries(&self, hashes: &[BlockHash]) -> Vec<(BlockHash, ReadyEntry)> {
+        let m = self.lock();
+        hashes
+            .iter()
+            .filter_map(|h| m.blocks.get(h).map(|e| (*h, *e)))
+            .collect()
+    }
+
+    /// Whether each of `entries` is still published as it was.
+    fn each_still_held(&self, entries: &[(BlockHash, ReadyEntry)]) -> Vec<bool> {
+        let m = self.lock();
+        entries
+            .iter()
+            .map(|(h, e)| m.blocks.get(h) == Some(e))
+            .collect()
+    }
+
     /// How many of `run`'s leading blocks are still published as they were.
     fn still_held(&self, run: &[(BlockHash, ReadyEntry)]) -> usize {
         let m = self.lock();
@@ -159,6 +176,30 @@ impl BlockExporter {
     }
 }
 
+impl BlockExporter {
+    /// Each of `hashes` held ready in the device pool, copied, in order; a block that
+    /// is not held, or was evicted while being copied, is left out (alone: unlike
+    /// [`BlockExporter::export`], a gap does not end the copy). What the write-out
+    /// thread copies down to the host tier.
+    pub fn copy_each(&self, hashes: &[BlockHash]) -> Result<Vec<KvBlockPayload>> {
+        let mut out = Vec::new();
+        for chunk in hashes.chunks(COPY_CHUNK) {
+            let held = self.index.entries(chunk);
+            let ids: Vec<BlockId> = held.iter().map(|(_, e)| e.id).collect();
+            let bytes = self.reader.read_blocks(&ids)?;
+            let still = self.index.each_still_held(&held);
+            out.extend(held.iter().zip(bytes).zip(still).filter(|(_, s)| *s).map(
+                |(((hash, e), bytes), _)| KvBlockPayload {
+                    hash: *hash,
+                    parent: e.parent,
+                    bytes: bytes.into(),
+                },
+            ));
+        }
+        Ok(out)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -210,6 +251,24 @@ mod tests {
             assert_eq!(got[1].parent, Some(BlockHash(100)));
             assert_eq!(&got[1].bytes[..], &[10u8; 4]);
         }
+    }
+
+    #[test]
+    fn copy_each_skips_gaps_and_blocks_evicted_during_the_copy() {
+        let index = index_of(4);
+        let reader = EvictingReader {
+            index: Arc::clone(&index),
+            evict: BlockHash(101),
+            republish: true,
+        };
+        let exporter = BlockExporter::new(index, Arc::new(reader));
+        let asked = [BlockHash(103), BlockHash(7), BlockHash(101), BlockHash(100)];
+        let got = exporter.copy_each(&asked).unwrap();
+        let served: Vec<u64> = got.iter().map(|b| b.hash.0).collect();
+        // 7 is not held; 101 was evicted and republished during its copy (ABA).
+        assert_eq!(served, vec![103, 100]);
+        assert_eq!(got[0].parent, Some(BlockHash(102)));
+        assert_eq!(&got[0].bytes[..], &[30u8; 4]);
     }
 
     #[test]

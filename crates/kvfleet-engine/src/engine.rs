@@ -10,6 +10,7 @@ use crate::block_pool::BlockId;
 use crate::constrained::SeqConstraint;
 use crate::error::{EngineError, Result};
 use crate::kv_events::{DumpedBlock, KvEvent, KvEventSink};
+use crate::kv_tiers::write_out::WriteOut;
 use crate::kv_tiers::KvTiers;
 use crate::model::{ForwardItem, LogitsRequest};
 use crate::pins::{PinOutcome, PinSet, PinSpec};
@@ -198,9 +199,14 @@ pub struct EngineStats {
     pub preemptions: u64,
     /// Disk reads of promoted prefix blocks that landed (progress without a step).
     pub tier_loads: u64,
-    /// Nanoseconds the engine thread spent copying blocks down to the host tier
-    /// (write-behind), between steps.
+    /// Nanoseconds the engine thread spent on write-behind between steps: landing
+    /// the write-out thread's copies in the host tier, and copying what they missed.
     pub demotion_ns: u64,
+    /// Blocks the write-out thread copied down while the engine stepped.
+    pub demoted_off_thread: u64,
+    /// Blocks the engine thread copied down itself, between steps (the backend has no
+    /// off-thread reader, or the write-out had not copied them in time).
+    pub demoted_on_thread: u64,
     /// Nanoseconds spent in the model's forward passes.
     pub forward_ns: u64,
 }
@@ -225,6 +231,9 @@ pub struct Engine {
     fork_constraints: HashMap<RequestId, Box<SeqConstraint>>,
     /// Host and disk tiers below the pool, when configured (see `tiering`).
     tiers: Option<KvTiers>,
+    /// The thread copying blocks down while the engine steps, when tiers are on and
+    /// the backend's KV memory can be read from another thread.
+    write_out: Option<WriteOut>,
     /// Requests waiting on each block being read from disk.
     awaiting: HashMap<BlockHash, Vec<RequestId>>,
     /// Pinned prefix blocks (see `pins`).
@@ -284,6 +293,7 @@ impl Engine {
             grammars: OnceLock::new(),
             fork_constraints: HashMap::new(),
             tiers: None,
+            write_out: None,
             awaiting: HashMap::new(),
             pins,
             clock: Arc::new(Instant::now),

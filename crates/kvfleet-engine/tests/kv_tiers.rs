@@ -40,6 +40,129 @@ fn engine_on(backend: CpuBackend) -> Engine {
     .expect("engine")
 }
 
+/// An engine whose steps are small (one sequence, 32 tokens): the next step can evict
+/// at most 5 blocks, so a pool of 10 has blocks beyond that horizon, which the
+/// write-out thread copies while the engine steps.
+fn small_step_engine(backend: CpuBackend) -> Engine {
+    Engine::new(
+        EngineConfig {
+            model_id: "tiny".into(),
+            block_size: BS,
+            max_num_seqs: 1,
+            max_batched_tokens: 2 * BS,
+            max_prefill_chunk: 2 * BS,
+        },
+        Box::new(backend),
+        None,
+    )
+    .expect("engine")
+}
+
+/// A reader that copies through `inner` only once the gate opens: a write-out that is
+/// as slow as the test wants.
+struct GatedReader {
+    inner: Arc<dyn KvBlockReader>,
+    open: std::sync::Mutex<bool>,
+    opened: std::sync::Condvar,
+}
+
+impl GatedReader {
+    fn closed(inner: Arc<dyn KvBlockReader>) -> Arc<Self> {
+        Arc::new(Self {
+            inner,
+            open: std::sync::Mutex::new(false),
+            opened: std::sync::Condvar::new(),
+        })
+    }
+
+    fn open(&self) {
+        *self.open.lock().unwrap() = true;
+        self.opened.notify_all();
+    }
+}
+
+impl KvBlockReader for GatedReader {
+    fn read_blocks(&self, ids: &[u32]) -> kvfleet_engine::Result<Vec<Vec<u8>>> {
+        let mut open = self.open.lock().unwrap();
+        while !*open {
+            open = self.opened.wait(open).unwrap();
+        }
+        drop(open);
+        self.inner.read_blocks(ids)
+    }
+}
+
+/// A small-step engine of 10 blocks over a host tier of 32, whose write-out copies
+/// through a closed [`GatedReader`].
+fn gated_engine(m: &Arc<LlamaModel>) -> (Engine, Arc<GatedReader>) {
+    let backend = CpuBackend::new(m.clone(), 10, BS);
+    let gate = GatedReader::closed(backend.block_reader().expect("an off-thread reader"));
+    let mut e = small_step_engine(backend);
+    let cfg = TierConfig {
+        host_bytes: host_bytes(&e, 32),
+        disk: None,
+    };
+    e.set_kv_tiers(&cfg).expect("tiers");
+    e.set_write_out(Some(gate.clone() as Arc<dyn KvBlockReader>))
+        .expect("write-out");
+    (e, gate)
+}
+
+#[test]
+fn blocks_beyond_the_next_step_are_copied_down_off_the_engine_thread() {
+    let m = model();
+    let a = prompt(61, 4 * BS + 3);
+    let want = cold(&m, &a);
+    let (mut e, gate) = gated_engine(&m);
+    run(&mut e, 1, &a);
+    // A's four cached blocks now sit behind six uncached ones in the free list: beyond
+    // the next step's horizon of five. The next step asks the write-out thread for them.
+    run(&mut e, 2, &prompt(62, BS + 3));
+    assert_eq!(e.stats().demoted_on_thread, 0, "nothing was near eviction");
+    gate.open();
+    assert!(e.flush_tiers(Duration::from_secs(10)), "the copies land");
+    assert_eq!(
+        e.stats().demoted_off_thread,
+        4,
+        "A's blocks, copied off-thread"
+    );
+    // A long prompt takes the whole pool; A's blocks are in the host tier already.
+    run(&mut e, 3, &prompt(63, 8 * BS + 3));
+    let again = run(&mut e, 4, &a);
+    assert_eq!((again.cached, again.host), (4 * BS, 4 * BS));
+    let d = max_diff(&again.logits, &want);
+    assert!(
+        d <= 1e-5,
+        "a prefix copied off-thread changes the logits by {d}"
+    );
+    let stats = e.tier_stats().expect("tiers on");
+    assert_eq!(stats.demotion_misses, 0, "{stats:?}");
+}
+
+#[test]
+fn a_write_out_that_never_finishes_holds_up_no_step_and_loses_no_block() {
+    let m = model();
+    let a = prompt(71, 4 * BS + 3);
+    let want = cold(&m, &a);
+    let (mut e, gate) = gated_engine(&m);
+    // The write-out thread blocks on its first copy for the whole test: every step
+    // below completes regardless, and what reaches the horizon is copied in-thread.
+    run(&mut e, 1, &a);
+    for (i, seed) in (72..76).enumerate() {
+        run(&mut e, 2 + i as u64, &prompt(seed, 6 * BS + 3));
+    }
+    let again = run(&mut e, 9, &a);
+    assert_eq!((again.cached, again.host), (4 * BS, 4 * BS));
+    let d = max_diff(&again.logits, &want);
+    assert!(d <= 1e-5, "promoted prefix changes the logits by {d}");
+    let stats = e.stats();
+    assert_eq!(stats.demoted_off_thread, 0, "the gate never opened");
+    assert!(stats.demoted_on_thread >= 4, "{stats:?}");
+    assert_eq!(e.tier_stats().expect("tiers").demotion_misses, 0);
+    // Let the thread finish, so the engine's drop can join it.
+    gate.open();
+}
+
 /// Room for `blocks` blocks in the host tier (payload plus bookkeeping).
 fn host_bytes(e: &Engine, blocks: usize) -> usize {
     blocks * (e.block_format().1 + 96)
@@ -283,7 +406,7 @@ mod props {
         #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
 
         /// Whatever the order of requests and however blocks move between the pool,
-        /// host memory and disk: every request's logits equal a cold run's (no block
+        /// host memory and disk, copied down on the engine thread or off it: every request's logits equal a cold run's (no block
         /// is served after it left every tier, none is torn), the pool's invariants
         /// hold after every step, and the events describe exactly what the cache
         /// dump lists, tier by tier.
@@ -292,10 +415,17 @@ mod props {
             reqs in proptest::collection::vec((0u32..4, 0u32..3, 1usize..6), 1..8),
             pool in 8usize..12,
             host_blocks in 0usize..4,
+            small_steps in any::<bool>(),
         ) {
             let m = model();
             let dir = tempfile::tempdir().expect("tempdir");
-            let mut e = engine(&m, pool);
+            // Small steps leave blocks beyond the next step's horizon: the write-out
+            // thread copies those while the engine steps.
+            let mut e = if small_steps {
+                small_step_engine(CpuBackend::new(m.clone(), pool, BS))
+            } else {
+                engine(&m, pool)
+            };
             let sink = RecordingSink::new();
             e.set_event_sink(Arc::new(sink.clone()));
             let cfg = TierConfig {

@@ -3,13 +3,15 @@
 //! host or disk tier (or a peer's blocks) into the pool, and the events of both.
 
 use super::Engine;
-use crate::block_export::BlockExporter;
+use crate::block_export::{BlockExporter, KvBlockReader};
 use crate::block_pool::BlockId;
 use crate::error::{EngineError, Result};
 use crate::kv_events::Medium;
+use crate::kv_tiers::write_out::WriteOut;
 use crate::kv_tiers::{KvBlockPayload, KvTiers, PromotionSource, TierConfig, TierStats};
 use crate::sequence::RequestId;
 use kvfleet_core::BlockHash;
+use std::sync::Arc;
 use std::time::Duration;
 
 /// How long an engine with nothing to schedule waits for a disk read to land.
@@ -26,6 +28,7 @@ impl Engine {
                 ));
             }
             self.tiers = None;
+            self.write_out = None;
             return Ok(());
         }
         let bytes = self.backend.block_bytes();
@@ -46,13 +49,40 @@ impl Engine {
             source: e,
         })?;
         self.tiers = Some(tiers);
+        let reader = self.backend.block_reader();
+        self.set_write_out(reader)
+    }
+
+    /// Where write-behind copies blocks down: on a thread of its own through `reader`
+    /// (what [`Engine::set_kv_tiers`] sets up when the backend has one), or with
+    /// `None` on the engine thread between steps. Benchmarks compare the two.
+    pub fn set_write_out(&mut self, reader: Option<Arc<dyn KvBlockReader>>) -> Result<()> {
+        self.write_out = None;
+        let (Some(reader), true) = (reader, self.tiers.is_some()) else {
+            return Ok(());
+        };
+        let exporter = BlockExporter::new(self.scheduler.pool.ready_index(), reader);
+        let w = WriteOut::spawn(exporter).map_err(|e| EngineError::Io {
+            path: "kv-write-out thread".into(),
+            source: e,
+        })?;
+        self.write_out = Some(w);
         Ok(())
     }
 
-    /// Waits up to `timeout` for blocks on their way to disk to land, and publishes
-    /// their events; returns whether all did. For tests, benchmarks and shutdown.
+    /// Waits up to `timeout` for the write-out thread's copies to land in the host
+    /// tier and for blocks on their way to disk to land there, and publishes their
+    /// events; returns whether all did. For tests, benchmarks and shutdown.
     pub fn flush_tiers(&mut self, timeout: Duration) -> bool {
-        let ok = self.tiers.as_mut().is_none_or(|t| t.flush(timeout));
+        let deadline = std::time::Instant::now() + timeout;
+        let mut ok = true;
+        if let (Some(w), Some(tiers)) = (self.write_out.as_mut(), self.tiers.as_mut()) {
+            let (landed, all) = w.wait_idle(timeout);
+            ok &= all;
+            self.stats.demoted_off_thread += land_copies(tiers, landed);
+        }
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        ok &= self.tiers.as_mut().is_none_or(|t| t.flush(left));
         self.publish_events();
         ok
     }
@@ -145,12 +175,16 @@ impl Engine {
         Some(id)
     }
 
-    /// Copies the cached blocks that the next step, plus `extra` more allocations,
-    /// could evict into the host tier, so an eviction never drops a prefix.
+    /// Makes sure the host tier holds every cached block that the next step, plus
+    /// `extra` more allocations, could evict, so an eviction never drops a prefix.
     ///
-    /// It runs at the start of a step, before anything in it allocates: the previous
-    /// step's tokens have gone out by then, so the copy never delays them, and no
-    /// block can be evicted while it is being written out. Its time is counted in
+    /// It runs at the start of a step, before anything in it allocates. It lands the
+    /// copies the write-out thread made while the last step ran, copies on this thread
+    /// whatever within the horizon no tier holds yet, and asks the write-out thread for
+    /// the next horizon's blocks, so that in steady state the engine thread only moves
+    /// finished copies (see [`crate::kv_tiers::write_out`]). No block can be evicted
+    /// while it is being copied here, and a copy being made off-thread is discarded if
+    /// its block is evicted meanwhile. Its time is counted in
     /// [`EngineStats::demotion_ns`](super::EngineStats::demotion_ns).
     pub(super) fn write_behind(&mut self, extra: usize) {
         let Some(tiers) = self.tiers.as_mut() else {
@@ -162,18 +196,36 @@ impl Engine {
         // partial block per sequence, and the promotions staged before it.
         let horizon =
             self.config.max_batched_tokens / bs + 2 * self.config.max_num_seqs + 1 + extra;
-        for (id, hash, parent) in self.scheduler.pool.next_evictions(horizon) {
+        if let Some(w) = self.write_out.as_mut() {
+            self.stats.demoted_off_thread += land_copies(tiers, w.land());
+        }
+        let near = self.scheduler.pool.next_evictions(horizon);
+        for &(id, hash, parent) in &near {
             if tiers.holds(hash).is_some() {
                 continue;
             }
             match self.backend.read_block(id) {
-                Ok(bytes) => tiers.demote(KvBlockPayload {
-                    hash,
-                    parent,
-                    bytes: bytes.into(),
-                }),
+                Ok(bytes) => {
+                    tiers.demote(KvBlockPayload {
+                        hash,
+                        parent,
+                        bytes: bytes.into(),
+                    });
+                    self.stats.demoted_on_thread += 1;
+                }
                 Err(_) => break,
             }
+        }
+        if let Some(w) = self.write_out.as_mut() {
+            // The same walk a horizon further: its first `near.len()` entries are the
+            // blocks just handled.
+            let ahead = self.scheduler.pool.next_evictions(2 * horizon);
+            let want: Vec<BlockHash> = ahead[near.len().min(ahead.len())..]
+                .iter()
+                .map(|&(_, hash, _)| hash)
+                .filter(|&h| tiers.holds(h).is_none() && !w.is_pending(h))
+                .collect();
+            w.request(want);
         }
         let ns = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
         self.stats.demotion_ns = self.stats.demotion_ns.saturating_add(ns);
@@ -323,6 +375,9 @@ impl Engine {
         if let Some(t) = self.tiers.as_mut() {
             t.clear();
         }
+        if let Some(w) = self.write_out.as_mut() {
+            w.reset();
+        }
         self.awaiting.clear();
     }
 
@@ -330,4 +385,17 @@ impl Engine {
     pub(super) fn tier_blocks(&self) -> Vec<(BlockHash, Option<BlockHash>, Medium)> {
         self.tiers.as_ref().map(|t| t.blocks()).unwrap_or_default()
     }
+}
+
+/// Demotes the write-out thread's copies of blocks no tier holds yet (the engine
+/// thread may have copied one itself meanwhile); returns how many.
+fn land_copies(tiers: &mut KvTiers, copies: Vec<KvBlockPayload>) -> u64 {
+    let mut n = 0;
+    for b in copies {
+        if tiers.holds(b.hash).is_none() {
+            tiers.demote(b);
+            n += 1;
+        }
+    }
+    n
 }

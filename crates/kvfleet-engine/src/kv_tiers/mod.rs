@@ -1,7 +1,8 @@
 //! Tiers below the device block pool: host memory, then disk.
 //!
 //! A block the pool is about to hand out again is *demoted* instead of dropped: the
-//! engine copies it here before the pool can evict it (write-behind, between steps),
+//! engine copies it here before the pool can evict it (write-behind: on a thread of
+//! its own while the engine steps where the backend allows, else between steps),
 //! the host tier keeps it in an LRU bounded in bytes, and what the host tier pushes
 //! out goes to the disk tier. A later request whose prefix continues in a lower tier
 //! gets those blocks *promoted* back into the pool before it is admitted, so they
@@ -13,10 +14,12 @@
 //! - [`host_tier`]: the in-memory LRU.
 //! - [`disk_tier`]: block files, written and read on the tier's own threads.
 //! - [`block_file`]: the checksummed file format.
+//! - [`write_out`]: the thread that copies blocks down while the engine steps.
 
 pub mod block_file;
 pub mod disk_tier;
 pub mod host_tier;
+pub mod write_out;
 
 use crate::kv_events::{push_coalesced, KvEventKind, Medium};
 use disk_tier::{DiskChange, DiskCounters, DiskTier, ReadResult};
