@@ -17,6 +17,7 @@ pub mod gate;
 mod messages;
 pub mod openapi;
 mod relay;
+mod request_id;
 mod turn;
 
 pub use relay::{collect, Collected};
@@ -40,9 +41,9 @@ use kvfleet_core::incremental_tokenizer::PromptError;
 use kvfleet_core::openai::SamplingFields;
 use kvfleet_core::structured_output::OutputGrammar;
 use kvfleet_routing::policy::PolicyKind;
+use request_id::request_id;
 use std::convert::Infallible;
 use std::future::Future;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::mpsc;
@@ -418,17 +419,6 @@ async fn prepare(
         worker_header,
         want_logprobs,
     })
-}
-
-/// A process-unique request id.
-fn request_id() -> String {
-    static NEXT: AtomicU64 = AtomicU64::new(1);
-    let n = NEXT.fetch_add(1, Ordering::Relaxed);
-    let t = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_micros() as u64)
-        .unwrap_or(0);
-    format!("{:x}{:06x}", t, n & 0xff_ffff)
 }
 
 /// The session a request belongs to: the `x-kvfleet-session` header, else the
