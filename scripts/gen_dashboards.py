@@ -205,10 +205,15 @@ def workers():
             [(f"sum by (worker, tier) (rate(kvfleet_worker_tier_promoted_blocks_total{w}[{RI}]))",
               "{{worker}} {{tier}}"),
              (f"sum by (worker) (rate(kvfleet_worker_tier_demotion_misses_total{w}[{RI}]))",
-              "{{worker}} demotion misses")],
+              "{{worker}} demotion misses"),
+             (f"sum by (worker) (rate(kvfleet_worker_tier_demoted_blocks_total{w}[{RI}]))"
+              f" - sum by (worker) (rate(kvfleet_worker_tier_demoted_off_thread_blocks_total{w}[{RI}]))",
+              "{{worker}} copied down on the engine thread")],
             description="Blocks promoted into the pool instead of recomputed, by source "
-            "(host memory, disk, a peer worker); and cached blocks the pool evicted before "
-            "they were copied down (lost to the tiers).")
+            "(host memory, disk, a peer worker); cached blocks the pool evicted before "
+            "they were copied down (lost to the tiers); and blocks copied down on the "
+            "engine thread between steps because the write-out thread had not copied them "
+            "in time (or the backend cannot read KV memory off-thread).")
     b.panel("KV tier bytes moved by direction",
             f"sum by (worker, direction) (rate(kvfleet_worker_tier_bytes_moved_total{w}[{RI}]))",
             legend="{{worker}} {{direction}}", unit="Bps",

@@ -200,13 +200,9 @@ pub struct EngineStats {
     /// Disk reads of promoted prefix blocks that landed (progress without a step).
     pub tier_loads: u64,
     /// Nanoseconds the engine thread spent on write-behind between steps: landing
-    /// the write-out thread's copies in the host tier, and copying what they missed.
+    /// the write-out thread's copies in the host tier, and copying what they missed
+    /// (`TierStats::demoted_off_thread` says how many blocks were copied where).
     pub demotion_ns: u64,
-    /// Blocks the write-out thread copied down while the engine stepped.
-    pub demoted_off_thread: u64,
-    /// Blocks the engine thread copied down itself, between steps (the backend has no
-    /// off-thread reader, or the write-out had not copied them in time).
-    pub demoted_on_thread: u64,
     /// Nanoseconds spent in the model's forward passes.
     pub forward_ns: u64,
 }

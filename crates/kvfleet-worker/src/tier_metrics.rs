@@ -21,6 +21,10 @@ pub fn describe_tier_metrics() {
         "KV blocks copied from the device pool into the host tier."
     );
     describe_counter!(
+        "kvfleet_worker_tier_demoted_off_thread_blocks_total",
+        "Of the demoted blocks, those the write-out thread copied while the engine stepped; the rest were copied on the engine thread, between steps."
+    );
+    describe_counter!(
         "kvfleet_worker_tier_promoted_blocks_total",
         "KV blocks promoted into the device pool instead of recomputed, by source tier (host, disk, peer)."
     );
@@ -42,6 +46,7 @@ pub fn describe_tier_metrics() {
 pub(crate) struct TierMetrics {
     held: [(Gauge, Gauge); 2],
     demoted: Counter,
+    demoted_off_thread: Counter,
     promoted: [Counter; 3],
     moved: [Counter; 3],
     misses: Counter,
@@ -63,6 +68,7 @@ impl TierMetrics {
         TierMetrics {
             held: [held("host"), held("disk")],
             demoted: counter!("kvfleet_worker_tier_demoted_blocks_total", "worker" => w()),
+            demoted_off_thread: counter!("kvfleet_worker_tier_demoted_off_thread_blocks_total", "worker" => w()),
             promoted: [promoted("host"), promoted("disk"), promoted("peer")],
             moved: [moved("demote"), moved("promote"), moved("disk_write")],
             misses: counter!("kvfleet_worker_tier_demotion_misses_total", "worker" => w()),
@@ -82,6 +88,7 @@ impl TierMetrics {
         self.held[1].0.set(s.disk_blocks as f64);
         self.held[1].1.set(s.disk_bytes as f64);
         self.demoted.absolute(s.demoted_blocks);
+        self.demoted_off_thread.absolute(s.demoted_off_thread);
         self.promoted[0].absolute(s.promoted_host);
         self.promoted[1].absolute(s.promoted_disk);
         self.promoted[2].absolute(s.promoted_peer);

@@ -79,7 +79,9 @@ impl Engine {
         if let (Some(w), Some(tiers)) = (self.write_out.as_mut(), self.tiers.as_mut()) {
             let (landed, all) = w.wait_idle(timeout);
             ok &= all;
-            self.stats.demoted_off_thread += land_copies(tiers, landed);
+            for b in landed {
+                tiers.demote_written_out(b);
+            }
         }
         let left = deadline.saturating_duration_since(std::time::Instant::now());
         ok &= self.tiers.as_mut().is_none_or(|t| t.flush(left));
@@ -197,7 +199,9 @@ impl Engine {
         let horizon =
             self.config.max_batched_tokens / bs + 2 * self.config.max_num_seqs + 1 + extra;
         if let Some(w) = self.write_out.as_mut() {
-            self.stats.demoted_off_thread += land_copies(tiers, w.land());
+            for b in w.land() {
+                tiers.demote_written_out(b);
+            }
         }
         let near = self.scheduler.pool.next_evictions(horizon);
         for &(id, hash, parent) in &near {
@@ -205,14 +209,11 @@ impl Engine {
                 continue;
             }
             match self.backend.read_block(id) {
-                Ok(bytes) => {
-                    tiers.demote(KvBlockPayload {
-                        hash,
-                        parent,
-                        bytes: bytes.into(),
-                    });
-                    self.stats.demoted_on_thread += 1;
-                }
+                Ok(bytes) => tiers.demote(KvBlockPayload {
+                    hash,
+                    parent,
+                    bytes: bytes.into(),
+                }),
                 Err(_) => break,
             }
         }
@@ -385,17 +386,4 @@ impl Engine {
     pub(super) fn tier_blocks(&self) -> Vec<(BlockHash, Option<BlockHash>, Medium)> {
         self.tiers.as_ref().map(|t| t.blocks()).unwrap_or_default()
     }
-}
-
-/// Demotes the write-out thread's copies of blocks no tier holds yet (the engine
-/// thread may have copied one itself meanwhile); returns how many.
-fn land_copies(tiers: &mut KvTiers, copies: Vec<KvBlockPayload>) -> u64 {
-    let mut n = 0;
-    for b in copies {
-        if tiers.holds(b.hash).is_none() {
-            tiers.demote(b);
-            n += 1;
-        }
-    }
-    n
 }

@@ -76,6 +76,9 @@ pub struct TierStats {
     pub demoted_blocks: u64,
     /// Bytes of those copies.
     pub demoted_bytes: u64,
+    /// Of `demoted_blocks`, those the write-out thread copied while the engine stepped
+    /// (the rest were copied on the engine thread, between steps).
+    pub demoted_off_thread: u64,
     /// Cached blocks the pool evicted before they were copied down (lost to the tiers).
     pub demotion_misses: u64,
     /// Blocks promoted from the host tier into the pool.
@@ -233,6 +236,15 @@ impl KvTiers {
             PromotionSource::Peer => self.stats.promoted_peer += 1,
         }
         self.stats.promoted_bytes += bytes as u64;
+    }
+
+    /// Takes a copy the write-out thread made (see [`write_out`]) into the host tier,
+    /// unless a tier holds the block already (the engine thread copied it meanwhile).
+    pub fn demote_written_out(&mut self, block: KvBlockPayload) {
+        if self.holds(block.hash).is_none() {
+            self.stats.demoted_off_thread += 1;
+            self.demote(block);
+        }
     }
 
     /// Counts a cached block the pool evicted before it could be copied down.
