@@ -108,6 +108,7 @@ pub fn worker_tiers(l: &pb::LoadResponse) -> WorkerTiers {
         disk_bytes: t.disk_bytes,
         demoted_blocks: t.demoted_blocks,
         demoted_bytes: t.demoted_bytes,
+        demoted_off_thread_blocks: t.demoted_off_thread_blocks,
         promoted_host_blocks: t.promoted_host_blocks,
         promoted_disk_blocks: t.promoted_disk_blocks,
         promoted_peer_blocks: t.promoted_peer_blocks,
@@ -643,6 +644,7 @@ mod tests {
                 disk_bytes: 200 * 4200,
                 demoted_blocks: 120,
                 demoted_bytes: 120 * 4096,
+                demoted_off_thread_blocks: 100,
                 promoted_host_blocks: 40,
                 promoted_disk_blocks: 10,
                 promoted_peer_blocks: 3,
@@ -666,6 +668,7 @@ mod tests {
         assert_eq!((t.host_blocks, t.disk_blocks), (90, 200));
         assert_eq!((t.host_bytes, t.disk_bytes), (90 * 4096, 200 * 4200));
         assert_eq!((t.demoted_blocks, t.demoted_bytes), (120, 120 * 4096));
+        assert_eq!(t.demoted_off_thread_blocks, 100);
         assert_eq!(
             (
                 t.promoted_host_blocks,

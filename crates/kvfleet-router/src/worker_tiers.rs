@@ -37,6 +37,8 @@ pub struct WorkerTiers {
     pub demoted_blocks: u64,
     /// Their bytes.
     pub demoted_bytes: u64,
+    /// Of `demoted_blocks`, those the write-out thread copied while the engine stepped.
+    pub demoted_off_thread_blocks: u64,
     /// Blocks promoted into the pool from the host tier.
     pub promoted_host_blocks: u64,
     /// ... from the disk tier.
@@ -83,6 +85,7 @@ impl AddAssign<&WorkerTiers> for WorkerTiers {
             disk_bytes,
             demoted_blocks,
             demoted_bytes,
+            demoted_off_thread_blocks,
             promoted_host_blocks,
             promoted_disk_blocks,
             promoted_peer_blocks,
@@ -105,6 +108,10 @@ impl AddAssign<&WorkerTiers> for WorkerTiers {
         add(&mut self.disk_bytes, disk_bytes);
         add(&mut self.demoted_blocks, demoted_blocks);
         add(&mut self.demoted_bytes, demoted_bytes);
+        add(
+            &mut self.demoted_off_thread_blocks,
+            demoted_off_thread_blocks,
+        );
         add(&mut self.promoted_host_blocks, promoted_host_blocks);
         add(&mut self.promoted_disk_blocks, promoted_disk_blocks);
         add(&mut self.promoted_peer_blocks, promoted_peer_blocks);

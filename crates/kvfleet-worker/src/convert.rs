@@ -204,6 +204,7 @@ fn kv_tier_totals(t: &TierStats) -> pb::KvTierTotals {
         disk_bytes: t.disk_bytes,
         demoted_blocks: t.demoted_blocks,
         demoted_bytes: t.demoted_bytes,
+        demoted_off_thread_blocks: t.demoted_off_thread,
         promoted_host_blocks: t.promoted_host,
         promoted_disk_blocks: t.promoted_disk,
         promoted_peer_blocks: t.promoted_peer,
@@ -306,6 +307,7 @@ mod tests {
         let mut t = TierStats {
             demoted_blocks: 50,
             demoted_bytes: 50 * 4096,
+            demoted_off_thread: 44,
             demotion_misses: 3,
             promoted_host: 40,
             promoted_disk: 2,
@@ -336,6 +338,7 @@ mod tests {
                 disk_bytes: 9 * 4300,
                 demoted_blocks: 50,
                 demoted_bytes: 50 * 4096,
+                demoted_off_thread_blocks: 44,
                 promoted_host_blocks: 40,
                 promoted_disk_blocks: 2,
                 promoted_peer_blocks: 1,

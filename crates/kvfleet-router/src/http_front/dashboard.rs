@@ -26,7 +26,8 @@
 //!   = already in the pool, `host`, `disk`, `peer`) and `hit_ratio` (each ÷
 //!   `prompt_tokens`); `bytes_moved` (`demoted` pool → host, `promoted` host/disk/peer
 //!   → pool, `peer_pulled` received from peers); `blocks_moved` (`demoted`,
-//!   `promoted_host`, `promoted_disk`, `promoted_peer`, `peer_pulled`); `held`
+//!   `demoted_off_thread` (of those, copied by the write-out thread while the engine
+//!   stepped), `promoted_host`, `promoted_disk`, `promoted_peer`, `peer_pulled`); `held`
 //!   (`host_blocks`, `host_bytes`, `disk_blocks`, `disk_bytes`); `demotion_misses`,
 //!   `disk_faults`.
 //! - `prefix_groups[]` (the [`GROUPS_SHOWN`](crate::decision_log::GROUPS_SHOWN) most
@@ -119,6 +120,7 @@ fn tiers_json(t: &WorkerTiers) -> Value {
         },
         "blocks_moved": {
             "demoted": t.demoted_blocks,
+            "demoted_off_thread": t.demoted_off_thread_blocks,
             "promoted_host": t.promoted_host_blocks,
             "promoted_disk": t.promoted_disk_blocks,
             "promoted_peer": t.promoted_peer_blocks,
@@ -347,6 +349,7 @@ mod tests {
             disk_bytes: 200 * 4200,
             demoted_blocks: 120,
             demoted_bytes: 120 * 4096,
+            demoted_off_thread_blocks: 90,
             promoted_host_blocks: 40,
             promoted_disk_blocks: 10,
             promoted_peer_blocks: 0,
@@ -381,6 +384,7 @@ mod tests {
             json!({"demoted": 120 * 4096, "promoted": 50 * 4096, "peer_pulled": 0})
         );
         assert_eq!(one["blocks_moved"]["promoted_host"], 40);
+        assert_eq!(one["blocks_moved"]["demoted_off_thread"], 90);
         assert_eq!(one["held"]["disk_bytes"], 200 * 4200);
         let fleet = tiers_json(&fleet_tiers(&statuses));
         assert_eq!(fleet["tiered_workers"], 1);
