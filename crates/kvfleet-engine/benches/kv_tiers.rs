@@ -373,13 +373,23 @@ fn bench_moves(c: &mut Criterion, rows: &Rows) {
 }
 
 fn engine(model: &Arc<LlamaModel>, num_blocks: usize, host_blocks: usize) -> Engine {
+    engine_with_steps(model, num_blocks, host_blocks, 1024)
+}
+
+/// [`engine`] with steps of `step_tokens`.
+fn engine_with_steps(
+    model: &Arc<LlamaModel>,
+    num_blocks: usize,
+    host_blocks: usize,
+    step_tokens: usize,
+) -> Engine {
     let mut e = Engine::new(
         EngineConfig {
             model_id: "bench".into(),
             block_size: BS,
             max_num_seqs: 4,
-            max_batched_tokens: 1024,
-            max_prefill_chunk: 1024,
+            max_batched_tokens: step_tokens,
+            max_prefill_chunk: step_tokens,
         },
         Box::new(CpuBackend::new(model.clone(), num_blocks, BS)),
         None,
@@ -578,26 +588,8 @@ enum WriteBehind {
 /// A serving engine with steps of 256 tokens (a horizon of 25 blocks) on a pool of
 /// 140 blocks, about two batches of the stream, over a host tier of 400.
 fn serving_engine(model: &Arc<LlamaModel>, how: WriteBehind) -> Engine {
-    let mut e = Engine::new(
-        EngineConfig {
-            model_id: "bench".into(),
-            block_size: BS,
-            max_num_seqs: 4,
-            max_batched_tokens: 256,
-            max_prefill_chunk: 256,
-        },
-        Box::new(CpuBackend::new(model.clone(), 140, BS)),
-        None,
-    )
-    .expect("engine");
-    if how != WriteBehind::None {
-        let bytes = 400 * (e.block_format().1 + HOST_OVERHEAD);
-        e.set_kv_tiers(&TierConfig {
-            host_bytes: bytes,
-            disk: None,
-        })
-        .expect("tiers");
-    }
+    let host_blocks = if how == WriteBehind::None { 0 } else { 400 };
+    let mut e = engine_with_steps(model, 140, host_blocks, 256);
     if how == WriteBehind::OnThread {
         e.set_write_out(None).expect("in-thread write-behind");
     }

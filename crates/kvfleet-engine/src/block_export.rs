@@ -112,14 +112,6 @@ impl ReadyIndex {
             .collect()
     }
 
-    /// How many of `run`'s leading blocks are still published as they were.
-    fn still_held(&self, run: &[(BlockHash, ReadyEntry)]) -> usize {
-        let m = self.lock();
-        run.iter()
-            .take_while(|(h, e)| m.blocks.get(h) == Some(e))
-            .count()
-    }
-
     fn lock(&self) -> std::sync::MutexGuard<'_, ReadyMap> {
         // The map is consistent after every operation: a panic elsewhere cannot tear it.
         self.map.lock().unwrap_or_else(PoisonError::into_inner)
@@ -154,29 +146,16 @@ impl BlockExporter {
     pub fn export(&self, hashes: &[BlockHash]) -> Result<Vec<KvBlockPayload>> {
         let mut out = Vec::new();
         for chunk in hashes.chunks(COPY_CHUNK) {
-            let run = self.index.leading_run(chunk);
-            let ids: Vec<BlockId> = run.iter().map(|(_, e)| e.id).collect();
-            let bytes = self.reader.read_blocks(&ids)?;
-            let held = self.index.still_held(&run);
-            out.extend(
-                run.iter()
-                    .zip(bytes)
-                    .take(held)
-                    .map(|((hash, e), bytes)| KvBlockPayload {
-                        hash: *hash,
-                        parent: e.parent,
-                        bytes: bytes.into(),
-                    }),
-            );
-            if held < chunk.len() {
+            let copied = self.copy_entries(&self.index.leading_run(chunk))?;
+            let before = out.len();
+            out.extend(copied.into_iter().map_while(|b| b));
+            if out.len() - before < chunk.len() {
                 break;
             }
         }
         Ok(out)
     }
-}
 
-impl BlockExporter {
     /// Each of `hashes` held ready in the device pool, copied, in order; a block that
     /// is not held, or was evicted while being copied, is left out (alone: unlike
     /// [`BlockExporter::export`], a gap does not end the copy). What the write-out
@@ -184,19 +163,36 @@ impl BlockExporter {
     pub fn copy_each(&self, hashes: &[BlockHash]) -> Result<Vec<KvBlockPayload>> {
         let mut out = Vec::new();
         for chunk in hashes.chunks(COPY_CHUNK) {
-            let held = self.index.entries(chunk);
-            let ids: Vec<BlockId> = held.iter().map(|(_, e)| e.id).collect();
-            let bytes = self.reader.read_blocks(&ids)?;
-            let still = self.index.each_still_held(&held);
-            out.extend(held.iter().zip(bytes).zip(still).filter(|(_, s)| *s).map(
-                |(((hash, e), bytes), _)| KvBlockPayload {
+            out.extend(
+                self.copy_entries(&self.index.entries(chunk))?
+                    .into_iter()
+                    .flatten(),
+            );
+        }
+        Ok(out)
+    }
+
+    /// Copies the blocks of `entries`, then looks again: `None` for a block whose
+    /// entry is gone or was replaced meanwhile (it may have been rewritten mid-copy).
+    fn copy_entries(
+        &self,
+        entries: &[(BlockHash, ReadyEntry)],
+    ) -> Result<Vec<Option<KvBlockPayload>>> {
+        let ids: Vec<BlockId> = entries.iter().map(|(_, e)| e.id).collect();
+        let bytes = self.reader.read_blocks(&ids)?;
+        let held = self.index.each_still_held(entries);
+        Ok(entries
+            .iter()
+            .zip(bytes)
+            .zip(held)
+            .map(|(((hash, e), bytes), held)| {
+                held.then(|| KvBlockPayload {
                     hash: *hash,
                     parent: e.parent,
                     bytes: bytes.into(),
-                },
-            ));
-        }
-        Ok(out)
+                })
+            })
+            .collect())
     }
 }
 

@@ -41,6 +41,20 @@ struct BlockMeta {
     in_free_list: bool,
 }
 
+/// A cached block [`BlockPool::next_evictions`] lists: the allocation that would evict
+/// it (0: the next one), where it is, and what it holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Eviction {
+    /// How many allocations come before the one that evicts it.
+    pub position: usize,
+    /// The block.
+    pub id: BlockId,
+    /// Its hash.
+    pub hash: BlockHash,
+    /// Its parent's hash.
+    pub parent: Option<BlockHash>,
+}
+
 /// Reference-counted, hash-addressed KV blocks with an LRU free list.
 pub struct BlockPool {
     blocks: Vec<BlockMeta>,
@@ -320,16 +334,21 @@ impl BlockPool {
     /// The cached (hashed, ready) blocks among the next `n` blocks [`BlockPool::allocate`]
     /// would hand out, in that order: what a lower tier must have copied before the
     /// next `n` allocations, or lose.
-    pub fn next_evictions(&self, n: usize) -> Vec<(BlockId, BlockHash, Option<BlockHash>)> {
+    pub fn next_evictions(&self, n: usize) -> Vec<Eviction> {
         let mut out = Vec::new();
         let mut cur = self.head;
-        for _ in 0..n {
+        for position in 0..n {
             if cur == NIL {
                 break;
             }
             let b = &self.blocks[cur as usize];
-            if let (Some(h), true) = (b.hash, b.ready) {
-                out.push((cur, h, b.parent));
+            if let (Some(hash), true) = (b.hash, b.ready) {
+                out.push(Eviction {
+                    position,
+                    id: cur,
+                    hash,
+                    parent: b.parent,
+                });
             }
             cur = b.next;
         }

@@ -26,13 +26,18 @@ fn engine(model: &Arc<LlamaModel>, num_blocks: usize) -> Engine {
 }
 
 fn engine_on(backend: CpuBackend) -> Engine {
+    engine_with_steps(backend, 4, 256)
+}
+
+/// An engine of `seqs` sequences and steps of `step_tokens` on `backend`.
+fn engine_with_steps(backend: CpuBackend, seqs: usize, step_tokens: usize) -> Engine {
     Engine::new(
         EngineConfig {
             model_id: "tiny".into(),
             block_size: BS,
-            max_num_seqs: 4,
-            max_batched_tokens: 256,
-            max_prefill_chunk: 256,
+            max_num_seqs: seqs,
+            max_batched_tokens: step_tokens,
+            max_prefill_chunk: step_tokens,
         },
         Box::new(backend),
         None,
@@ -44,18 +49,7 @@ fn engine_on(backend: CpuBackend) -> Engine {
 /// at most 5 blocks, so a pool of 10 has blocks beyond that horizon, which the
 /// write-out thread copies while the engine steps.
 fn small_step_engine(backend: CpuBackend) -> Engine {
-    Engine::new(
-        EngineConfig {
-            model_id: "tiny".into(),
-            block_size: BS,
-            max_num_seqs: 1,
-            max_batched_tokens: 2 * BS,
-            max_prefill_chunk: 2 * BS,
-        },
-        Box::new(backend),
-        None,
-    )
-    .expect("engine")
+    engine_with_steps(backend, 1, 2 * BS)
 }
 
 /// A reader that copies through `inner` only once the gate opens: a write-out that is
@@ -406,8 +400,9 @@ mod props {
         #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
 
         /// Whatever the order of requests and however blocks move between the pool,
-        /// host memory and disk, copied down on the engine thread or off it: every request's logits equal a cold run's (no block
-        /// is served after it left every tier, none is torn), the pool's invariants
+        /// host memory and disk, copied down on the engine thread or off it: every
+        /// request's logits equal a cold run's (no block is served after it left every
+        /// tier, none is torn), the pool's invariants
         /// hold after every step, and the events describe exactly what the cache
         /// dump lists, tier by tier.
         #[test]

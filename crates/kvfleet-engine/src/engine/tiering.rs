@@ -79,9 +79,7 @@ impl Engine {
         if let (Some(w), Some(tiers)) = (self.write_out.as_mut(), self.tiers.as_mut()) {
             let (landed, all) = w.wait_idle(timeout);
             ok &= all;
-            for b in landed {
-                tiers.demote_written_out(b);
-            }
+            tiers.demote_written_out(landed);
         }
         let left = deadline.saturating_duration_since(std::time::Instant::now());
         ok &= self.tiers.as_mut().is_none_or(|t| t.flush(left));
@@ -198,35 +196,36 @@ impl Engine {
         // partial block per sequence, and the promotions staged before it.
         let horizon =
             self.config.max_batched_tokens / bs + 2 * self.config.max_num_seqs + 1 + extra;
+        // One walk covers both horizons: the write-out thread is asked for the second.
+        let lookahead = if self.write_out.is_some() {
+            2 * horizon
+        } else {
+            horizon
+        };
+        let evictions = self.scheduler.pool.next_evictions(lookahead);
         if let Some(w) = self.write_out.as_mut() {
-            for b in w.land() {
-                tiers.demote_written_out(b);
-            }
+            tiers.demote_written_out(w.land());
         }
-        let near = self.scheduler.pool.next_evictions(horizon);
-        for &(id, hash, parent) in &near {
-            if tiers.holds(hash).is_some() {
+        for e in evictions.iter().take_while(|e| e.position < horizon) {
+            if tiers.holds(e.hash).is_some() {
                 continue;
             }
-            match self.backend.read_block(id) {
+            match self.backend.read_block(e.id) {
                 Ok(bytes) => tiers.demote(KvBlockPayload {
-                    hash,
-                    parent,
+                    hash: e.hash,
+                    parent: e.parent,
                     bytes: bytes.into(),
                 }),
                 Err(_) => break,
             }
         }
         if let Some(w) = self.write_out.as_mut() {
-            // The same walk a horizon further: its first `near.len()` entries are the
-            // blocks just handled.
-            let ahead = self.scheduler.pool.next_evictions(2 * horizon);
-            let want: Vec<BlockHash> = ahead[near.len().min(ahead.len())..]
-                .iter()
-                .map(|&(_, hash, _)| hash)
-                .filter(|&h| tiers.holds(h).is_none() && !w.is_pending(h))
-                .collect();
-            w.request(want);
+            w.request(
+                evictions
+                    .iter()
+                    .filter(|e| e.position >= horizon && tiers.holds(e.hash).is_none())
+                    .map(|e| e.hash),
+            );
         }
         let ns = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
         self.stats.demotion_ns = self.stats.demotion_ns.saturating_add(ns);

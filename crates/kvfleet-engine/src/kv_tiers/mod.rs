@@ -238,12 +238,14 @@ impl KvTiers {
         self.stats.promoted_bytes += bytes as u64;
     }
 
-    /// Takes a copy the write-out thread made (see [`write_out`]) into the host tier,
-    /// unless a tier holds the block already (the engine thread copied it meanwhile).
-    pub fn demote_written_out(&mut self, block: KvBlockPayload) {
-        if self.holds(block.hash).is_none() {
-            self.stats.demoted_off_thread += 1;
-            self.demote(block);
+    /// Takes the copies the write-out thread made (see [`write_out`]) into the host
+    /// tier, except those a tier holds already (the engine thread copied them meanwhile).
+    pub fn demote_written_out(&mut self, blocks: impl IntoIterator<Item = KvBlockPayload>) {
+        for block in blocks {
+            if self.holds(block.hash).is_none() {
+                self.stats.demoted_off_thread += 1;
+                self.demote(block);
+            }
         }
     }
 

@@ -17,7 +17,7 @@
 use super::KvBlockPayload;
 use crate::block_export::BlockExporter;
 use kvfleet_core::{BlockHash, BlockHashMap};
-use std::sync::mpsc::{self, Receiver, SyncSender};
+use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -78,33 +78,27 @@ impl WriteOut {
         })
     }
 
-    /// Asks for copies of `hashes` (those not asked for already). Returns false when
-    /// the thread is busy with earlier requests and this one was dropped.
-    pub fn request(&mut self, hashes: impl IntoIterator<Item = BlockHash>) -> bool {
+    /// Asks for copies of those of `hashes` not asked for already. When the thread is
+    /// still busy with earlier requests the request is dropped: blocks that reach the
+    /// horizon uncopied are copied on the engine thread.
+    pub fn request(&mut self, hashes: impl IntoIterator<Item = BlockHash>) {
         let hashes: Vec<BlockHash> = hashes
             .into_iter()
             .filter(|h| !self.pending.contains_key(h))
             .collect();
-        if hashes.is_empty() {
-            return true;
-        }
-        let Some(jobs) = &self.jobs else {
-            return false;
+        let Some(jobs) = self.jobs.as_ref().filter(|_| !hashes.is_empty()) else {
+            return;
         };
+        self.pending.extend(hashes.iter().map(|&h| (h, ())));
         let job = Job {
             epoch: self.epoch,
-            hashes: hashes.clone(),
+            hashes,
         };
-        if jobs.try_send(job).is_err() {
-            return false;
+        if let Err(TrySendError::Full(job) | TrySendError::Disconnected(job)) = jobs.try_send(job) {
+            for h in job.hashes {
+                self.pending.remove(&h);
+            }
         }
-        self.pending.extend(hashes.into_iter().map(|h| (h, ())));
-        true
-    }
-
-    /// Whether a copy of `hash` was asked for and has not landed.
-    pub fn is_pending(&self, hash: BlockHash) -> bool {
-        self.pending.contains_key(&hash)
     }
 
     /// The copies finished since the last call (without waiting for any).
