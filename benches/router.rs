@@ -384,6 +384,8 @@ fn main() {
             candidates: &candidates,
             fleet: FleetLoad::of(&candidates),
             peer_source: None,
+            // The even candidates' match.
+            deepest_blocks: 1_000,
         };
         let mut policies: Vec<Box<dyn RoutingPolicy>> = vec![
             Box::new(CacheAware::default()),

@@ -217,10 +217,15 @@ fn small_conversation() -> Trace {
 #[test]
 fn host_and_disk_tiers_raise_the_hit_ratio() {
     let t = small_conversation();
+    // The tiers are under test, not the trade of hits for an idle lane: with no idle
+    // discount no request leaves the worker holding its conversation, so every miss
+    // is the device pool's.
     let run = |host, disk| {
         let mut cfg = SimConfig::new(2, 40, SimPolicy::Kvfleet(PolicyKind::CacheAware));
         cfg.host_blocks = host;
         cfg.disk_blocks = disk;
+        let ca = &mut cfg.router.cache_aware;
+        ca.idle_prefill_weight = ca.prefill_weight;
         simulate(&t, &cfg).unwrap()
     };
     let flat = run(0, 0);
@@ -244,6 +249,15 @@ fn host_and_disk_tiers_raise_the_hit_ratio() {
         (both.hit_ratio - ceiling).abs() < 1e-9,
         "{} vs ceiling {ceiling}",
         both.hit_ratio
+    );
+    // The default weights move a request or two to an idle lane: within 0.5% of it.
+    let mut cfg = SimConfig::new(2, 40, SimPolicy::Kvfleet(PolicyKind::CacheAware));
+    (cfg.host_blocks, cfg.disk_blocks) = (160, 640);
+    let default = simulate(&t, &cfg).unwrap();
+    assert!(
+        default.hit_ratio > ceiling - 0.005,
+        "{} vs ceiling {ceiling}",
+        default.hit_ratio
     );
 }
 

@@ -647,6 +647,7 @@ impl KvRouter {
             None
         };
         self.reservations.pending_into(hashes, &mut matches);
+        let deepest_blocks = matches.deepest().min(reusable);
         let t1 = Instant::now();
         let mut candidates = std::mem::take(&mut self.candidates);
         candidates.clear();
@@ -673,6 +674,7 @@ impl KvRouter {
                 candidates: &[],
                 fleet,
                 peer_source,
+                deepest_blocks,
             };
             self.ordered_candidates(
                 &base,
@@ -702,6 +704,7 @@ impl KvRouter {
             candidates: &candidates,
             fleet,
             peer_source,
+            deepest_blocks,
         };
         let policy_impl: &mut dyn RoutingPolicy = match policy {
             PolicyKind::CacheAware => &mut self.cache_aware,

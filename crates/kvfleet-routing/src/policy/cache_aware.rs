@@ -10,8 +10,10 @@
 //! cost(W) = λ(W) × (uncached(W) + load(W))          // this request's prefill on W
 //!         + backlog(W)                              // prefill queued ahead of it
 //!         + decode_cost_per_sequence × active(W)    // decode work sharing W's steps
+//!         + δ(W) × duplicated(W)                    // held elsewhere, recomputed on W
 //! λ(W)    = prefill_weight          if W's prefill lane is busy
 //!         = idle_prefill_weight     if it is idle
+//! δ(W)    = busy_duplicate_weight   if W's prefill lane is busy, else 0
 //! ```
 //!
 //! `uncached(W)` counts every tier as cached; `load(W)` prices W's host and disk hits
@@ -26,17 +28,31 @@
 //! `prefill_weight` 2 a fork sibling waits behind its first sibling's prefix rather
 //! than recompute it elsewhere at equal latency but double the fleet's work.
 //!
-//! `idle_prefill_weight` (1.7) prices an uncached token on a worker whose prefill lane
+//! `idle_prefill_weight` (1.5) prices an uncached token on a worker whose prefill lane
 //! is idle: the capacity it spends there is not taken from anyone queued, so a request
 //! stops waiting behind a hot prefix once its queue there is well past a cold start on
-//! the idle worker (with 1.7, when the holder's backlog exceeds 1.7 × the prompt minus
-//! twice its cached part). It applies however busy the rest of the fleet is: a
+//! the idle worker (with 1.5, when the holder's backlog exceeds 1.5 × the prompt minus
+//! twice its uncached part there). It applies however busy the rest of the fleet is: a
 //! discount scaled down by the fraction of busy lanes vanished exactly when requests
-//! queued behind a hot prefix next to an idle lane. `kvfleet bench sweep` (8–64
-//! workers, both trace families) chose 1.7 flat over 2.0 (off) and over the scaled
-//! discount: all three targets met in 12 of 54 groups against 8 (seed 1) and 10
-//! against 5 (held-out seed 2), with the hit ratio within 0.001 of before on average
-//! (docs/policy-sweep.md).
+//! queued behind a hot prefix next to an idle lane.
+//!
+//! `duplicated(W)` counts the tokens `W` would recompute that another worker already
+//! holds or is computing (up to the deepest match, `RouteContext::deepest_blocks`). On
+//! a busy lane each costs `busy_duplicate_weight` (6) more: recomputing a prefix that
+//! exists elsewhere delays every request queued on `W` and buys a second copy that
+//! crowds `W`'s pool, for the sake of a shorter queue. So when every lane is busy a
+//! request stays with its prefix's holder unless the holder's queue is much longer;
+//! an idle lane pays no such price, so the rule above still ends long waits. Within a
+//! class of equally matched workers the term is the same for all, so the load order's
+//! walk (`crate::load_order`) is unchanged.
+//!
+//! `kvfleet bench sweep` (docs/policy-sweep.head.md, 2026-12-05) chose both: the
+//! duplicate price (plateau 3-10) raised the hit target from 40 to 44-45 of 72 groups
+//! and Mooncake's mean hit ratio by 0.012, and with it an idle weight of 1.4-1.6
+//! (1.7 before) met all three targets in 28 of 72 groups against 22 (held-out seeds 2
+//! and 3: 12 and 13 of 36, against 9 and 12). A flat busy weight of 8 did as well on
+//! the sweep, but without pulls it moved requests off their holder to idle lanes at
+//! once, losing hits and p99 where memory is plentiful (`tests/sim.rs`).
 //!
 //! With peer pulls on, [`PullTrigger`] says when a request moves to pull its prefix:
 //! by default (`idle-wait`) only to end a wait longer than a cold start on an idle
@@ -85,8 +101,12 @@ pub struct CacheAwareConfig {
     /// (default 2.0).
     pub prefill_weight: f64,
     /// Cost of one uncached prompt token on a worker whose prefill lane is idle
-    /// (default 1.7; `prefill_weight` turns the discount off).
+    /// (default 1.5; `prefill_weight` turns the discount off).
     pub idle_prefill_weight: f64,
+    /// Extra cost of one prompt token a worker whose prefill lane is busy would
+    /// recompute although another worker holds or is computing it (default 6.0; 0
+    /// turns it off).
+    pub busy_duplicate_weight: f64,
     /// Cost of one active sequence on the worker, in prompt-token equivalents
     /// (default 16.0).
     pub decode_cost_per_sequence: f64,
@@ -131,7 +151,8 @@ impl Default for CacheAwareConfig {
     fn default() -> Self {
         Self {
             prefill_weight: 2.0,
-            idle_prefill_weight: 1.7,
+            idle_prefill_weight: 1.5,
+            busy_duplicate_weight: 6.0,
             decode_cost_per_sequence: 16.0,
             balance_epsilon: 0.25,
             balance_slack: 16.0,
@@ -211,8 +232,22 @@ impl CacheAware {
         let (computed, own) = self.own_prefill(ctx, c, pulls);
         let cost = self.prefill_weight(c) * own
             + c.load.prefill_backlog_tokens() as f64
-            + self.config.decode_cost_per_sequence * c.load.active_sequences() as f64;
+            + self.config.decode_cost_per_sequence * c.load.active_sequences() as f64
+            + self.duplicate_price(ctx, c, computed);
         (cost, computed)
+    }
+
+    /// The price of the tokens `c` would recompute (`computed`, the prompt's last
+    /// ones) that another worker already holds: `busy_duplicate_weight` each on a busy
+    /// lane, nothing on an idle one.
+    #[inline]
+    fn duplicate_price(&self, ctx: &RouteContext<'_>, c: &Candidate, computed: usize) -> f64 {
+        if c.load.prefill_backlog_tokens() == 0 || self.config.busy_duplicate_weight == 0.0 {
+            return 0.0;
+        }
+        let held = (ctx.deepest_blocks * ctx.block_size).min(ctx.prompt_tokens);
+        let duplicated = held.saturating_sub(ctx.prompt_tokens - computed.min(ctx.prompt_tokens));
+        self.config.busy_duplicate_weight * duplicated as f64
     }
 
     /// This request's own prefill on `c`: the prompt tokens in none of `c`'s tiers and
@@ -557,6 +592,12 @@ mod tests {
             candidates,
             fleet: FleetLoad::of(candidates),
             peer_source: None,
+            deepest_blocks: candidates
+                .iter()
+                .map(|c| c.matched_blocks)
+                .max()
+                .unwrap_or(0)
+                .min(blocks),
         }
     }
 
@@ -740,7 +781,48 @@ mod tests {
         assert_ne!(route(1.7, 1_800, 0), WorkerIdx(0));
         // ...where without the discount (idle weight = prefill weight) it waited.
         assert_eq!(route(2.0, 1_800, 5_000), WorkerIdx(0));
-        assert_eq!(CacheAwareConfig::default().idle_prefill_weight, 1.7);
+        assert_eq!(CacheAwareConfig::default().idle_prefill_weight, 1.5);
+    }
+
+    #[test]
+    fn a_busy_worker_pays_for_recomputing_what_a_busy_holder_has() {
+        // w0 holds 60 of 100 blocks (1,601 prompt tokens) behind 4,000 queued
+        // tokens; w1 holds nothing behind 100; no lane is idle. Without the duplicate
+        // price the queue difference (3,900) outweighs the 960 cached tokens at
+        // weight 2 and the request moves, recomputing the prefix on a busy lane; with
+        // it w1 also pays 6 × 960 and the request stays.
+        let c = vec![cand(0, 4_000, 1, 60), cand(1, 100, 1, 0)];
+        let route = |dup: f64| {
+            CacheAware::new(CacheAwareConfig {
+                busy_duplicate_weight: dup,
+                ..CacheAwareConfig::default()
+            })
+            .select(&ctx(&c, 100))
+            .unwrap()
+            .worker
+        };
+        assert_eq!(route(0.0), WorkerIdx(1));
+        assert_eq!(
+            route(CacheAwareConfig::default().busy_duplicate_weight),
+            WorkerIdx(0)
+        );
+        // A much longer queue on the holder still moves it (the price is not a pin).
+        let c = vec![cand(0, 20_000, 1, 60), cand(1, 100, 1, 0)];
+        let p = CacheAware::default();
+        let cx = ctx(&c, 100);
+        assert_eq!(p.cost(&cx, &c[0]), 2.0 * 641.0 + 20_000.0 + 16.0);
+        assert_eq!(
+            p.cost(&cx, &c[1]),
+            2.0 * 1_601.0 + 100.0 + 16.0 + 6.0 * 960.0
+        );
+        assert_eq!(
+            CacheAware::default().select(&cx).unwrap().worker,
+            WorkerIdx(1)
+        );
+        // An idle lane pays no duplicate price: it recomputes without delaying anyone.
+        let c = vec![cand(0, 4_000, 1, 60), cand(1, 0, 1, 0)];
+        let cx = ctx(&c, 100);
+        assert_eq!(p.cost(&cx, &c[1]), 1.5 * 1_601.0 + 16.0);
     }
 
     #[test]

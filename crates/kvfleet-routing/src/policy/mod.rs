@@ -78,6 +78,10 @@ pub struct RouteContext<'a> {
     /// The worker a chosen one could pull the prompt's prefix from, when peer pulls
     /// are on (see [`TierCostConfig::peer_pull_min_blocks`]).
     pub peer_source: Option<PeerSource>,
+    /// The most leading device blocks of the prompt any worker holds or is computing
+    /// (its reservations included), capped at the blocks a request can reuse; over
+    /// every worker, not only `candidates`.
+    pub deepest_blocks: usize,
 }
 
 /// Workers and their active sequences, for load bounds relative to the fleet's mean.
