@@ -246,7 +246,8 @@ impl CacheAware {
             return 0.0;
         }
         let held = (ctx.deepest_blocks * ctx.block_size).min(ctx.prompt_tokens);
-        let duplicated = held.saturating_sub(ctx.prompt_tokens - computed.min(ctx.prompt_tokens));
+        // `computed` is the prompt's tail; what lies before it is cached or pulled.
+        let duplicated = held.saturating_sub(ctx.prompt_tokens.saturating_sub(computed));
         self.config.busy_duplicate_weight * duplicated as f64
     }
 
