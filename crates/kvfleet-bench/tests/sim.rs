@@ -350,3 +350,44 @@ fn a_prefix_still_being_computed_cannot_be_pulled() {
         r.ttft_samples
     );
 }
+
+/// A request that arrives while another computes its prefix waits for that prefix
+/// wherever it goes (short of recomputing it): that is not an avoidable wait, even
+/// when the per-request overhead makes an idle worker's full recompute a hair sooner.
+#[test]
+fn waiting_for_a_sibling_computing_the_shared_prefix_is_not_an_avoidable_wait() {
+    use kvfleet_bench::TraceRecord;
+    let rec = |id: u64, ts: u64, blocks: u64| TraceRecord {
+        timestamp: ts,
+        input_length: blocks as usize * 512,
+        output_length: 4,
+        hash_ids: (0..blocks).collect(),
+        block_size: Some(512),
+        id: Some(id),
+        session_id: None,
+        parent_id: None,
+        fork_group: None,
+        tenant: None,
+    };
+    // The sibling shares all 64 blocks of the first and adds one of its own.
+    let t = Trace {
+        records: vec![rec(0, 0, 64), rec(1, 1, 65)],
+    };
+    let ours = simulate(
+        &t,
+        &SimConfig::new(2, 1_000, SimPolicy::Kvfleet(PolicyKind::CacheAware)),
+    )
+    .unwrap();
+    assert!(
+        ours.worker_requests.contains(&2),
+        "{:?}",
+        ours.worker_requests
+    );
+    let cost = CostModel::h200_llama8b();
+    let sibling_ttft = ours.ttft_samples[1];
+    // It did finish later than a full recompute on the idle worker would have...
+    assert!(sibling_ttft > cost.prefill_ms(65 * 512), "{sibling_ttft}");
+    // ...but only by its own tail and overhead: it waited on its own prefix.
+    assert_eq!(ours.avoidable_waits, 0);
+    assert_eq!(ours.own_prefix_waits, 1);
+}

@@ -122,6 +122,8 @@ pub struct SimWorker {
     pub disk: LruBlockCache,
     queue: VecDeque<usize>,
     prefilling: Option<usize>,
+    /// When the prefill in progress ends, ms.
+    prefill_until: f64,
     /// Uncached prompt tokens queued or being prefilled.
     pub queued_prefill_tokens: usize,
     /// Sequences decoding.
@@ -148,6 +150,7 @@ impl SimWorker {
             disk: LruBlockCache::new(disk_blocks),
             queue: VecDeque::new(),
             prefilling: None,
+            prefill_until: 0.0,
             queued_prefill_tokens: 0,
             decoding: 0,
             active_blocks: 0,
@@ -511,8 +514,15 @@ pub struct SimResult {
     pub hit_timeline: Vec<(f64, f64)>,
     /// Requests that waited although a worker was idle when they arrived, and waited
     /// so long that computing their whole prompt on that idle worker would have
-    /// reached the first token sooner ("a worker idle while another queues").
+    /// reached the first token sooner ("a worker idle while another queues"). The
+    /// time a request waited for blocks of its own prompt that a request ahead of it
+    /// was computing (a fork sibling computing the shared prefix) is not counted as
+    /// waiting: that is the prefix's cold start, not queueing behind others' work.
     pub avoidable_waits: usize,
+    /// Requests that would have counted as avoidable waits but for that time: they
+    /// waited on their own prefix being computed, and finished no sooner on an idle
+    /// worker than that prefix's cold start plus their own tail.
+    pub own_prefix_waits: usize,
     /// `avoidable_waits` over all requests.
     pub avoidable_wait_ratio: f64,
     /// Wall time of the simulation, s.
@@ -542,6 +552,9 @@ struct ReqState {
     lane_tokens: usize,
     /// A worker's prefill lane was idle when this request arrived.
     idle_elsewhere: bool,
+    /// Time its lane spent, after it arrived, computing blocks of its prompt for
+    /// requests ahead of it, ms.
+    own_prefix_ms: f64,
     /// The runs of blocks this request stored (parent, blocks), computed when its
     /// prefill ends.
     computing: Vec<(Option<BlockHash>, Vec<BlockHash>)>,
@@ -633,6 +646,7 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
     // Workers whose prefill lane is busy, kept up to date on every start and finish.
     let mut prefilling = 0usize;
     let mut avoidable_waits = 0usize;
+    let mut own_prefix_waits = 0usize;
     let pulls = cfg.peer_pull_min_blocks > 0;
 
     while let Some(Reverse((tb, _, ev))) = heap.pop() {
@@ -665,6 +679,13 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                         .map_or(0, |s| s.pullable(chain, end))
                         .saturating_sub(tier_hits.total())
                 });
+                let own_prefix_ms = own_prefix_ahead(
+                    &workers[w],
+                    &st,
+                    &chain[..tier_hits.total()],
+                    now,
+                    &cfg.cost,
+                );
                 let wk = &mut workers[w];
                 let hits = tier_hits.total() + peer;
                 let change = wk.admit(chain, tier_hits);
@@ -705,11 +726,12 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                     load_ms,
                     lane_tokens,
                     idle_elsewhere,
+                    own_prefix_ms,
                     computing: change.stored.clone(),
                     done: false,
                 };
                 if wk.prefilling.is_none() {
-                    if let Some(t) = start_prefill(wk, &st, &cfg.cost) {
+                    if let Some(t) = start_prefill(wk, &st, &cfg.cost, now) {
                         prefilling += 1;
                         push(&mut heap, now + t, Ev::PrefillDone(w));
                     }
@@ -731,8 +753,13 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                 }
                 let gone = wk.evicted_of(&computed);
                 let took = now - st[i].sent_ms;
-                if st[i].idle_elsewhere && took > cfg.cost.prefill_ms(recs[i].input_length) {
-                    avoidable_waits += 1;
+                let cold = cfg.cost.prefill_ms(recs[i].input_length);
+                if st[i].idle_elsewhere && took > cold {
+                    if took - st[i].own_prefix_ms > cold {
+                        avoidable_waits += 1;
+                    } else {
+                        own_prefix_waits += 1;
+                    }
                 }
                 ttft.push(took);
                 wk.decoding += 1;
@@ -742,7 +769,7 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                     itl.push(step);
                 }
                 push(&mut heap, now + step * steps as f64, Ev::DecodeDone(i));
-                if let Some(t) = start_prefill(wk, &st, &cfg.cost) {
+                if let Some(t) = start_prefill(wk, &st, &cfg.cost, now) {
                     prefilling += 1;
                     push(&mut heap, now + t, Ev::PrefillDone(w));
                 }
@@ -826,16 +853,57 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
         hit_timeline,
         avoidable_waits,
         avoidable_wait_ratio: ratio(avoidable_waits as u64, recs.len() as u64),
+        own_prefix_waits,
         wall_s: wall.elapsed().as_secs_f64(),
         ttft_samples: ttft,
     })
 }
 
 /// Starts the next queued prefill of `wk`; returns its duration in ms.
-fn start_prefill(wk: &mut SimWorker, st: &[ReqState], cost: &CostModel) -> Option<f64> {
+/// Starts the next queued prefill of `wk` at `now`: its duration, ms.
+fn start_prefill(wk: &mut SimWorker, st: &[ReqState], cost: &CostModel, now: f64) -> Option<f64> {
     let i = wk.queue.pop_front()?;
     wk.prefilling = Some(i);
-    Some(cost.prefill_ms(st[i].uncached) + st[i].load_ms)
+    let t = prefill_time(&st[i], cost);
+    wk.prefill_until = now + t;
+    Some(t)
+}
+
+/// A request's time on its prefill lane, ms.
+fn prefill_time(r: &ReqState, cost: &CostModel) -> f64 {
+    cost.prefill_ms(r.uncached) + r.load_ms
+}
+
+/// The time `wk`'s lane will spend, from `now`, on requests ahead of a new one that
+/// compute blocks of `reused` (the cached prefix the new request will read): those
+/// blocks are not ready before then wherever the request goes, unless recomputed.
+fn own_prefix_ahead(
+    wk: &SimWorker,
+    st: &[ReqState],
+    reused: &[BlockHash],
+    now: f64,
+    cost: &CostModel,
+) -> f64 {
+    if reused.is_empty() {
+        return 0.0;
+    }
+    let reused: std::collections::HashSet<BlockHash> = reused.iter().copied().collect();
+    let computes_ours = |j: usize| {
+        st[j]
+            .computing
+            .iter()
+            .any(|(_, run)| run.iter().any(|h| reused.contains(h)))
+    };
+    let running = wk
+        .prefilling
+        .filter(|&j| computes_ours(j))
+        .map_or(0.0, |_| (wk.prefill_until - now).max(0.0));
+    running
+        + wk.queue
+            .iter()
+            .filter(|&&j| computes_ours(j))
+            .map(|&j| prefill_time(&st[j], cost))
+            .sum::<f64>()
 }
 
 fn timeline(arrivals: &[(f64, usize, usize)], t0: f64, buckets: usize) -> Vec<(f64, f64)> {
