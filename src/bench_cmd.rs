@@ -557,9 +557,9 @@ fn run_matrix_cmd(a: MatrixArgs) -> Result<()> {
             ..GenConfig::default()
         })?;
         let bb = kvfleet_bench::bounds::bounds(&big, a.scale_workers, a.cache_blocks, &cost);
-        let (scale, rate) =
-            kvfleet_bench::matrix::load_scale(&big, a.scale_workers, bb.pooled, &cost, 0.9);
-        let scaled = big.scaled_time(scale);
+        let ls =
+            kvfleet_bench::matrix::load_scale(&big, a.scale_workers, a.cache_blocks, &cost, 0.9);
+        let (scaled, rate) = (big.scaled_time(ls.scale), ls.rate);
         let _ = writeln!(doc, "## Scale: {} requests over {} workers\n\nA generated fork trace of {} sessions ({} requests), 0.9 × capacity ({:.0} req/s), {} blocks per worker, one thread:\n\n| policy | hit ratio | pooled | ceiling | TTFT p99 ms | simulation wall time s |\n| --- | ---: | ---: | ---: | ---: | ---: |", big.records.len(), a.scale_workers, sessions, big.records.len(), rate, a.cache_blocks);
         for p in [
             SimPolicy::Kvfleet(kvfleet_router::PolicyKind::CacheAware),
@@ -705,6 +705,7 @@ fn run_sweep_cmd(a: SweepArgs) -> Result<()> {
                     "floor_p99_ms": r.bounds.no_queue_floor_ms.p99, "pooled": r.bounds.pooled,
                     "ceiling": r.bounds.ceiling, "avoidable_waits": r.result.avoidable_waits,
                     "work_max_over_mean": r.result.work_max_over_mean,
+                    "rate_rps": r.rate_rps, "load_pooled": r.load_pooled,
                 })
             })
             .collect();

@@ -12,6 +12,12 @@
 //!   waited (its own uncached prefill under the cost model). A policy's TTFT above it
 //!   is queueing and misses.
 //!
+//! The pooled bound is taken over the trace's order. A request with a parent starts
+//! only once its parent finished, and decode time does not shrink when a trace is
+//! sped up, so a faster replay interleaves more sessions: [`pooled_no_queue`] is the
+//! pooled bound over the order the requests start in when nothing queues, at a
+//! given speed-up (what the benchmark loads are calibrated on).
+//!
 //! Hit ratios count blocks (hash ids): a request's hits are the leading blocks of its
 //! chain already cached.
 
@@ -50,6 +56,15 @@ pub fn chains(trace: &Trace) -> Vec<Vec<kvfleet_core::BlockHash>> {
         .collect()
 }
 
+/// Distinct blocks of `trace`.
+pub fn distinct_blocks_of(trace: &Trace) -> usize {
+    let mut seen: BlockHashMap<()> = BlockHashMap::default();
+    for c in chains(trace) {
+        seen.extend(c.into_iter().map(|h| (h, ())));
+    }
+    seen.len()
+}
+
 /// Hit ratio of one unbounded cache.
 pub fn ceiling(trace: &Trace) -> f64 {
     let mut seen: BlockHashMap<()> = BlockHashMap::default();
@@ -74,17 +89,82 @@ pub fn pooled(trace: &Trace, blocks: usize) -> f64 {
     ratio(hit, total)
 }
 
+/// Each request's uncached prompt tokens with the ceiling's hits (at least one is
+/// computed, as in the simulator).
+fn ceiling_uncached(trace: &Trace) -> Vec<usize> {
+    let mut seen: BlockHashMap<()> = BlockHashMap::default();
+    trace
+        .records
+        .iter()
+        .zip(chains(trace))
+        .map(|(r, c)| {
+            let hits = c.iter().take_while(|h| seen.contains_key(h)).count();
+            let cached = (hits * r.block_size()).min(r.input_length.saturating_sub(1));
+            seen.extend(c.into_iter().map(|h| (h, ())));
+            r.input_length - cached
+        })
+        .collect()
+}
+
+/// The order `trace`'s requests start in, its timestamps multiplied by `scale`, when
+/// nothing ever queues: a request starts at its timestamp or, if later, when its
+/// parent finished (the parent's no-queue prefill with the ceiling's hits, then its
+/// decode steps at batch 1). Ties keep trace order.
+pub fn no_queue_order(trace: &Trace, scale: f64, cost: &CostModel) -> Vec<usize> {
+    let recs = &trace.records;
+    let index_of: std::collections::HashMap<u64, usize> = recs
+        .iter()
+        .enumerate()
+        .map(|(i, r)| (r.id.unwrap_or(i as u64), i))
+        .collect();
+    let uncached = ceiling_uncached(trace);
+    let mut start = vec![0.0f64; recs.len()];
+    let mut done = vec![0.0f64; recs.len()];
+    for (i, r) in recs.iter().enumerate() {
+        let at = r.timestamp as f64 * scale;
+        // Parents come earlier in a trace (the reader checks), so `done` is set.
+        let after = r
+            .parent_id
+            .and_then(|p| index_of.get(&p))
+            .filter(|&&p| p < i)
+            .map_or(f64::NEG_INFINITY, |&p| done[p]);
+        start[i] = at.max(after);
+        let steps = r.output_length.saturating_sub(1) as f64;
+        done[i] = start[i] + cost.prefill_ms(uncached[i]) + steps * cost.decode_step_ms(1);
+    }
+    let mut order: Vec<usize> = (0..recs.len()).collect();
+    order.sort_by(|&a, &b| start[a].total_cmp(&start[b]).then(a.cmp(&b)));
+    order
+}
+
+/// Whether any request of `trace` waits for a parent (only then does the order, and
+/// so the pooled bound, depend on the replay speed).
+pub fn has_parents(trace: &Trace) -> bool {
+    trace.records.iter().any(|r| r.parent_id.is_some())
+}
+
+/// The pooled bound (one LRU cache of `blocks` blocks) over the order `trace`'s
+/// requests start in at speed-up `scale` when nothing queues ([`no_queue_order`]).
+pub fn pooled_no_queue(trace: &Trace, blocks: usize, scale: f64, cost: &CostModel) -> f64 {
+    let chains = chains(trace);
+    let mut lru = LruBlockCache::new(blocks);
+    let (mut hit, mut total) = (0usize, 0usize);
+    for i in no_queue_order(trace, scale, cost) {
+        let c = &chains[i];
+        hit += lru.match_prefix(c);
+        total += c.len();
+        lru.insert_chain(c);
+    }
+    ratio(hit, total)
+}
+
 /// Each request's TTFT with the ceiling's hits and no waiting: its uncached prefill
 /// under `cost` (at least one token is computed, as in the simulator).
 pub fn no_queue_floor(trace: &Trace, cost: &CostModel) -> Percentiles {
-    let mut seen: BlockHashMap<()> = BlockHashMap::default();
-    let mut ttft = Vec::with_capacity(trace.records.len());
-    for (r, c) in trace.records.iter().zip(chains(trace)) {
-        let hits = c.iter().take_while(|h| seen.contains_key(h)).count();
-        let cached = (hits * r.block_size()).min(r.input_length.saturating_sub(1));
-        ttft.push(cost.prefill_ms(r.input_length - cached));
-        seen.extend(c.into_iter().map(|h| (h, ())));
-    }
+    let mut ttft: Vec<f64> = ceiling_uncached(trace)
+        .into_iter()
+        .map(|n| cost.prefill_ms(n))
+        .collect();
     Percentiles::of(&mut ttft)
 }
 

@@ -5,9 +5,11 @@
 //! Load is the arrival rate relative to the fleet's simulated capacity: the requests
 //! per second the fleet could serve if every request hit the cache as often as the
 //! pooled bound allows (`workers / (overhead + mean prompt × (1 − pooled) / prefill
-//! rate)`). The trace's timestamps are scaled to reach that rate.
+//! rate)`). The trace's timestamps are scaled to reach that rate. For a trace whose
+//! turns wait for their parents, the pooled bound is taken at the speed it is replayed
+//! at (see [`load_scale`]).
 
-use crate::bounds::{bounds, Bounds};
+use crate::bounds::{bounds, has_parents, pooled, pooled_no_queue, Bounds};
 use crate::plots::{bar_chart, cdf_points, line_chart};
 use crate::report::write_file;
 use crate::sim::cost_model::CostModel;
@@ -58,20 +60,54 @@ pub struct MatrixRow {
     pub load_factor: f64,
     /// Arrival rate, requests/s.
     pub rate_rps: f64,
+    /// The pooled bound at this speed, which the load is calibrated on (the bounds'
+    /// `pooled` unless the trace's turns wait for their parents; see [`load_scale`]).
+    pub load_pooled: f64,
     /// The bounds.
     pub bounds: Bounds,
     /// The result.
     pub result: SimResult,
 }
 
-/// Time-scale factor that brings `trace` to `load × capacity`.
+/// How a trace is sped up to reach a load: see [`load_scale`].
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct LoadScale {
+    /// The factor every timestamp is multiplied by.
+    pub scale: f64,
+    /// The arrival rate reached, requests/s.
+    pub rate: f64,
+    /// The pooled bound the capacity assumes: over the no-queue start order at this
+    /// speed ([`pooled_no_queue`]).
+    pub pooled: f64,
+}
+
+/// The fleet's capacity in requests/s if every request hit the cache `pooled` of the
+/// time.
+fn capacity(mean_in: f64, workers: usize, pooled: f64, cost: &CostModel) -> f64 {
+    let service_s = (cost.prefill_ms(0)
+        + mean_in * (1.0 - pooled) * 1000.0 / cost.prefill_tokens_per_s)
+        / 1000.0;
+    workers as f64 / service_s
+}
+
+/// The time scale that brings `trace` to `load ×` the capacity of `workers` workers of
+/// `blocks_per_worker` blocks each, the capacity taken at the pooled bound *at that
+/// speed*.
+///
+/// Without parents the trace's order does not depend on its speed and this is one
+/// closed form. With parents a faster replay interleaves more sessions (each turn
+/// waits for the one before, and decode time does not shrink), which lowers the hits
+/// the fleet's memory can hold and with them its capacity; the scale is then found by
+/// bisection. This keeps a multi-turn trace under memory pressure from being called
+/// "light" at a rate where even one pooled cache could not hold its sessions; queueing
+/// stretches sessions further, which no policy-independent bound sees.
 pub fn load_scale(
     trace: &Trace,
     workers: usize,
-    pooled: f64,
+    blocks_per_worker: usize,
     cost: &CostModel,
     load: f64,
-) -> (f64, f64) {
+) -> LoadScale {
     let n = trace.records.len().max(1) as f64;
     let mean_in = trace
         .records
@@ -79,13 +115,48 @@ pub fn load_scale(
         .map(|r| r.input_length as f64)
         .sum::<f64>()
         / n;
-    let service_s = (cost.prefill_ms(0)
-        + mean_in * (1.0 - pooled) * 1000.0 / cost.prefill_tokens_per_s)
-        / 1000.0;
-    let capacity = workers as f64 / service_s;
-    let rate = load * capacity;
     let natural = n / (trace.span_ms().max(1) as f64 / 1000.0);
-    (natural / rate, rate)
+    let blocks = workers * blocks_per_worker;
+    let at = |pooled: f64| {
+        let rate = load * capacity(mean_in, workers, pooled, cost);
+        LoadScale {
+            scale: natural / rate,
+            rate,
+            pooled,
+        }
+    };
+    if !has_parents(trace) {
+        return at(pooled(trace, blocks));
+    }
+    // The scale lies between those of the capacities at all hits and at none; bisect
+    // on its logarithm to 1%. The pooled bound rises with the scale, so the scale the
+    // load asks for falls with it: the answer is where the two meet.
+    let (mut lo, mut hi) = (at(1.0).scale.ln(), at(0.0).scale.ln());
+    let replay = |ln_scale: f64| {
+        let scale = ln_scale.exp();
+        let pooled = pooled_no_queue(trace, blocks, scale, cost);
+        (
+            at(pooled).scale,
+            LoadScale {
+                scale,
+                rate: natural / scale,
+                pooled,
+            },
+        )
+    };
+    let mut best = replay(hi).1;
+    while hi - lo > 0.01 {
+        let mid = 0.5 * (lo + hi);
+        let (asked, got) = replay(mid);
+        if mid < asked.ln() {
+            // Replayed this fast, the trace arrives faster than the load asks for.
+            lo = mid;
+        } else {
+            hi = mid;
+            best = got;
+        }
+    }
+    best
 }
 
 /// Runs the matrix.
@@ -98,8 +169,8 @@ pub fn run_matrix(
         for &n in &cfg.workers {
             let b = bounds(&t.trace, n, cfg.cache_blocks, &cfg.cost);
             for (load, factor) in &cfg.loads {
-                let (scale, rate) = load_scale(&t.trace, n, b.pooled, &cfg.cost, *factor);
-                let scaled = t.trace.scaled_time(scale);
+                let ls = load_scale(&t.trace, n, cfg.cache_blocks, &cfg.cost, *factor);
+                let (scaled, rate) = (t.trace.scaled_time(ls.scale), ls.rate);
                 for &p in &cfg.policies {
                     let mut sc = SimConfig::new(n, cfg.cache_blocks, p);
                     sc.cost = cfg.cost.clone();
@@ -114,6 +185,7 @@ pub fn run_matrix(
                         load: load.clone(),
                         load_factor: *factor,
                         rate_rps: rate,
+                        load_pooled: ls.pooled,
                         bounds: b,
                         result,
                     };
@@ -333,4 +405,79 @@ pub fn matrix_markdown(cfg: &MatrixConfig, rows: &[MatrixRow], plots: &Path) -> 
         }
     }
     Ok(s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bounds::distinct_blocks_of;
+    use crate::trace_gen::{generate, GenConfig};
+
+    /// Multi-turn conversations whose turns wait for their parents.
+    fn conversations() -> Trace {
+        generate(&GenConfig {
+            sessions: 100,
+            fork_k: 0,
+            parent_turns: 12,
+            system_tokens: 2048,
+            tools_tokens: 1024,
+            history_tokens: 1024,
+            turn_tokens: 768,
+            output_tokens: 256,
+            turn_gap_ms: 8_000,
+            ..GenConfig::default()
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn without_parents_the_load_is_the_closed_form_at_the_pooled_bound() {
+        let mut t = conversations();
+        for r in &mut t.records {
+            r.parent_id = None;
+        }
+        let cost = CostModel::h200_llama8b();
+        let (workers, blocks) = (8, distinct_blocks_of(&t) * 3 / 10 / 8);
+        let ls = load_scale(&t, workers, blocks, &cost, 0.5);
+        assert_eq!(ls.pooled, pooled(&t, workers * blocks));
+        let mean_in =
+            t.records.iter().map(|r| r.input_length as f64).sum::<f64>() / t.records.len() as f64;
+        let want = 0.5 * capacity(mean_in, workers, ls.pooled, &cost);
+        assert!(
+            (ls.rate - want).abs() < 1e-9 * want,
+            "{} vs {want}",
+            ls.rate
+        );
+    }
+
+    #[test]
+    fn with_parents_a_faster_replay_is_priced_at_the_hits_memory_holds_at_that_speed() {
+        let t = conversations();
+        let cost = CostModel::h200_llama8b();
+        let (workers, blocks) = (8, distinct_blocks_of(&t) * 3 / 10 / 8);
+        let fixed = pooled(&t, workers * blocks);
+        let mean_in =
+            t.records.iter().map(|r| r.input_length as f64).sum::<f64>() / t.records.len() as f64;
+        let mut last = f64::INFINITY;
+        for load in [0.5, 0.9, 1.3] {
+            let ls = load_scale(&t, workers, blocks, &cost, load);
+            // Replayed this fast, sessions overlap more than in the trace's own
+            // order, so one pooled cache holds fewer of them...
+            assert!(ls.pooled < fixed, "{} vs {fixed}", ls.pooled);
+            assert!(ls.pooled <= last, "higher loads hold fewer hits");
+            last = ls.pooled;
+            // ...the pooled bound is that of the order at the chosen speed...
+            let at = pooled_no_queue(&t, workers * blocks, ls.scale, &cost);
+            assert_eq!(ls.pooled, at);
+            // ...and the rate is at most the load's share of the capacity at those
+            // hits (the bound moves in steps; the bisection ends on a step's slow
+            // side), and not far below it.
+            let want = load * capacity(mean_in, workers, ls.pooled, &cost);
+            assert!(ls.rate <= want * 1.011, "{} vs {want}", ls.rate);
+            assert!(ls.rate >= want * 0.8, "{} vs {want}", ls.rate);
+            // The old calibration, at the fixed bound, asked for a faster replay.
+            let old = load * capacity(mean_in, workers, fixed, &cost);
+            assert!(ls.rate < old, "{} vs {old}", ls.rate);
+        }
+    }
 }

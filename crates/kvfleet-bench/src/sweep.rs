@@ -9,13 +9,19 @@
 //!   half the best baseline's;
 //! - no request waited behind others while a worker sat idle long enough that
 //!   recomputing its whole prompt there would have been faster
-//!   ([`SimResult::avoidable_waits`](crate::sim::SimResult::avoidable_waits)).
+//!   ([`SimResult::avoidable_waits`](crate::sim::SimResult::avoidable_waits); waiting
+//!   for a request ahead to compute the request's own prefix is not waiting behind
+//!   others).
+//!
+//! Loads are fractions of the fleet's capacity at the pooled bound at the replay's
+//! speed ([`load_scale`]): a multi-turn trace replayed faster interleaves more
+//! sessions, and a "light" load must not already exceed what the fleet's memory holds.
 //!
 //! Each generated trace has `sessions_per_worker × workers` sessions (so a large fleet
 //! still sees enough traffic to warm up) and its own memory budget: a fraction of the
 //! trace's distinct blocks, spread over the fleet, so memory is short at every size.
 
-use crate::bounds::{bounds, chains};
+use crate::bounds::{bounds, distinct_blocks_of};
 use crate::matrix::{load_scale, MatrixRow};
 use crate::sim::cost_model::CostModel;
 use crate::sim::{comparison_pull_min_blocks, simulate, SimConfig, SimPolicy};
@@ -25,7 +31,6 @@ use anyhow::Result;
 use kvfleet_routing::RouterConfig;
 use rayon::prelude::*;
 use serde::Serialize;
-use std::collections::HashSet;
 use std::fmt::Write;
 
 /// One trace of the sweep, sized for one fleet.
@@ -67,15 +72,6 @@ pub struct SweepConfig {
     /// blocks (0: no pulls; `None`: the serving default for the trace's block size,
     /// see [`comparison_pull_min_blocks`]); the baselines never pull.
     pub peer_pull_min_blocks: Option<usize>,
-}
-
-/// Distinct blocks of `trace`.
-fn distinct_blocks(trace: &Trace) -> usize {
-    chains(trace)
-        .into_iter()
-        .flatten()
-        .collect::<HashSet<_>>()
-        .len()
 }
 
 /// The generated family for a fleet of `workers`, each with its memory budget.
@@ -153,7 +149,7 @@ pub fn family(cfg: &SweepConfig, workers: usize) -> Result<Vec<SweepTrace>> {
             continue;
         }
         let trace = generate(&gen)?;
-        let blocks = distinct_blocks(&trace);
+        let blocks = distinct_blocks_of(&trace);
         out.push(SweepTrace {
             name: name.into(),
             description: format!("{description} ({sessions} sessions)"),
@@ -186,6 +182,7 @@ pub fn run_sweep(cfg: &SweepConfig) -> Result<Vec<MatrixRow>> {
         cache_blocks: usize,
         load: (String, f64),
         rate: f64,
+        load_pooled: f64,
         bounds: crate::bounds::Bounds,
     }
     let mut jobs = Vec::new();
@@ -193,14 +190,15 @@ pub fn run_sweep(cfg: &SweepConfig) -> Result<Vec<MatrixRow>> {
         for t in family(cfg, n)? {
             let b = bounds(&t.trace, n, t.cache_blocks, &cfg.cost);
             for load in &cfg.loads {
-                let (scale, rate) = load_scale(&t.trace, n, b.pooled, &cfg.cost, load.1);
+                let ls = load_scale(&t.trace, n, t.cache_blocks, &cfg.cost, load.1);
                 jobs.push(Job {
                     trace: t.name.clone(),
-                    scaled: t.trace.scaled_time(scale),
+                    scaled: t.trace.scaled_time(ls.scale),
                     workers: n,
                     cache_blocks: t.cache_blocks,
                     load: load.clone(),
-                    rate,
+                    rate: ls.rate,
+                    load_pooled: ls.pooled,
                     bounds: b,
                 });
             }
@@ -223,6 +221,7 @@ pub fn run_sweep(cfg: &SweepConfig) -> Result<Vec<MatrixRow>> {
                 load: j.load.0.clone(),
                 load_factor: j.load.1,
                 rate_rps: j.rate,
+                load_pooled: j.load_pooled,
                 bounds: j.bounds,
                 result,
             })
