@@ -391,3 +391,39 @@ fn waiting_for_a_sibling_computing_the_shared_prefix_is_not_an_avoidable_wait() 
     assert_eq!(ours.avoidable_waits, 0);
     assert_eq!(ours.own_prefix_waits, 1);
 }
+
+/// A request that never queued is never an avoidable wait, whatever rounding its
+/// arrival time carries: a child released when its parent finishes at 96.1 ms and
+/// computed at once on an idle lane took exactly its cold prefill.
+#[test]
+fn a_request_that_never_queued_is_not_an_avoidable_wait() {
+    use kvfleet_bench::TraceRecord;
+    let rec = |id: u64, ids: Vec<u64>, output_length: usize, parent_id: Option<u64>| TraceRecord {
+        timestamp: 0,
+        input_length: ids.len() * 512,
+        output_length,
+        hash_ids: ids,
+        block_size: Some(512),
+        id: Some(id),
+        session_id: None,
+        parent_id,
+        fork_group: None,
+        tenant: None,
+    };
+    // The parent: one block (84 ms of prefill), then one decode step (12.1 ms). The
+    // child shares nothing with it: three cold blocks, 212 ms, starting at 96.1 ms,
+    // where (96.1 + 212) − 96.1 rounds above 212.
+    let t = Trace {
+        records: vec![rec(0, vec![1], 2, None), rec(1, vec![7, 8, 9], 4, Some(0))],
+    };
+    for p in [
+        SimPolicy::Kvfleet(PolicyKind::CacheAware),
+        SimPolicy::Kvfleet(PolicyKind::LeastLoaded),
+        SimPolicy::Kvfleet(PolicyKind::RoundRobin),
+    ] {
+        let r = simulate(&t, &SimConfig::new(2, 1_000, p)).unwrap();
+        let cost = CostModel::h200_llama8b();
+        assert!((r.ttft_samples[1] - cost.prefill_ms(3 * 512)).abs() < 1e-9);
+        assert_eq!(r.avoidable_waits, 0, "{}", r.policy);
+    }
+}

@@ -753,7 +753,9 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                 }
                 let gone = wk.evicted_of(&computed);
                 let took = now - st[i].sent_ms;
-                let cold = cfg.cost.prefill_ms(recs[i].input_length);
+                // A margin for the rounding of event times (`now - sent_ms` of a
+                // request that never queued can exceed its prefill by an ulp).
+                let cold = cfg.cost.prefill_ms(recs[i].input_length) + ROUNDING_MS;
                 if st[i].idle_elsewhere && took > cold {
                     if took - st[i].own_prefix_ms > cold {
                         avoidable_waits += 1;
@@ -860,6 +862,9 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
 }
 
 /// Starts the next queued prefill of `wk`; returns its duration in ms.
+/// Times closer than this, in ms, are equal when judging a wait.
+const ROUNDING_MS: f64 = 1e-6;
+
 /// Starts the next queued prefill of `wk` at `now`: its duration, ms.
 fn start_prefill(wk: &mut SimWorker, st: &[ReqState], cost: &CostModel, now: f64) -> Option<f64> {
     let i = wk.queue.pop_front()?;
