@@ -307,11 +307,18 @@ fn peer_pulls_are_modelled_and_raise_the_hit_ratio_under_memory_pressure() {
         on.hit_ratio,
         off.hit_ratio
     );
-    // A pull is a transfer, not free: its time is in the load time.
+    // A pull is a transfer, not free: its time is in the load time. It moves every
+    // pulled block whole but the last, which may be the prompt's partial block.
     assert!(on.tier_load_ms > 0.0);
     let cost = CostModel::h200_llama8b();
-    let at_least = cost.peer_load_ms(on.peer_hit_blocks as usize * t.block_size());
-    assert!((on.tier_load_ms - at_least).abs() < 1e-6 * at_least.max(1.0));
+    let bs = t.block_size();
+    let whole = cost.peer_load_ms(on.peer_hit_blocks as usize * bs);
+    let all_but_last = cost.peer_load_ms((on.peer_hit_blocks - on.peer_pulls) as usize * bs);
+    assert!(
+        all_but_last <= on.tier_load_ms && on.tier_load_ms <= whole + 1e-6,
+        "{all_but_last} <= {} <= {whole}",
+        on.tier_load_ms
+    );
     // The baselines never pull, whatever the setting.
     let mut sg = SimConfig::new(8, 1000, SimPolicy::SglangCacheAware);
     sg.peer_pull_min_blocks = 4;
@@ -426,4 +433,52 @@ fn a_request_that_never_queued_is_not_an_avoidable_wait() {
         assert!((r.ttft_samples[1] - cost.prefill_ms(3 * 512)).abs() < 1e-9);
         assert_eq!(r.avoidable_waits, 0, "{}", r.policy);
     }
+}
+
+/// A pulled block is charged for the tokens of it the prompt reuses: a prompt of 19
+/// tokens whose one (partial) block a peer holds moves 18 tokens' KV, not a whole
+/// 512-token block, and so never ends up slower than computing it cold.
+#[test]
+fn a_pull_moves_only_the_tokens_the_prompt_reuses() {
+    use kvfleet_bench::TraceRecord;
+    let rec = |id: u64, ts: u64, ids: Vec<u64>, input_length: usize| TraceRecord {
+        timestamp: ts,
+        input_length,
+        output_length: 2,
+        hash_ids: ids,
+        block_size: Some(512),
+        id: Some(id),
+        session_id: None,
+        parent_id: None,
+        fork_group: None,
+        tenant: None,
+    };
+    // Block 1 lands on one worker; a 60-block prompt starting with it follows it
+    // there and keeps that lane busy for seconds; the short prompt then goes to the
+    // idle worker, which pulls block 1 from the busy one.
+    let long: Vec<u64> = std::iter::once(1).chain(100..159).collect();
+    let t = Trace {
+        records: vec![
+            rec(0, 0, vec![1], 19),
+            rec(1, 30, long, 60 * 512),
+            rec(2, 31, vec![1], 19),
+        ],
+    };
+    let mut cfg = SimConfig::new(2, 1_000, SimPolicy::Kvfleet(PolicyKind::CacheAware));
+    cfg.peer_pull_min_blocks = 1;
+    let r = simulate(&t, &cfg).unwrap();
+    assert_eq!(
+        (r.peer_pulls, r.peer_hit_blocks),
+        (1, 1),
+        "{:?}",
+        r.worker_requests
+    );
+    let cost = CostModel::h200_llama8b();
+    assert!(
+        (r.tier_load_ms - cost.peer_load_ms(18)).abs() < 1e-9,
+        "{} ms moved, {} for 18 tokens",
+        r.tier_load_ms,
+        cost.peer_load_ms(18)
+    );
+    assert_eq!(r.avoidable_waits, 0);
 }

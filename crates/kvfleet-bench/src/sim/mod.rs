@@ -697,9 +697,10 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                 }
                 let cached = (hits * bs).min(r.input_length.saturating_sub(1));
                 let uncached = r.input_length - cached;
-                let load_ms = cfg.cost.host_load_ms(tier_hits.host * bs)
-                    + cfg.cost.disk_load_ms(tier_hits.disk * bs)
-                    + cfg.cost.peer_load_ms(peer * bs);
+                let moved = moved_tokens(tier_hits, peer, bs, cached);
+                let load_ms = cfg.cost.host_load_ms(moved.host)
+                    + cfg.cost.disk_load_ms(moved.disk)
+                    + cfg.cost.peer_load_ms(moved.peer);
                 peer_hit_blocks += peer as u64;
                 peer_pulls += u64::from(peer > 0);
                 let lane_tokens =
@@ -862,6 +863,31 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
 }
 
 /// Starts the next queued prefill of `wk`; returns its duration in ms.
+/// Prompt tokens a request copies in, by source.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct MovedTokens {
+    host: usize,
+    disk: usize,
+    peer: usize,
+}
+
+/// The tokens a request reads from its worker's host and disk tiers and from a peer,
+/// of its `cached` tokens (`hits` blocks on its worker, then `peer` pulled blocks):
+/// the chain's order is device, lower tiers, pulled, and a prompt that ends inside
+/// its last hit block copies only the tokens of it the prompt uses. Host blocks are
+/// counted before disk ones (they interleave in the chain; only the split of a
+/// partial last block between the two can be off).
+fn moved_tokens(hits: TierHits, peer: usize, bs: usize, cached: usize) -> MovedTokens {
+    let device = (hits.device * bs).min(cached);
+    let lower = ((hits.host + hits.disk) * bs).min(cached - device);
+    let host = (hits.host * bs).min(lower);
+    MovedTokens {
+        host,
+        disk: lower - host,
+        peer: (peer * bs).min(cached - device - lower),
+    }
+}
+
 /// Times closer than this, in ms, are equal when judging a wait.
 const ROUNDING_MS: f64 = 1e-6;
 
