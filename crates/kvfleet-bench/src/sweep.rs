@@ -185,25 +185,32 @@ pub fn run_sweep(cfg: &SweepConfig) -> Result<Vec<MatrixRow>> {
         load_pooled: f64,
         bounds: crate::bounds::Bounds,
     }
-    let mut jobs = Vec::new();
+    // Every (fleet, trace) pair with its bounds, then every load of each: the
+    // calibration bisects over the trace for traces with parents, so both run in
+    // parallel.
+    let mut traces = Vec::new();
     for &n in &cfg.workers {
-        for t in family(cfg, n)? {
-            let b = bounds(&t.trace, n, t.cache_blocks, &cfg.cost);
-            for load in &cfg.loads {
-                let ls = load_scale(&t.trace, n, t.cache_blocks, &cfg.cost, load.1);
-                jobs.push(Job {
+        traces.extend(family(cfg, n)?.into_iter().map(|t| (n, t)));
+    }
+    let jobs: Vec<Job> = traces
+        .par_iter()
+        .flat_map(|(n, t)| {
+            let b = bounds(&t.trace, *n, t.cache_blocks, &cfg.cost);
+            cfg.loads.par_iter().map(move |load| {
+                let ls = load_scale(&t.trace, *n, t.cache_blocks, &cfg.cost, load.1);
+                Job {
                     trace: t.name.clone(),
                     scaled: t.trace.scaled_time(ls.scale),
-                    workers: n,
+                    workers: *n,
                     cache_blocks: t.cache_blocks,
                     load: load.clone(),
                     rate: ls.rate,
                     load_pooled: ls.pooled,
                     bounds: b,
-                });
-            }
-        }
-    }
+                }
+            })
+        })
+        .collect();
     let work: Vec<(&Job, SimPolicy)> = jobs
         .iter()
         .flat_map(|j| cfg.policies.iter().map(move |&p| (j, p)))
