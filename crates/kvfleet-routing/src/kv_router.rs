@@ -647,7 +647,19 @@ impl KvRouter {
             None
         };
         self.reservations.pending_into(hashes, &mut matches);
-        let deepest_blocks = matches.deepest().min(reusable);
+        // A holder this request cannot use (fenced, or one a retry failed on) does
+        // not make a recompute a duplicate: its copy is going away or out of reach.
+        let deepest_blocks = if self.fenced.is_empty() && exclude.is_empty() {
+            matches.deepest()
+        } else {
+            matches
+                .iter()
+                .filter(|m| !self.is_barred(m.worker, exclude))
+                .map(|m| m.depth)
+                .max()
+                .unwrap_or(0)
+        }
+        .min(reusable);
         let t1 = Instant::now();
         let mut candidates = std::mem::take(&mut self.candidates);
         candidates.clear();
@@ -804,6 +816,14 @@ impl KvRouter {
         })
     }
 
+    /// Whether `worker` may not serve this request: fenced, or in `exclude`.
+    fn is_barred(&self, worker: WorkerIdx, exclude: &[String]) -> bool {
+        self.workers
+            .get(worker.index())
+            .and_then(Option::as_ref)
+            .is_some_and(|e| self.fenced.contains(&*e.id) || exclude.iter().any(|x| **x == *e.id))
+    }
+
     /// Every worker a request may go to as a candidate: all registered workers but
     /// fenced and `exclude`d ones, or only `pin`'s worker (whose match is raised to
     /// the pin's blocks).
@@ -828,12 +848,8 @@ impl KvRouter {
             if pin.is_some_and(|(p, _)| p != worker) {
                 continue;
             }
-            if skip_ids {
-                let id = self.workers.get(i).and_then(Option::as_ref).map(|e| &*e.id);
-                if id.is_some_and(|id| self.fenced.contains(id) || exclude.iter().any(|x| x == id))
-                {
-                    continue;
-                }
+            if skip_ids && self.is_barred(worker, exclude) {
+                continue;
             }
             // A placement's worker is computing (or holds) the prompt up to the
             // blocks the pin names, though this router has not heard of it yet.
@@ -885,11 +901,8 @@ impl KvRouter {
             self.workers
                 .get(w.index())
                 .and_then(Option::as_ref)
-                .is_some_and(|e| {
-                    e.kv_movable
-                        && !self.fenced.contains(&*e.id)
-                        && !exclude.iter().any(|x| **x == *e.id)
-                })
+                .is_some_and(|e| e.kv_movable)
+                && !self.is_barred(w, exclude)
         };
         let mut best: Option<PeerSource> = None;
         let mut offer = |worker: WorkerIdx, blocks: usize| {

@@ -1086,3 +1086,40 @@ mod ordered_walk {
         }
     }
 }
+
+/// A prefix held only by a worker this request cannot use (fenced, or excluded by a
+/// retry) is no longer "held elsewhere": recomputing it on a busy lane is not a
+/// duplicate, so that lane pays no duplicate price for it.
+#[test]
+fn an_unusable_holder_does_not_make_a_recompute_a_duplicate() {
+    let toks = tokens(7, 100 * BS);
+    let h = hashes(&toks);
+    let n = toks.len() + 1;
+    for unusable in ["fenced", "excluded"] {
+        let mut r = router(3);
+        // w0 holds 60 blocks, w1 30 with a short queue, w2 nothing and is idle.
+        r.apply_event("w0", &RouterKvEvent::stored(1, None, h[..60].to_vec()))
+            .unwrap();
+        r.apply_event("w1", &RouterKvEvent::stored(1, None, h[..30].to_vec()))
+            .unwrap();
+        let busy = WorkerLoad {
+            queued_prefill_tokens: 100,
+            running: 1,
+            ..WorkerLoad::default()
+        };
+        r.update_load("w0", busy).unwrap();
+        r.update_load("w1", busy).unwrap();
+        let mut exclude = Vec::new();
+        if unusable == "fenced" {
+            r.set_fenced("w0", true);
+        } else {
+            exclude.push("w0".to_string());
+        }
+        // w1 finishes sooner (100 queued + 1,121 to compute, against 1,601 on w2) and
+        // computes less: it wins unless w0's 60 blocks count as held elsewhere.
+        let d = r
+            .route_excluding(&h, n, None, PolicyKind::CacheAware, 0, &exclude)
+            .unwrap();
+        assert_eq!(&*d.worker, "w1", "{unusable}");
+    }
+}

@@ -80,7 +80,8 @@ pub struct RouteContext<'a> {
     pub peer_source: Option<PeerSource>,
     /// The most leading device blocks of the prompt any worker holds or is computing
     /// (its reservations included), capped at the blocks a request can reuse; over
-    /// every worker, not only `candidates`.
+    /// every worker the request may use, not only `candidates` (a fenced worker, or
+    /// one a retry failed on, does not count: its copy is going away or out of reach).
     pub deepest_blocks: usize,
 }
 
