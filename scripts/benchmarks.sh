@@ -50,12 +50,14 @@ cp "$OUT/replay/worker_load.svg" docs/plots/replay_worker_load.svg
 "$BIN" bench router-scale --doc docs/router-scale.md --json docs/bench/router-scale.json
 
 # 5. The policy sweep: every policy over the generated trace family and Mooncake at
-#    8-256 workers (docs/policy-sweep.md), and the held-out family (seed 2) at 8 and 64.
-#    About 15 minutes on 2 cores; SWEEP=0 skips it.
+#    8-256 workers (docs/policy-sweep.md), and two held-out families (seeds 2 and 3) at
+#    8 and 64. About 3 minutes on 2 cores; SWEEP=0 skips it.
 [ "${SWEEP:-1}" = 0 ] && exit 0
 "$BIN" bench sweep --mooncake "$MOONCAKE" --doc docs/policy-sweep.md --json docs/bench/policy-sweep.json
 "$BIN" bench sweep --mooncake "$MOONCAKE" --seed 2 --workers 8,64 --doc docs/policy-sweep-seed2.md \
   --json docs/bench/policy-sweep-seed2.json
+"$BIN" bench sweep --mooncake "$MOONCAKE" --seed 3 --workers 8,64 --doc docs/policy-sweep-seed3.md \
+  --json docs/bench/policy-sweep-seed3.json
 # The same with peer pulls off (`--peer-pull-min-blocks 0`, the router's default until
 # 2026-12-04; docs/policy-sweep-no-pulls.md), to show what pulls are worth.
 "$BIN" bench sweep --mooncake "$MOONCAKE" --peer-pull-min-blocks 0 \
