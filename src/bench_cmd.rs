@@ -82,22 +82,12 @@ pub struct TiersArgs {
 }
 
 /// The conversation trace of `kvfleet bench tiers` (the sweep's `conversation`
-/// shape: 2k system + 1k tools + 1k history, 12 turns of +768 tokens and 256-token
-/// answers), `gap_ms` apart.
+/// shape), `gap_ms` apart.
 pub fn conversation_gen(sessions: usize, session_rate: f64, gap_ms: u64) -> GenConfig {
     GenConfig {
-        sessions,
-        fork_k: 0,
-        parent_turns: 12,
-        system_tokens: 2048,
-        tools_tokens: 1024,
-        history_tokens: 1024,
-        turn_tokens: 768,
-        output_tokens: 256,
-        turn_gap_ms: gap_ms,
         session_rate,
         seed: 101,
-        ..GenConfig::default()
+        ..GenConfig::conversation(sessions, gap_ms)
     }
 }
 

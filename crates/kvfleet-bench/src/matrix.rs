@@ -415,19 +415,7 @@ mod tests {
 
     /// Multi-turn conversations whose turns wait for their parents.
     fn conversations() -> Trace {
-        generate(&GenConfig {
-            sessions: 100,
-            fork_k: 0,
-            parent_turns: 12,
-            system_tokens: 2048,
-            tools_tokens: 1024,
-            history_tokens: 1024,
-            turn_tokens: 768,
-            output_tokens: 256,
-            turn_gap_ms: 8_000,
-            ..GenConfig::default()
-        })
-        .unwrap()
+        generate(&GenConfig::conversation(100, 8_000)).unwrap()
     }
 
     #[test]

@@ -84,17 +84,8 @@ pub fn family(cfg: &SweepConfig, workers: usize) -> Result<Vec<SweepTrace>> {
             "conversation",
             "multi-turn conversations, no forks: 2k system + 1k tools + 1k history, 12 turns of +768 tokens and 256-token answers, 8 s apart; memory 30% of the distinct blocks",
             GenConfig {
-                sessions,
-                fork_k: 0,
-                parent_turns: 12,
-                system_tokens: 2048,
-                tools_tokens: 1024,
-                history_tokens: 1024,
-                turn_tokens: 768,
-                output_tokens: 256,
-                turn_gap_ms: 8_000,
                 seed: seed + 1,
-                ..GenConfig::default()
+                ..GenConfig::conversation(sessions, 8_000)
             },
             0.3,
         ),

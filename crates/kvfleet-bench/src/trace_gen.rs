@@ -123,6 +123,25 @@ impl GenConfig {
     pub fn requests_per_session(&self) -> usize {
         self.parent_turns + self.fork_k * self.child_turns
     }
+
+    /// Multi-turn conversations without forks, the shape of the sweep's
+    /// `conversation` family and of `kvfleet bench tiers`: 2k system + 1k tools + 1k
+    /// history tokens, then 12 turns of +768 tokens with 256-token answers, `gap_ms`
+    /// apart (other fields: the defaults).
+    pub fn conversation(sessions: usize, gap_ms: u64) -> Self {
+        Self {
+            sessions,
+            fork_k: 0,
+            parent_turns: 12,
+            system_tokens: 2048,
+            tools_tokens: 1024,
+            history_tokens: 1024,
+            turn_tokens: 768,
+            output_tokens: 256,
+            turn_gap_ms: gap_ms,
+            ..Self::default()
+        }
+    }
 }
 
 /// A run of tokens with one content id.

@@ -4,7 +4,7 @@ use kvfleet_bench::bounds::bounds;
 use kvfleet_bench::sim::cost_model::CostModel;
 use kvfleet_bench::sim::{simulate, SimConfig, SimPolicy};
 use kvfleet_bench::trace_gen::{generate, GenConfig};
-use kvfleet_bench::Trace;
+use kvfleet_bench::{Trace, TraceRecord};
 use kvfleet_routing::PolicyKind;
 use std::path::PathBuf;
 
@@ -30,6 +30,29 @@ fn small_fork() -> Trace {
         ..GenConfig::default()
     })
     .unwrap()
+}
+
+/// One request of 512-token blocks `ids`, at `ts` ms.
+fn record(
+    id: u64,
+    ts: u64,
+    ids: Vec<u64>,
+    input_length: usize,
+    output_length: usize,
+    parent_id: Option<u64>,
+) -> TraceRecord {
+    TraceRecord {
+        timestamp: ts,
+        input_length,
+        output_length,
+        hash_ids: ids,
+        block_size: Some(512),
+        id: Some(id),
+        session_id: None,
+        parent_id,
+        fork_group: None,
+        tenant: None,
+    }
 }
 
 #[test]
@@ -117,18 +140,15 @@ fn children_wait_for_their_parent() {
 /// stacks them, while another worker is idle.
 #[test]
 fn stacking_cold_prompts_behind_an_idle_worker_counts_as_an_avoidable_wait() {
-    use kvfleet_bench::TraceRecord;
-    let rec = |id: u64, salt: u64| TraceRecord {
-        timestamp: 0,
-        input_length: 64 * 512,
-        output_length: 4,
-        hash_ids: (0..64).map(|i| salt * 1_000 + i).collect(),
-        block_size: Some(512),
-        id: Some(id),
-        session_id: None,
-        parent_id: None,
-        fork_group: None,
-        tenant: None,
+    let rec = |id: u64, salt: u64| {
+        record(
+            id,
+            0,
+            (0..64).map(|i| salt * 1_000 + i).collect(),
+            64 * 512,
+            4,
+            None,
+        )
     };
     let t = Trace {
         records: vec![rec(0, 1), rec(1, 2)],
@@ -363,18 +383,15 @@ fn a_prefix_still_being_computed_cannot_be_pulled() {
 /// when the per-request overhead makes an idle worker's full recompute a hair sooner.
 #[test]
 fn waiting_for_a_sibling_computing_the_shared_prefix_is_not_an_avoidable_wait() {
-    use kvfleet_bench::TraceRecord;
-    let rec = |id: u64, ts: u64, blocks: u64| TraceRecord {
-        timestamp: ts,
-        input_length: blocks as usize * 512,
-        output_length: 4,
-        hash_ids: (0..blocks).collect(),
-        block_size: Some(512),
-        id: Some(id),
-        session_id: None,
-        parent_id: None,
-        fork_group: None,
-        tenant: None,
+    let rec = |id: u64, ts: u64, blocks: u64| {
+        record(
+            id,
+            ts,
+            (0..blocks).collect(),
+            blocks as usize * 512,
+            4,
+            None,
+        )
     };
     // The sibling shares all 64 blocks of the first and adds one of its own.
     let t = Trace {
@@ -404,18 +421,9 @@ fn waiting_for_a_sibling_computing_the_shared_prefix_is_not_an_avoidable_wait() 
 /// computed at once on an idle lane took exactly its cold prefill.
 #[test]
 fn a_request_that_never_queued_is_not_an_avoidable_wait() {
-    use kvfleet_bench::TraceRecord;
-    let rec = |id: u64, ids: Vec<u64>, output_length: usize, parent_id: Option<u64>| TraceRecord {
-        timestamp: 0,
-        input_length: ids.len() * 512,
-        output_length,
-        hash_ids: ids,
-        block_size: Some(512),
-        id: Some(id),
-        session_id: None,
-        parent_id,
-        fork_group: None,
-        tenant: None,
+    let rec = |id: u64, ids: Vec<u64>, output_length: usize, parent_id: Option<u64>| {
+        let n = ids.len() * 512;
+        record(id, 0, ids, n, output_length, parent_id)
     };
     // The parent: one block (84 ms of prefill), then one decode step (12.1 ms). The
     // child shares nothing with it: three cold blocks, 212 ms, starting at 96.1 ms,
@@ -440,18 +448,8 @@ fn a_request_that_never_queued_is_not_an_avoidable_wait() {
 /// 512-token block, and so never ends up slower than computing it cold.
 #[test]
 fn a_pull_moves_only_the_tokens_the_prompt_reuses() {
-    use kvfleet_bench::TraceRecord;
-    let rec = |id: u64, ts: u64, ids: Vec<u64>, input_length: usize| TraceRecord {
-        timestamp: ts,
-        input_length,
-        output_length: 2,
-        hash_ids: ids,
-        block_size: Some(512),
-        id: Some(id),
-        session_id: None,
-        parent_id: None,
-        fork_group: None,
-        tenant: None,
+    let rec = |id: u64, ts: u64, ids: Vec<u64>, input_length: usize| {
+        record(id, ts, ids, input_length, 2, None)
     };
     // Block 1 lands on one worker; a 60-block prompt starting with it follows it
     // there and keeps that lane busy for seconds; the short prompt then goes to the
