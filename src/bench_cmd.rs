@@ -547,8 +547,7 @@ fn run_matrix_cmd(a: MatrixArgs) -> Result<()> {
             ..GenConfig::default()
         })?;
         let bb = kvfleet_bench::bounds::bounds(&big, a.scale_workers, a.cache_blocks, &cost);
-        let ls =
-            kvfleet_bench::matrix::load_scale(&big, a.scale_workers, a.cache_blocks, &cost, 0.9);
+        let ls = kvfleet_bench::matrix::load_scale(&big, &bb, a.scale_workers, &cost, 0.9);
         let (scaled, rate) = (big.scaled_time(ls.scale), ls.rate);
         let _ = writeln!(doc, "## Scale: {} requests over {} workers\n\nA generated fork trace of {} sessions ({} requests), 0.9 × capacity ({:.0} req/s), {} blocks per worker, one thread:\n\n| policy | hit ratio | pooled | ceiling | TTFT p99 ms | simulation wall time s |\n| --- | ---: | ---: | ---: | ---: | ---: |", big.records.len(), a.scale_workers, sessions, big.records.len(), rate, a.cache_blocks);
         for p in [

@@ -4,7 +4,9 @@
 //! SGLang alone. Run with
 //! `cargo run --release -p kvfleet-bench --example tune_cache_aware`.
 
+use kvfleet_bench::bounds::bounds;
 use kvfleet_bench::matrix::load_scale;
+use kvfleet_bench::sim::cost_model::CostModel;
 use kvfleet_bench::sim::{simulate, SimConfig, SimPolicy};
 use kvfleet_bench::trace_gen::{generate, GenConfig};
 use kvfleet_routing::PolicyKind;
@@ -28,9 +30,10 @@ fn main() {
     .unwrap();
     for (name, t) in [("mooncake", mooncake), ("fork", fork), ("herd", herd)] {
         for n in [8usize, 64] {
+            let b = bounds(&t, n, 1000, &CostModel::h200_llama8b());
             for load in [0.5, 0.9, 1.3] {
                 let mut base = SimConfig::new(n, 1000, SimPolicy::Kvfleet(PolicyKind::CacheAware));
-                let s = load_scale(&t, n, 1000, &base.cost, load).scale;
+                let s = load_scale(&t, &b, n, &base.cost, load).scale;
                 let tt = t.scaled_time(s);
                 let sg =
                     simulate(&tt, &SimConfig::new(n, 1000, SimPolicy::SglangCacheAware)).unwrap();

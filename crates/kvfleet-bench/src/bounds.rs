@@ -26,7 +26,7 @@ use crate::sim::lru::LruBlockCache;
 use crate::sim::Percentiles;
 use crate::token_blocks::{chained_hashes, tenant_seed};
 use crate::trace::Trace;
-use kvfleet_core::BlockHashMap;
+use kvfleet_core::{BlockHash, BlockHashMap};
 use serde::Serialize;
 
 /// The bounds of one trace on one fleet.
@@ -90,51 +90,20 @@ pub fn pooled(trace: &Trace, blocks: usize) -> f64 {
 }
 
 /// Each request's uncached prompt tokens with the ceiling's hits (at least one is
-/// computed, as in the simulator).
-fn ceiling_uncached(trace: &Trace) -> Vec<usize> {
+/// computed, as in the simulator), given its `chains`.
+fn ceiling_uncached(trace: &Trace, chains: &[Vec<BlockHash>]) -> Vec<usize> {
     let mut seen: BlockHashMap<()> = BlockHashMap::default();
     trace
         .records
         .iter()
-        .zip(chains(trace))
+        .zip(chains)
         .map(|(r, c)| {
             let hits = c.iter().take_while(|h| seen.contains_key(h)).count();
             let cached = (hits * r.block_size()).min(r.input_length.saturating_sub(1));
-            seen.extend(c.into_iter().map(|h| (h, ())));
+            seen.extend(c.iter().map(|&h| (h, ())));
             r.input_length - cached
         })
         .collect()
-}
-
-/// The order `trace`'s requests start in, its timestamps multiplied by `scale`, when
-/// nothing ever queues: a request starts at its timestamp or, if later, when its
-/// parent finished (the parent's no-queue prefill with the ceiling's hits, then its
-/// decode steps at batch 1). Ties keep trace order.
-pub fn no_queue_order(trace: &Trace, scale: f64, cost: &CostModel) -> Vec<usize> {
-    let recs = &trace.records;
-    let index_of: std::collections::HashMap<u64, usize> = recs
-        .iter()
-        .enumerate()
-        .map(|(i, r)| (r.id.unwrap_or(i as u64), i))
-        .collect();
-    let uncached = ceiling_uncached(trace);
-    let mut start = vec![0.0f64; recs.len()];
-    let mut done = vec![0.0f64; recs.len()];
-    for (i, r) in recs.iter().enumerate() {
-        let at = r.timestamp as f64 * scale;
-        // Parents come earlier in a trace (the reader checks), so `done` is set.
-        let after = r
-            .parent_id
-            .and_then(|p| index_of.get(&p))
-            .filter(|&&p| p < i)
-            .map_or(f64::NEG_INFINITY, |&p| done[p]);
-        start[i] = at.max(after);
-        let steps = r.output_length.saturating_sub(1) as f64;
-        done[i] = start[i] + cost.prefill_ms(uncached[i]) + steps * cost.decode_step_ms(1);
-    }
-    let mut order: Vec<usize> = (0..recs.len()).collect();
-    order.sort_by(|&a, &b| start[a].total_cmp(&start[b]).then(a.cmp(&b)));
-    order
 }
 
 /// Whether any request of `trace` waits for a parent (only then does the order, and
@@ -143,25 +112,85 @@ pub fn has_parents(trace: &Trace) -> bool {
     trace.records.iter().any(|r| r.parent_id.is_some())
 }
 
-/// The pooled bound (one LRU cache of `blocks` blocks) over the order `trace`'s
-/// requests start in at speed-up `scale` when nothing queues ([`no_queue_order`]).
-pub fn pooled_no_queue(trace: &Trace, blocks: usize, scale: f64, cost: &CostModel) -> f64 {
-    let chains = chains(trace);
-    let mut lru = LruBlockCache::new(blocks);
-    let (mut hit, mut total) = (0usize, 0usize);
-    for i in no_queue_order(trace, scale, cost) {
-        let c = &chains[i];
-        hit += lru.match_prefix(c);
-        total += c.len();
-        lru.insert_chain(c);
+/// A trace replayed with no queueing, at any speed: what does not depend on the speed
+/// (chains, parents, each request's no-queue service time) worked out once, for a
+/// bisection over speeds.
+pub struct NoQueueReplay<'a> {
+    trace: &'a Trace,
+    chains: Vec<Vec<BlockHash>>,
+    parents: Vec<Option<usize>>,
+    /// Each request's no-queue prefill (the ceiling's hits) plus its decode steps at
+    /// batch 1, ms.
+    service_ms: Vec<f64>,
+}
+
+impl<'a> NoQueueReplay<'a> {
+    /// `trace` under `cost`.
+    pub fn new(trace: &'a Trace, cost: &CostModel) -> Self {
+        let chains = chains(trace);
+        let service_ms = ceiling_uncached(trace, &chains)
+            .into_iter()
+            .zip(&trace.records)
+            .map(|(uncached, r)| {
+                let steps = r.output_length.saturating_sub(1) as f64;
+                cost.prefill_ms(uncached) + steps * cost.decode_step_ms(1)
+            })
+            .collect();
+        Self {
+            trace,
+            chains,
+            parents: trace.parent_indices(),
+            service_ms,
+        }
     }
-    ratio(hit, total)
+
+    /// The order the requests start in, timestamps multiplied by `scale`: a request
+    /// starts at its timestamp or, if later, when its parent finished. Ties keep trace
+    /// order.
+    pub fn order(&self, scale: f64) -> Vec<usize> {
+        let n = self.trace.records.len();
+        let mut start = vec![0.0f64; n];
+        let mut done = vec![0.0f64; n];
+        for (i, r) in self.trace.records.iter().enumerate() {
+            // Parents come earlier in a trace (the reader checks), so `done` is set.
+            let after = self.parents[i]
+                .filter(|&p| p < i)
+                .map_or(f64::NEG_INFINITY, |p| done[p]);
+            start[i] = (r.timestamp as f64 * scale).max(after);
+            done[i] = start[i] + self.service_ms[i];
+        }
+        let mut order: Vec<usize> = (0..n).collect();
+        order.sort_by(|&a, &b| start[a].total_cmp(&start[b]).then(a.cmp(&b)));
+        order
+    }
+
+    /// The pooled bound (one LRU cache of `blocks` blocks) over [`Self::order`] at
+    /// `scale`.
+    pub fn pooled(&self, blocks: usize, scale: f64) -> f64 {
+        let mut lru = LruBlockCache::new(blocks);
+        let (mut hit, mut total) = (0usize, 0usize);
+        for i in self.order(scale) {
+            let c = &self.chains[i];
+            hit += lru.match_prefix(c);
+            total += c.len();
+            lru.insert_chain(c);
+        }
+        ratio(hit, total)
+    }
+}
+
+/// The pooled bound (one LRU cache of `blocks` blocks) over the order `trace`'s
+/// requests start in at speed-up `scale` when nothing queues (a request waits for its
+/// parent's no-queue prefill with the ceiling's hits, then its decode steps at batch
+/// 1). For many speeds, prepare a [`NoQueueReplay`] once.
+pub fn pooled_no_queue(trace: &Trace, blocks: usize, scale: f64, cost: &CostModel) -> f64 {
+    NoQueueReplay::new(trace, cost).pooled(blocks, scale)
 }
 
 /// Each request's TTFT with the ceiling's hits and no waiting: its uncached prefill
 /// under `cost` (at least one token is computed, as in the simulator).
 pub fn no_queue_floor(trace: &Trace, cost: &CostModel) -> Percentiles {
-    let mut ttft: Vec<f64> = ceiling_uncached(trace)
+    let mut ttft: Vec<f64> = ceiling_uncached(trace, &chains(trace))
         .into_iter()
         .map(|n| cost.prefill_ms(n))
         .collect();

@@ -7,9 +7,9 @@
 //! pooled bound allows (`workers / (overhead + mean prompt × (1 − pooled) / prefill
 //! rate)`). The trace's timestamps are scaled to reach that rate. For a trace whose
 //! turns wait for their parents, the pooled bound is taken at the speed it is replayed
-//! at (see [`load_scale`]).
+//! at (see [`LoadCalibration`]).
 
-use crate::bounds::{bounds, has_parents, pooled, pooled_no_queue, Bounds};
+use crate::bounds::{bounds, has_parents, Bounds, NoQueueReplay};
 use crate::plots::{bar_chart, cdf_points, line_chart};
 use crate::report::write_file;
 use crate::sim::cost_model::CostModel;
@@ -61,7 +61,7 @@ pub struct MatrixRow {
     /// Arrival rate, requests/s.
     pub rate_rps: f64,
     /// The pooled bound at this speed, which the load is calibrated on (the bounds'
-    /// `pooled` unless the trace's turns wait for their parents; see [`load_scale`]).
+    /// `pooled` unless the trace's turns wait for their parents; see [`LoadCalibration`]).
     pub load_pooled: f64,
     /// The bounds.
     pub bounds: Bounds,
@@ -69,7 +69,7 @@ pub struct MatrixRow {
     pub result: SimResult,
 }
 
-/// How a trace is sped up to reach a load: see [`load_scale`].
+/// How a trace is sped up to reach a load: see [`LoadCalibration`].
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
 pub struct LoadScale {
     /// The factor every timestamp is multiplied by.
@@ -77,7 +77,7 @@ pub struct LoadScale {
     /// The arrival rate reached, requests/s.
     pub rate: f64,
     /// The pooled bound the capacity assumes: over the no-queue start order at this
-    /// speed ([`pooled_no_queue`]).
+    /// speed ([`NoQueueReplay::pooled`]).
     pub pooled: f64,
 }
 
@@ -90,73 +90,112 @@ fn capacity(mean_in: f64, workers: usize, pooled: f64, cost: &CostModel) -> f64 
     workers as f64 / service_s
 }
 
-/// The time scale that brings `trace` to `load ×` the capacity of `workers` workers of
-/// `blocks_per_worker` blocks each, the capacity taken at the pooled bound *at that
-/// speed*.
+/// The time scale that brings a trace to `load ×` the capacity of a fleet, the
+/// capacity taken at the pooled bound *at that speed*, for every load of one (trace,
+/// fleet): what does not depend on the load is worked out once.
 ///
-/// Without parents the trace's order does not depend on its speed and this is one
-/// closed form. With parents a faster replay interleaves more sessions (each turn
-/// waits for the one before, and decode time does not shrink), which lowers the hits
-/// the fleet's memory can hold and with them its capacity; the scale is then found by
-/// bisection. This keeps a multi-turn trace under memory pressure from being called
-/// "light" at a rate where even one pooled cache could not hold its sessions; queueing
-/// stretches sessions further, which no policy-independent bound sees.
-pub fn load_scale(
-    trace: &Trace,
+/// Without parents the trace's order does not depend on its speed and each load is
+/// one closed form at the bounds' pooled bound. With parents a faster replay
+/// interleaves more sessions (each turn waits for the one before, and decode time does
+/// not shrink), which lowers the hits the fleet's memory can hold and with them its
+/// capacity; the scale is then found by bisection. This keeps a multi-turn trace under
+/// memory pressure from being called "light" at a rate where even one pooled cache
+/// could not hold its sessions; queueing stretches sessions further, which no
+/// policy-independent bound sees.
+pub struct LoadCalibration<'a> {
+    cost: &'a CostModel,
     workers: usize,
-    blocks_per_worker: usize,
-    cost: &CostModel,
-    load: f64,
-) -> LoadScale {
-    let n = trace.records.len().max(1) as f64;
-    let mean_in = trace
-        .records
-        .iter()
-        .map(|r| r.input_length as f64)
-        .sum::<f64>()
-        / n;
-    let natural = n / (trace.span_ms().max(1) as f64 / 1000.0);
-    let blocks = workers * blocks_per_worker;
-    let at = |pooled: f64| {
-        let rate = load * capacity(mean_in, workers, pooled, cost);
+    /// The fleet's blocks (one pooled cache's size).
+    blocks: usize,
+    /// Mean prompt length, tokens.
+    mean_in: f64,
+    /// The trace's own arrival rate, requests/s.
+    natural: f64,
+    /// The pooled bound in the trace's order.
+    pooled: f64,
+    /// With parents: the trace prepared for the bisection.
+    replay: Option<NoQueueReplay<'a>>,
+}
+
+impl<'a> LoadCalibration<'a> {
+    /// `trace` on a fleet of `workers` with `bounds` (from [`bounds`] on that fleet).
+    pub fn new(trace: &'a Trace, bounds: &Bounds, workers: usize, cost: &'a CostModel) -> Self {
+        let n = trace.records.len().max(1) as f64;
+        Self {
+            cost,
+            workers,
+            blocks: bounds.pooled_blocks,
+            mean_in: trace
+                .records
+                .iter()
+                .map(|r| r.input_length as f64)
+                .sum::<f64>()
+                / n,
+            natural: n / (trace.span_ms().max(1) as f64 / 1000.0),
+            pooled: bounds.pooled,
+            replay: has_parents(trace).then(|| NoQueueReplay::new(trace, cost)),
+        }
+    }
+
+    /// The scale of `load` if the fleet hit the cache `pooled` of the time.
+    fn at_pooled(&self, load: f64, pooled: f64) -> LoadScale {
+        let rate = load * capacity(self.mean_in, self.workers, pooled, self.cost);
         LoadScale {
-            scale: natural / rate,
+            scale: self.natural / rate,
             rate,
             pooled,
         }
-    };
-    if !has_parents(trace) {
-        return at(pooled(trace, blocks));
     }
-    // The scale lies between those of the capacities at all hits and at none; bisect
-    // on its logarithm to 1%. The pooled bound rises with the scale, so the scale the
-    // load asks for falls with it: the answer is where the two meet.
-    let (mut lo, mut hi) = (at(1.0).scale.ln(), at(0.0).scale.ln());
-    let replay = |ln_scale: f64| {
-        let scale = ln_scale.exp();
-        let pooled = pooled_no_queue(trace, blocks, scale, cost);
-        (
-            at(pooled).scale,
-            LoadScale {
-                scale,
-                rate: natural / scale,
-                pooled,
-            },
-        )
-    };
-    let mut best = replay(hi).1;
-    while hi - lo > 0.01 {
-        let mid = 0.5 * (lo + hi);
-        let (asked, got) = replay(mid);
-        if mid < asked.ln() {
-            // Replayed this fast, the trace arrives faster than the load asks for.
-            lo = mid;
-        } else {
-            hi = mid;
-            best = got;
+
+    /// The time scale of `load`.
+    pub fn at(&self, load: f64) -> LoadScale {
+        let Some(replay) = &self.replay else {
+            return self.at_pooled(load, self.pooled);
+        };
+        // The scale lies between those of the capacities at all hits and at none;
+        // bisect on its logarithm to 1%. The pooled bound rises with the scale, so the
+        // scale the load asks for falls with it: the answer is where the two meet.
+        let (mut lo, mut hi) = (
+            self.at_pooled(load, 1.0).scale.ln(),
+            self.at_pooled(load, 0.0).scale.ln(),
+        );
+        let run = |ln_scale: f64| {
+            let scale = ln_scale.exp();
+            let pooled = replay.pooled(self.blocks, scale);
+            (
+                self.at_pooled(load, pooled).scale,
+                LoadScale {
+                    scale,
+                    rate: self.natural / scale,
+                    pooled,
+                },
+            )
+        };
+        let mut best = run(hi).1;
+        while hi - lo > 0.01 {
+            let mid = 0.5 * (lo + hi);
+            let (asked, got) = run(mid);
+            if mid < asked.ln() {
+                // Replayed this fast, the trace arrives faster than the load asks for.
+                lo = mid;
+            } else {
+                hi = mid;
+                best = got;
+            }
         }
+        best
     }
-    best
+}
+
+/// [`LoadCalibration::at`] for one load.
+pub fn load_scale(
+    trace: &Trace,
+    bounds: &Bounds,
+    workers: usize,
+    cost: &CostModel,
+    load: f64,
+) -> LoadScale {
+    LoadCalibration::new(trace, bounds, workers, cost).at(load)
 }
 
 /// Runs the matrix.
@@ -168,8 +207,9 @@ pub fn run_matrix(
     for t in &cfg.traces {
         for &n in &cfg.workers {
             let b = bounds(&t.trace, n, cfg.cache_blocks, &cfg.cost);
+            let calibration = LoadCalibration::new(&t.trace, &b, n, &cfg.cost);
             for (load, factor) in &cfg.loads {
-                let ls = load_scale(&t.trace, n, cfg.cache_blocks, &cfg.cost, *factor);
+                let ls = calibration.at(*factor);
                 let (scaled, rate) = (t.trace.scaled_time(ls.scale), ls.rate);
                 for &p in &cfg.policies {
                     let mut sc = SimConfig::new(n, cfg.cache_blocks, p);
@@ -410,7 +450,7 @@ pub fn matrix_markdown(cfg: &MatrixConfig, rows: &[MatrixRow], plots: &Path) -> 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bounds::distinct_blocks_of;
+    use crate::bounds::{distinct_blocks_of, pooled, pooled_no_queue};
     use crate::trace_gen::{generate, GenConfig};
 
     /// Multi-turn conversations whose turns wait for their parents.
@@ -426,7 +466,7 @@ mod tests {
         }
         let cost = CostModel::h200_llama8b();
         let (workers, blocks) = (8, distinct_blocks_of(&t) * 3 / 10 / 8);
-        let ls = load_scale(&t, workers, blocks, &cost, 0.5);
+        let ls = load_scale(&t, &bounds(&t, workers, blocks, &cost), workers, &cost, 0.5);
         assert_eq!(ls.pooled, pooled(&t, workers * blocks));
         let mean_in =
             t.records.iter().map(|r| r.input_length as f64).sum::<f64>() / t.records.len() as f64;
@@ -447,8 +487,9 @@ mod tests {
         let mean_in =
             t.records.iter().map(|r| r.input_length as f64).sum::<f64>() / t.records.len() as f64;
         let mut last = f64::INFINITY;
+        let b = bounds(&t, workers, blocks, &cost);
         for load in [0.5, 0.9, 1.3] {
-            let ls = load_scale(&t, workers, blocks, &cost, load);
+            let ls = load_scale(&t, &b, workers, &cost, load);
             // Replayed this fast, sessions overlap more than in the trace's own
             // order, so one pooled cache holds fewer of them...
             assert!(ls.pooled < fixed, "{} vs {fixed}", ls.pooled);

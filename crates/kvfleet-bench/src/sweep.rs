@@ -14,7 +14,7 @@
 //!   others).
 //!
 //! Loads are fractions of the fleet's capacity at the pooled bound at the replay's
-//! speed ([`load_scale`]): a multi-turn trace replayed faster interleaves more
+//! speed ([`LoadCalibration`]): a multi-turn trace replayed faster interleaves more
 //! sessions, and a "light" load must not already exceed what the fleet's memory holds.
 //!
 //! Each generated trace has `sessions_per_worker × workers` sessions (so a large fleet
@@ -22,7 +22,7 @@
 //! trace's distinct blocks, spread over the fleet, so memory is short at every size.
 
 use crate::bounds::{bounds, distinct_blocks_of};
-use crate::matrix::{load_scale, MatrixRow};
+use crate::matrix::{LoadCalibration, MatrixRow};
 use crate::sim::cost_model::CostModel;
 use crate::sim::{comparison_pull_min_blocks, simulate, SimConfig, SimPolicy};
 use crate::trace::Trace;
@@ -187,8 +187,9 @@ pub fn run_sweep(cfg: &SweepConfig) -> Result<Vec<MatrixRow>> {
         .par_iter()
         .flat_map(|(n, t)| {
             let b = bounds(&t.trace, *n, t.cache_blocks, &cfg.cost);
+            let calibration = LoadCalibration::new(&t.trace, &b, *n, &cfg.cost);
             cfg.loads.par_iter().map(move |load| {
-                let ls = load_scale(&t.trace, *n, t.cache_blocks, &cfg.cost, load.1);
+                let ls = calibration.at(load.1);
                 Job {
                     trace: t.name.clone(),
                     scaled: t.trace.scaled_time(ls.scale),
@@ -241,7 +242,7 @@ pub struct SweepCheck {
     /// The pooled bound.
     pub pooled: f64,
     /// The pooled bound the load was calibrated on: at the replay's speed (the same
-    /// as `pooled` for a trace without parents; see [`load_scale`]).
+    /// as `pooled` for a trace without parents; see [`LoadCalibration`]).
     pub load_pooled: f64,
     /// cache-aware's hit ratio.
     pub hit: f64,

@@ -83,6 +83,21 @@ impl Trace {
         self.records.iter().map(|r| r.hash_ids.len()).sum()
     }
 
+    /// Each record's parent, as an index into `records` (`None` without a
+    /// `parent_id`, or when it names no record).
+    pub fn parent_indices(&self) -> Vec<Option<usize>> {
+        let index_of: std::collections::HashMap<u64, usize> = self
+            .records
+            .iter()
+            .enumerate()
+            .map(|(i, r)| (r.id.unwrap_or(i as u64), i))
+            .collect();
+        self.records
+            .iter()
+            .map(|r| r.parent_id.and_then(|p| index_of.get(&p).copied()))
+            .collect()
+    }
+
     /// Duration from first to last arrival, in ms.
     pub fn span_ms(&self) -> u64 {
         let max = self.records.iter().map(|r| r.timestamp).max().unwrap_or(0);

@@ -16,7 +16,7 @@ use crate::trace::Trace;
 use anyhow::{Context, Result};
 use futures::StreamExt;
 use serde::Serialize;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -185,12 +185,7 @@ pub async fn replay(trace: &Trace, cfg: &ReplayConfig) -> Result<ReplayReport> {
         }
     };
     let n = trace.records.len();
-    let index_of: HashMap<u64, usize> = trace
-        .records
-        .iter()
-        .enumerate()
-        .map(|(i, r)| (r.id.unwrap_or(i as u64), i))
-        .collect();
+    let parents = trace.parent_indices();
     let done: Vec<tokio::sync::watch::Sender<bool>> = (0..n)
         .map(|_| tokio::sync::watch::channel(false).0)
         .collect();
@@ -221,10 +216,7 @@ pub async fn replay(trace: &Trace, cfg: &ReplayConfig) -> Result<ReplayReport> {
         if let Some(t) = &r.tenant {
             body["cache_salt"] = serde_json::Value::String(t.clone());
         }
-        let parent_rx = r
-            .parent_id
-            .and_then(|p| index_of.get(&p))
-            .map(|&p| done[p].subscribe());
+        let parent_rx = parents[i].map(|p| done[p].subscribe());
         let at = Duration::from_secs_f64((r.timestamp - t0) as f64 / 1000.0 / cfg.speed);
         let open_loop = sem.is_none();
         let sem = sem.clone();

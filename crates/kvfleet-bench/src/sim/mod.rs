@@ -611,15 +611,7 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
     let mut workers: Vec<SimWorker> = (0..cfg.workers)
         .map(|_| SimWorker::new(cfg.cache_blocks, cfg.host_blocks, cfg.disk_blocks))
         .collect();
-    let index_of: HashMap<u64, usize> = recs
-        .iter()
-        .enumerate()
-        .map(|(i, r)| (r.id.unwrap_or(i as u64), i))
-        .collect();
-    let parent: Vec<Option<usize>> = recs
-        .iter()
-        .map(|r| r.parent_id.and_then(|p| index_of.get(&p).copied()))
-        .collect();
+    let parent = trace.parent_indices();
     let mut parked: HashMap<usize, Vec<usize>> = HashMap::new();
     let mut st = vec![ReqState::default(); recs.len()];
 
@@ -862,7 +854,6 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
     })
 }
 
-/// Starts the next queued prefill of `wk`; returns its duration in ms.
 /// Prompt tokens a request copies in, by source.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 struct MovedTokens {
@@ -915,15 +906,17 @@ fn own_prefix_ahead(
     now: f64,
     cost: &CostModel,
 ) -> f64 {
-    if reused.is_empty() {
+    if reused.is_empty() || (wk.prefilling.is_none() && wk.queue.is_empty()) {
         return 0.0;
     }
     let reused: std::collections::HashSet<BlockHash> = reused.iter().copied().collect();
+    // Hashes are chained: a run that contains a block of `reused` contains the
+    // prompt's whole prefix up to it, so its first block is in `reused` too.
     let computes_ours = |j: usize| {
         st[j]
             .computing
             .iter()
-            .any(|(_, run)| run.iter().any(|h| reused.contains(h)))
+            .any(|(_, run)| run.first().is_some_and(|h| reused.contains(h)))
     };
     let running = wk
         .prefilling
