@@ -34,6 +34,7 @@
 //! request's prefill, and they count as hits (`peer_hit_blocks`). The blocks W no
 //! longer holds are computed.
 
+pub mod blocks_in_use;
 pub mod cost_model;
 pub mod dynamo_kv_cost;
 pub mod kvfleet_policy;
@@ -42,6 +43,7 @@ pub mod sglang_cache_aware;
 
 use crate::bounds::chains;
 use crate::trace::Trace;
+use blocks_in_use::BlocksInUse;
 use cost_model::CostModel;
 use dynamo_kv_cost::{DynamoConfig, DynamoKvCost, DynamoMetric};
 use kvfleet_core::kv_events::Medium;
@@ -130,6 +132,8 @@ pub struct SimWorker {
     pub decoding: usize,
     /// Blocks of the requests in flight (queued, prefilling or decoding).
     pub active_blocks: usize,
+    /// Blocks the running sequences hold, as the engine's pool counts them.
+    in_use: BlocksInUse,
     /// Requests in flight.
     pub inflight: usize,
     /// Prompt tokens computed so far.
@@ -154,6 +158,7 @@ impl SimWorker {
             queued_prefill_tokens: 0,
             decoding: 0,
             active_blocks: 0,
+            in_use: BlocksInUse::default(),
             inflight: 0,
             prefill_computed: 0,
             requests: 0,
@@ -285,7 +290,9 @@ impl SimWorker {
             running: self.decoding + usize::from(self.prefilling.is_some()),
             waiting: self.queue.len(),
             queued_prefill_tokens: self.queued_prefill_tokens,
-            free_blocks: self.lru.capacity() - self.lru.len(),
+            // Blocks no running sequence holds, cached or not, as an engine counts
+            // them free.
+            free_blocks: self.lru.capacity().saturating_sub(self.in_use.len()),
             total_blocks: self.lru.capacity(),
             ..Default::default()
         }
@@ -558,6 +565,9 @@ struct ReqState {
     /// The runs of blocks this request stored (parent, blocks), computed when its
     /// prefill ends.
     computing: Vec<(Option<BlockHash>, Vec<BlockHash>)>,
+    /// Blocks it holds beyond its prompt's full blocks while it runs (its partial
+    /// last block and its output).
+    output_blocks: usize,
     done: bool,
 }
 
@@ -721,10 +731,13 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                     idle_elsewhere,
                     own_prefix_ms,
                     computing: change.stored.clone(),
+                    output_blocks: (r.input_length + r.output_length)
+                        .div_ceil(bs)
+                        .saturating_sub(chain.len()),
                     done: false,
                 };
                 if wk.prefilling.is_none() {
-                    if let Some(t) = start_prefill(wk, &st, &cfg.cost, now) {
+                    if let Some(t) = start_prefill(wk, &st, &chains, &cfg.cost, now) {
                         prefilling += 1;
                         push(&mut heap, now + t, Ev::PrefillDone(w));
                     }
@@ -764,7 +777,7 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                     itl.push(step);
                 }
                 push(&mut heap, now + step * steps as f64, Ev::DecodeDone(i));
-                if let Some(t) = start_prefill(wk, &st, &cfg.cost, now) {
+                if let Some(t) = start_prefill(wk, &st, &chains, &cfg.cost, now) {
                     prefilling += 1;
                     push(&mut heap, now + t, Ev::PrefillDone(w));
                 }
@@ -779,6 +792,7 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                 wk.decoding -= 1;
                 wk.inflight -= 1;
                 wk.active_blocks -= chains[i].len();
+                wk.in_use.release(&chains[i], st[i].output_blocks);
                 st[i].done = true;
                 served += 1;
                 router.on_finished(w, st[i].token, &workers);
@@ -883,9 +897,16 @@ fn moved_tokens(hits: TierHits, peer: usize, bs: usize, cached: usize) -> MovedT
 const ROUNDING_MS: f64 = 1e-6;
 
 /// Starts the next queued prefill of `wk` at `now`: its duration, ms.
-fn start_prefill(wk: &mut SimWorker, st: &[ReqState], cost: &CostModel, now: f64) -> Option<f64> {
+fn start_prefill(
+    wk: &mut SimWorker,
+    st: &[ReqState],
+    chains: &[Vec<BlockHash>],
+    cost: &CostModel,
+    now: f64,
+) -> Option<f64> {
     let i = wk.queue.pop_front()?;
     wk.prefilling = Some(i);
+    wk.in_use.hold(&chains[i], st[i].output_blocks);
     let t = prefill_time(&st[i], cost);
     wk.prefill_until = now + t;
     Some(t)
@@ -960,6 +981,29 @@ mod tests {
 
     fn h(v: &[u64]) -> Vec<BlockHash> {
         v.iter().map(|&x| BlockHash(x)).collect()
+    }
+
+    #[test]
+    fn free_blocks_are_those_no_running_sequence_holds() {
+        let mut wk = SimWorker::new(100, 0, 0);
+        let chain = h(&[1, 2, 3, 4]);
+        wk.admit(&chain, TierHits::default());
+        // Cached, but no sequence runs: every block is free, as an engine's pool
+        // counts them (the report said 96 before: pool minus cached).
+        assert_eq!(wk.load_report().free_blocks, 100);
+        // Its prefill starts: 4 prompt blocks and 2 more for its output are in use.
+        let st = vec![ReqState {
+            output_blocks: 2,
+            ..ReqState::default()
+        }];
+        wk.queue.push_back(0);
+        let chains = [chain.clone()];
+        assert!(start_prefill(&mut wk, &st, &chains, &CostModel::h200_llama8b(), 0.0).is_some());
+        assert_eq!(wk.load_report().free_blocks, 94);
+        // Its last token: the blocks stay cached and are free again.
+        wk.in_use.release(&chain, 2);
+        assert_eq!(wk.load_report().free_blocks, 100);
+        assert_eq!(wk.lru.len(), 4);
     }
 
     #[test]
