@@ -678,6 +678,7 @@ impl KvRouter {
             let fleet = FleetLoad {
                 workers: self.load_order.workers(),
                 active_sequences: self.load_order.active_sequences(),
+                usage_levels: self.load_order.usage_levels(),
             };
             let base = RouteContext {
                 hashes,

@@ -37,7 +37,7 @@ pub use kv_router::{
     KvRouter, Pin, PredictionStats, PullPlan, RebuildStep, RegisterError, RouteDecision,
     RouteError, RouteTimings, RouterConfig, RouterSnapshot, UnknownWorker, WorkerSnapshot,
 };
-pub use load::{CandidateLoad, WorkerLoad};
+pub use load::{CandidateLoad, WorkerLoad, USAGE_LEVELS};
 pub use policy::{PolicyKind, RoutingPolicy};
 pub use prefix_index::{IndexError, Matches, PrefixIndex, TieredMatch, TieredMatches, WorkerMatch};
 pub use registry::{WorkerIdx, WorkerRegistry};

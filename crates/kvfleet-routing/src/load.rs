@@ -70,6 +70,17 @@ impl WorkerLoad {
             .max(self.inflight_requests)
     }
 
+    /// KV blocks in use by running sequences, in sixteenths of the pool
+    /// (`0..=USAGE_LEVELS`; 0 when unknown), as the memory price reads it.
+    pub fn usage_level(&self) -> u8 {
+        if self.total_blocks == 0 {
+            return 0;
+        }
+        let in_use = self.total_blocks - self.free_blocks.min(self.total_blocks);
+        // At most 16 × total_blocks fits in u128 for any usize.
+        (in_use as u128 * u128::from(USAGE_LEVELS) / self.total_blocks as u128) as u8
+    }
+
     /// Fraction of KV blocks in use, in `[0, 1]` (0 when unknown).
     pub fn kv_usage(&self) -> f64 {
         if self.total_blocks == 0 {
@@ -121,23 +132,43 @@ impl WorkerLoad {
     }
 }
 
-/// The two numbers routing policies score a worker's load on, worked out once per
+/// Levels of KV pool usage the memory price tells apart: a worker's blocks in use by
+/// running sequences, in sixteenths of its pool. Coarse on purpose: the load order
+/// keeps one order per level, so a decision walks a few heads per level.
+pub const USAGE_LEVELS: u8 = 16;
+
+/// The numbers routing policies score a worker's load on, worked out once per
 /// decision from its [`WorkerLoad`] (a candidate carries these, not the whole report:
 /// a decision over 1,000 workers copies and reads a third of the bytes).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct CandidateLoad {
     active_sequences: usize,
     prefill_backlog_tokens: usize,
+    usage_level: u8,
 }
 
 impl CandidateLoad {
     /// A load of `active_sequences` sequences and `prefill_backlog_tokens` prompt
-    /// tokens to compute.
+    /// tokens to compute, with an empty KV pool.
     pub fn new(active_sequences: usize, prefill_backlog_tokens: usize) -> Self {
         CandidateLoad {
             active_sequences,
             prefill_backlog_tokens,
+            usage_level: 0,
         }
+    }
+
+    /// This load with `level` sixteenths of the KV pool in use (capped at
+    /// [`USAGE_LEVELS`]).
+    pub fn with_usage_level(mut self, level: u8) -> Self {
+        self.usage_level = level.min(USAGE_LEVELS);
+        self
+    }
+
+    /// See [`WorkerLoad::usage_level`].
+    #[inline]
+    pub fn usage_level(&self) -> u8 {
+        self.usage_level
     }
 
     /// See [`WorkerLoad::active_sequences`].
@@ -156,6 +187,7 @@ impl CandidateLoad {
 impl From<&WorkerLoad> for CandidateLoad {
     fn from(l: &WorkerLoad) -> Self {
         CandidateLoad::new(l.active_sequences(), l.prefill_backlog_tokens())
+            .with_usage_level(l.usage_level())
     }
 }
 
@@ -186,6 +218,8 @@ mod tests {
         assert_eq!(l.prefill_backlog_tokens(), 400);
         assert_eq!(l.active_sequences(), 2);
         assert!((l.kv_usage() - 0.25).abs() < 1e-9);
+        assert_eq!(l.usage_level(), 4, "10 of 40 blocks in use: 4 sixteenths");
+        assert_eq!(CandidateLoad::from(&l).usage_level(), 4);
         l.start_request(100);
         assert_eq!(l.prefill_backlog_tokens(), 500);
         assert_eq!(l.active_sequences(), 3);

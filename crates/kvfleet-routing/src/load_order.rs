@@ -4,11 +4,14 @@
 //!
 //! Under `cache-aware`, workers that match a prompt equally (the same device blocks of
 //! it and no host or disk blocks: none at all, or a system prompt every worker holds)
-//! differ only in load. An idle prefill lane costs `λ_idle × X + d × active`, a busy
-//! one `λ_busy × X + backlog + d × active`, with `X` the same for the whole group
-//! (see [`CacheAware`](crate::policy::CacheAware)). So the cheapest members of a group
-//! come first in one of two orders: idle lanes by active sequences, busy lanes by
-//! `backlog + d × active` (then active sequences). Workers with equal keys (a *run*:
+//! differ only in load. An idle prefill lane costs `λ_idle × X + d × active + m × X ×
+//! usage`, a busy one `λ_busy × X + backlog + d × active + m × X × usage`, with `X`
+//! the same for the whole group (see [`CacheAware`](crate::policy::CacheAware)). The
+//! memory term's weight `m × X` depends on the request, so usage cannot be folded into
+//! one key; it takes [`USAGE_LEVELS`] + 1 values, and each lane keeps one order per
+//! level. At one level the cheapest members of a group come first in one of two
+//! orders: idle lanes by active sequences, busy lanes by `backlog + d × active` (then
+//! active sequences); a decision walks the head of each level. Workers with equal keys (a *run*:
 //! equal loads, so equal costs, typically hundreds of idle workers at light load) are
 //! ordered by id hash, which is how `cache-aware` breaks ties: by the preferred order
 //! (the smallest id hash) and by the anchor's ring (the tied workers nearest at or
@@ -16,7 +19,7 @@
 //! every load change (`O(log n)`), and a decision walks their heads run by run instead
 //! of pricing the fleet: at 1,024 workers it prices a handful of workers, not 1,024.
 
-use crate::load::CandidateLoad;
+use crate::load::{CandidateLoad, USAGE_LEVELS};
 use crate::registry::WorkerIdx;
 use std::collections::BTreeSet;
 use std::ops::Bound;
@@ -44,14 +47,21 @@ impl Lane {
     }
 }
 
-/// A position in one lane's order: (order key, active sequences, id hash, worker).
-/// The first two are the worker's run: its load as far as cost goes.
-pub type Position = (u64, u64, u64, WorkerIdx);
+/// A position in one lane's order: (usage level, order key, active sequences, id
+/// hash, worker). The first three are the worker's run: its load as far as cost goes.
+pub type Position = (u8, u64, u64, u64, WorkerIdx);
+
+/// A run: (usage level, order key, active sequences), the load of workers that cost
+/// the same.
+pub type Run = (u8, u64, u64);
 
 /// The run of a position: workers with equal loads.
-pub fn run_of(p: &Position) -> (u64, u64) {
-    (p.0, p.1)
+pub fn run_of(p: &Position) -> Run {
+    (p.0, p.1, p.2)
 }
+
+/// Usage levels, `0..=USAGE_LEVELS`.
+const LEVELS: usize = USAGE_LEVELS as usize + 1;
 
 /// Registered workers in two load orders, with the fleet's totals.
 #[derive(Clone, Debug)]
@@ -62,8 +72,11 @@ pub struct LoadOrder {
     busy: BTreeSet<Position>,
     /// Each worker's lane and position, by index (`None`: not registered).
     slot: Vec<Option<(Lane, Position)>>,
+    /// Workers per lane (idle, busy) and usage level.
+    per_level: [[u32; LEVELS]; 2],
     workers: usize,
     active_sequences: usize,
+    usage_levels: usize,
 }
 
 impl LoadOrder {
@@ -74,8 +87,10 @@ impl LoadOrder {
             idle: BTreeSet::new(),
             busy: BTreeSet::new(),
             slot: Vec::new(),
+            per_level: [[0; LEVELS]; 2],
             workers: 0,
             active_sequences: 0,
+            usage_levels: 0,
         }
     }
 
@@ -95,6 +110,11 @@ impl LoadOrder {
         self.active_sequences
     }
 
+    /// Usage levels over every registered worker, summed.
+    pub fn usage_levels(&self) -> usize {
+        self.usage_levels
+    }
+
     /// Records worker `w`'s load and id hash (`None`: it left).
     pub fn set(&mut self, w: WorkerIdx, load: Option<(CandidateLoad, u64)>) {
         let i = w.index();
@@ -103,43 +123,56 @@ impl LoadOrder {
         }
         if let Some((lane, pos)) = self.slot[i].take() {
             self.lane_mut(lane).remove(&pos);
+            self.per_level[lane as usize][pos.0 as usize] -= 1;
             self.workers -= 1;
-            self.active_sequences -= pos.1 as usize;
+            self.active_sequences -= pos.2 as usize;
+            self.usage_levels -= usize::from(pos.0);
         }
         if let Some((load, id_hash)) = load {
             let lane = Lane::of(&load);
             let active = load.active_sequences();
-            let pos = (self.key(lane, &load), active as u64, id_hash, w);
+            let level = load.usage_level();
+            let pos = (level, self.key(lane, &load), active as u64, id_hash, w);
             self.lane_mut(lane).insert(pos);
+            self.per_level[lane as usize][level as usize] += 1;
             self.slot[i] = Some((lane, pos));
             self.workers += 1;
             self.active_sequences += active;
+            self.usage_levels += usize::from(level);
         }
     }
 
-    /// `lane`'s workers in order, after `after` (from the start with `None`).
-    pub fn walk(&self, lane: Lane, after: Option<Position>) -> impl Iterator<Item = Position> + '_ {
-        let start = after.map_or(Bound::Unbounded, Bound::Excluded);
-        self.lane(lane).range((start, Bound::Unbounded)).copied()
+    /// The usage levels `lane` has workers at, lowest first.
+    pub fn levels(&self, lane: Lane) -> impl Iterator<Item = u8> + '_ {
+        (0..=USAGE_LEVELS).filter(move |&l| self.per_level[lane as usize][l as usize] > 0)
+    }
+
+    /// `lane`'s workers at usage `level` in order, after `after` (from the level's
+    /// start with `None`).
+    pub fn walk(
+        &self,
+        lane: Lane,
+        level: u8,
+        after: Option<Position>,
+    ) -> impl Iterator<Item = Position> + '_ {
+        let start = after.map_or(
+            Bound::Included((level, 0, 0, 0, WorkerIdx(0))),
+            Bound::Excluded,
+        );
+        let end = Bound::Included(LoadOrder::run_end((level, u64::MAX, u64::MAX)));
+        self.lane(lane).range((start, end)).copied()
     }
 
     /// The workers of `run` in `lane` whose id hash is at least `from`, in order.
-    pub fn run_from(
-        &self,
-        lane: Lane,
-        run: (u64, u64),
-        from: u64,
-    ) -> impl Iterator<Item = Position> + '_ {
+    pub fn run_from(&self, lane: Lane, run: Run, from: u64) -> impl Iterator<Item = Position> + '_ {
         self.lane(lane)
-            .range(
-                (run.0, run.1, from, WorkerIdx(0))..=(run.0, run.1, u64::MAX, WorkerIdx(u32::MAX)),
-            )
+            .range((run.0, run.1, run.2, from, WorkerIdx(0))..=LoadOrder::run_end(run))
             .copied()
     }
 
     /// The position just past the end of `run`: walking after it starts the next run.
-    pub fn run_end(run: (u64, u64)) -> Position {
-        (run.0, run.1, u64::MAX, WorkerIdx(u32::MAX))
+    pub fn run_end(run: Run) -> Position {
+        (run.0, run.1, run.2, u64::MAX, WorkerIdx(u32::MAX))
     }
 
     fn key(&self, lane: Lane, load: &CandidateLoad) -> u64 {
@@ -174,7 +207,10 @@ mod tests {
     use super::*;
 
     fn order_of(o: &LoadOrder, lane: Lane) -> Vec<u32> {
-        o.walk(lane, None).map(|p| p.3 .0).collect()
+        o.levels(lane)
+            .flat_map(|l| o.walk(lane, l, None))
+            .map(|p| p.4 .0)
+            .collect()
     }
 
     fn set(o: &mut LoadOrder, w: u32, active: usize, backlog: usize) {
@@ -206,8 +242,8 @@ mod tests {
         assert_eq!(order_of(&o, Lane::Busy), [2, 1]);
         assert_eq!((o.workers(), o.active_sequences()), (3, 5));
         // Resuming after a position.
-        let first = o.walk(Lane::Busy, None).next();
-        let rest: Vec<u32> = o.walk(Lane::Busy, first).map(|p| p.3 .0).collect();
+        let first = o.walk(Lane::Busy, 0, None).next();
+        let rest: Vec<u32> = o.walk(Lane::Busy, 0, first).map(|p| p.4 .0).collect();
         assert_eq!(rest, [1]);
         // A run: equal loads, ordered by id hash; found from a point on the ring.
         for w in 10..15 {
@@ -215,23 +251,38 @@ mod tests {
         }
         assert_eq!(order_of(&o, Lane::Idle), [0, 14, 13, 12, 11, 10]);
         let run = run_of(
-            &o.walk(Lane::Idle, Some(LoadOrder::run_end((3, 3))))
+            &o.walk(Lane::Idle, 0, Some(LoadOrder::run_end((0, 3, 3))))
                 .next()
                 .unwrap(),
         );
-        assert_eq!(run, (4, 4));
+        assert_eq!(run, (0, 4, 4));
         let from = |h: u64| {
             o.run_from(Lane::Idle, run, h)
-                .map(|p| p.3 .0)
+                .map(|p| p.4 .0)
                 .collect::<Vec<_>>()
         };
         assert_eq!(from(88), [12, 11, 10]);
         assert!(from(91).is_empty());
         let next: Vec<u32> = o
-            .walk(Lane::Idle, Some(LoadOrder::run_end(run)))
-            .map(|p| p.3 .0)
+            .walk(Lane::Idle, 0, Some(LoadOrder::run_end(run)))
+            .map(|p| p.4 .0)
             .collect();
         assert!(next.is_empty());
+        // A fuller pool: another level, walked on its own.
+        o.set(
+            WorkerIdx(20),
+            Some((CandidateLoad::new(0, 0).with_usage_level(9), 7)),
+        );
+        assert_eq!(o.levels(Lane::Idle).collect::<Vec<_>>(), [0, 9]);
+        assert_eq!(order_of(&o, Lane::Idle), [0, 14, 13, 12, 11, 10, 20]);
+        let at9: Vec<u32> = o.walk(Lane::Idle, 9, None).map(|p| p.4 .0).collect();
+        assert_eq!(
+            at9,
+            [20],
+            "worker 20 has the fewest sequences, but only at level 9"
+        );
+        o.set(WorkerIdx(20), None);
+        assert_eq!(o.levels(Lane::Idle).collect::<Vec<_>>(), [0]);
         assert!(o.usable());
         assert!(!LoadOrder::new(-1.0).usable());
         assert!(!LoadOrder::new(f64::NAN).usable());

@@ -10,6 +10,7 @@ use crate::load_order::{run_of, Lane, LoadOrder, Position};
 use crate::policy::{prompt_anchor, ring_point, Candidate, RouteContext, TIE_RING_REACH};
 use crate::prefix_index::{Matches, TieredMatches};
 use crate::registry::WorkerIdx;
+use crate::USAGE_LEVELS;
 
 /// Match classes at least this large are walked in load order rather than priced
 /// whole (and at least an eighth of the fleet).
@@ -176,10 +177,11 @@ impl KvRouter {
     }
 
     /// Adds the members of match class `class` (device blocks `class`, nothing in
-    /// lower tiers) that can win, walking each lane's order run by run (a run: equal
-    /// loads, so equal costs): every run up to the first within its bounds, then every
-    /// run up to the cheapest of those plus the near-tie band (costs follow the order
-    /// within a lane). Of a run only these members can matter, and only they are
+    /// lower tiers) that can win, walking the order of each lane at each usage level
+    /// run by run (a run: equal loads, so equal costs; at one level costs follow the
+    /// order): at every level, the runs up to the first within its bounds; then, from
+    /// there, every run up to the cheapest within bounds (over all levels) plus the
+    /// near-tie band. Of a run only these members can matter, and only they are
     /// added: the one the policy prefers (the smallest id hash) and the
     /// [`TIE_RING_REACH`] a tie can go to (the nearest on the anchor's ring).
     fn walk_class(
@@ -194,12 +196,12 @@ impl KvRouter {
         let point = prompt_anchor(base.hashes).map_or(0, ring_point);
         let order = &self.load_order;
         let member = |p: &Position| -> Option<Candidate> {
-            let e = self.scored.get(p.3.index()).and_then(Option::as_ref)?;
-            if found.class_of(p.3) != class {
+            let e = self.scored.get(p.4.index()).and_then(Option::as_ref)?;
+            if found.class_of(p.4) != class {
                 return None;
             }
             Some(Candidate {
-                worker: p.3,
+                worker: p.4,
                 id_hash: e.id_hash,
                 load: e.load,
                 matched_blocks: class as usize,
@@ -208,44 +210,60 @@ impl KvRouter {
                 kv_movable: e.kv_movable,
             })
         };
-        // The next run of members after `after` in `lane`, if its cost is within
-        // `reach`: its two members are added, and its cost, whether it is within
-        // bounds and its end are returned.
-        let next_run =
-            |lane: Lane, after: Option<Position>, reach: f64, out: &mut Vec<Candidate>| {
-                let (first, c) = order
-                    .walk(lane, after)
-                    .find_map(|p| Some((p, member(&p)?)))?;
-                let (cost, ok) = policy.price(base, &c, bound);
-                if cost > reach {
-                    return None;
-                }
+        // The next run of members after `after` at `level` of `lane`: its first
+        // member, that member's cost and whether it is within bounds.
+        let next_run = |lane: Lane, level: u8, after: Option<Position>| {
+            let (first, c) = order
+                .walk(lane, level, after)
+                .find_map(|p| Some((p, member(&p)?)))?;
+            let (cost, ok) = policy.price(base, &c, bound);
+            Some((first, c, cost, ok))
+        };
+        // Adds a run: its first member (unless `first_added`) and the members a tie can
+        // go to, the nearest at or after the anchor's point on the ring, wrapping
+        // around to its start.
+        let add_run = |lane: Lane,
+                       first: &Position,
+                       c: Candidate,
+                       first_added: bool,
+                       out: &mut Vec<Candidate>| {
+            let run = run_of(first);
+            if !first_added {
                 out.push(c);
-                // The run's members a tie can go to: the nearest at or after the
-                // anchor's point on the ring, wrapping around to the run's start.
-                let run = run_of(&first);
-                let after_point = order.run_from(lane, run, point);
-                let wrapped = order.run_from(lane, run, 0).take_while(|p| p.2 < point);
-                out.extend(
-                    after_point
-                        .chain(wrapped)
-                        .filter_map(|p| member(&p))
-                        .take(TIE_RING_REACH)
-                        .filter(|r| r.worker != c.worker),
-                );
-                Some((cost, ok, LoadOrder::run_end(run)))
-            };
-        // Phase 1: each lane up to its first run within bounds.
-        let mut resume: [Option<Position>; 2] = [None; 2];
+            }
+            let after_point = order.run_from(lane, run, point);
+            let wrapped = order.run_from(lane, run, 0).take_while(|p| p.3 < point);
+            out.extend(
+                after_point
+                    .chain(wrapped)
+                    .filter_map(|p| member(&p))
+                    .take(TIE_RING_REACH)
+                    .filter(|r| r.worker != c.worker),
+            );
+        };
+        // A pull that ends a wait goes to the idle lane with the fewest sequences
+        // within bounds, whatever its pool's use: the first member of each level's
+        // first idle run within bounds is a candidate.
+        let pull_targets = policy.pulls_end_waits();
+        // Phase 1: at each level of each lane, the runs out of bounds are added up to
+        // the first run within bounds, where phase 2 starts.
+        let mut resume: [[Option<Option<Position>>; USAGE_LEVELS as usize + 1]; 2] =
+            [[None; USAGE_LEVELS as usize + 1]; 2];
         let mut cheapest_ok = f64::INFINITY;
-        for (l, lane) in Lane::BOTH.into_iter().enumerate() {
-            let mut after = None;
-            while let Some((cost, ok, end)) = next_run(lane, after, f64::INFINITY, out) {
-                after = Some(end);
-                if ok {
-                    cheapest_ok = cheapest_ok.min(cost);
-                    resume[l] = after;
-                    break;
+        for lane in Lane::BOTH {
+            for level in order.levels(lane) {
+                let mut after = None;
+                while let Some((first, c, cost, ok)) = next_run(lane, level, after) {
+                    if ok {
+                        cheapest_ok = cheapest_ok.min(cost);
+                        resume[lane as usize][level as usize] = Some(after);
+                        if pull_targets && lane == Lane::Idle {
+                            out.push(c);
+                        }
+                        break;
+                    }
+                    add_run(lane, &first, c, false, out);
+                    after = Some(LoadOrder::run_end(run_of(&first)));
                 }
             }
         }
@@ -253,14 +271,25 @@ impl KvRouter {
             // No member within bounds: every run was added.
             return;
         }
-        // Phase 2: the rest of each lane within reach (one token of slack for
-        // rounding).
+        // Phase 2: from each level's first run within bounds, every run within reach
+        // (one token of slack for rounding).
         let reach = cheapest_ok + policy.tie_band(cheapest_ok) + 1.0;
-        for (l, lane) in Lane::BOTH.into_iter().enumerate() {
-            // A lane without a run within bounds was walked to its end.
-            let Some(mut after) = resume[l] else { continue };
-            while let Some((_, _, end)) = next_run(lane, Some(after), reach, out) {
-                after = end;
+        for lane in Lane::BOTH {
+            for level in order.levels(lane) {
+                // A level without a run within bounds was walked to its end.
+                let Some(mut after) = resume[lane as usize][level as usize] else {
+                    continue;
+                };
+                // The first run's first member may be in already (a pull target).
+                let mut first_added = pull_targets && lane == Lane::Idle;
+                while let Some((first, c, cost, _)) = next_run(lane, level, after) {
+                    if cost > reach {
+                        break;
+                    }
+                    add_run(lane, &first, c, first_added, out);
+                    first_added = false;
+                    after = Some(LoadOrder::run_end(run_of(&first)));
+                }
             }
         }
     }

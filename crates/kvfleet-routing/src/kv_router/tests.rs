@@ -925,8 +925,9 @@ mod ordered_walk {
         bodies: Vec<(u64, usize, usize)>,
         /// Every this many workers (from 1) holds body 0 in its host tier (0: none).
         host_every: usize,
-        /// Per-worker load seeds.
-        loads: Vec<(u8, u8, u16)>,
+        /// Per-worker load seeds: running, waiting, backlog, sixteenths of the pool in
+        /// use.
+        loads: Vec<(u8, u8, u16, u8)>,
         /// Every prefill lane busy (no idle lane to fall back on).
         all_busy: bool,
         /// Every worker reports the first worker's load (long runs of ties).
@@ -936,6 +937,7 @@ mod ordered_walk {
         cap: Option<usize>,
         balance_slack: f64,
         decode_cost: f64,
+        memory_weight: f64,
         pulls: bool,
         /// Requests: (body, body blocks kept, tail id, load change seed).
         requests: Vec<(u64, usize, u64, u16)>,
@@ -948,7 +950,7 @@ mod ordered_walk {
                 prop_oneof![Just(0usize), 2usize..6, Just(1)],
                 prop::collection::vec((0u64..4, 0..workers, 1usize..4), 0..6),
                 prop_oneof![Just(0usize), 3usize..9],
-                prop::collection::vec((0u8..9, 0u8..3, 0u16..6), workers),
+                prop::collection::vec((0u8..9, 0u8..3, 0u16..6, 0u8..17), workers),
                 (
                     prop_oneof![Just(0.0), Just(300.0)],
                     prop_oneof![Just(0.0), Just(0.05)],
@@ -958,6 +960,7 @@ mod ordered_walk {
                     any::<bool>(),
                     any::<bool>(),
                     any::<bool>(),
+                    prop_oneof![Just(0.25), Just(0.0), Just(3.0)],
                 ),
                 prop::collection::vec((0u64..5, 0usize..12, 0u64..1_000, any::<u16>()), 1..25),
             )
@@ -975,6 +978,7 @@ mod ordered_walk {
                         cap: knobs.2,
                         balance_slack: knobs.3,
                         decode_cost: knobs.4,
+                        memory_weight: knobs.8,
                         pulls: knobs.5,
                         requests,
                     },
@@ -1003,6 +1007,7 @@ mod ordered_walk {
                 max_prefill_backlog_tokens: f.cap,
                 balance_slack: f.balance_slack,
                 decode_cost_per_sequence: f.decode_cost,
+                memory_weight: f.memory_weight,
                 tiers: TierCostConfig {
                     peer_pull_min_blocks: usize::from(f.pulls) * 2,
                     ..TierCostConfig::default()
@@ -1026,7 +1031,7 @@ mod ordered_walk {
             if f.host_every > 0 && w % f.host_every == 1 {
                 store(&mut r, w, &hashes(&body(0, BODY)), Medium::Host);
             }
-            let (running, waiting, queued) = f.loads[if f.uniform { 0 } else { w }];
+            let (running, waiting, queued, usage) = f.loads[if f.uniform { 0 } else { w }];
             r.update_load(
                 &format!("w{w}"),
                 WorkerLoad {
@@ -1037,6 +1042,8 @@ mod ordered_walk {
                     } else {
                         queued as usize * 256 * usize::from(waiting > 0)
                     },
+                    total_blocks: 64,
+                    free_blocks: 64 - 4 * usize::from(usage),
                     ..WorkerLoad::default()
                 },
             )

@@ -85,13 +85,16 @@ pub struct RouteContext<'a> {
     pub deepest_blocks: usize,
 }
 
-/// Workers and their active sequences, for load bounds relative to the fleet's mean.
+/// Workers, their active sequences and their KV pools' use, for load bounds and
+/// prices relative to the fleet's mean.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct FleetLoad {
     /// Workers.
     pub workers: usize,
     /// Active sequences over them.
     pub active_sequences: usize,
+    /// Their pools' usage levels ([`crate::USAGE_LEVELS`] ths in use), summed.
+    pub usage_levels: usize,
 }
 
 impl FleetLoad {
@@ -100,7 +103,19 @@ impl FleetLoad {
         Self {
             workers: candidates.len(),
             active_sequences: total_active(candidates),
+            usage_levels: candidates
+                .iter()
+                .map(|c| usize::from(c.load.usage_level()))
+                .sum(),
         }
+    }
+
+    /// The share of the mean worker's KV pool in use, in `[0, 1]` (0 for no workers).
+    pub fn mean_usage(&self) -> f64 {
+        if self.workers == 0 {
+            return 0.0;
+        }
+        self.usage_levels as f64 / (self.workers as f64 * f64::from(crate::USAGE_LEVELS))
     }
 }
 
