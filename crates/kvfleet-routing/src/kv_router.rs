@@ -665,14 +665,16 @@ impl KvRouter {
         candidates.clear();
         let tiers = with_tiers.then_some(&tiered);
         // cache-aware walks the load order unless the candidates are restricted (a
-        // pin, fenced or excluded workers) or the prompt has no reusable block.
+        // pin, fenced or excluded workers) or the prompt has no reusable block, or
+        // a weight is not a number the orders can follow.
         let ordered = policy == PolicyKind::CacheAware
             && !self.full_scan
             && pin.is_none()
             && self.fenced.is_empty()
             && exclude.is_empty()
             && reusable > 0
-            && self.load_order.usable();
+            && self.load_order.usable()
+            && self.cache_aware.config().memory_weight.is_finite();
         let fleet = if ordered {
             let mut classes = std::mem::take(&mut self.classes);
             let fleet = FleetLoad {
