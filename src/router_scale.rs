@@ -29,7 +29,7 @@ use kvfleet_router::routing_state::{RouteRequest, RoutingState};
 use kvfleet_router::supervision::apply_wire_batch;
 use kvfleet_router::{PolicyKind, RouterConfig};
 use kvfleet_routing::policy::mix64;
-use kvfleet_routing::KvRouter;
+use kvfleet_routing::{KvRouter, WorkerLoad};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -345,7 +345,10 @@ fn doc(reports: &[RouterScaleReport], p99_ranges: &[(f64, f64)], args: &RouterSc
          another (six `Stored` of 16 blocks), so the index stays at its preloaded size. \
          Requests arrive open-loop; each routes a 132-block prompt (a 32-block system \
          prompt every worker holds, a 96-block body two workers hold, a 4-block tail of \
-         its own) with `cache-aware` and stays in flight 0-100 ms. Arrivals come from the \
+         its own) with `cache-aware` and stays in flight 0-100 ms. Every worker reports \
+         its load about every 250 ms, as supervisors poll it: a third of the prefill \
+         lanes busy, KV pools from empty to full (all 17 usage levels of the memory \
+         price). Arrivals come from the \
          runtime's 1 ms timer: each tick starts that millisecond's requests together, \
          burstier than Poisson arrivals.\n\n\
          *wait* is what a request handler waits for a decision: the routing lock \
@@ -509,6 +512,44 @@ async fn measure(args: RouterScaleArgs) -> Result<RouterScaleReport> {
         }));
     }
 
+    // Load reports, as the supervisors poll them: each worker every ~250 ms, with a
+    // third of the prefill lanes busy and KV pools from empty to full, so that the
+    // load order holds both lanes at every usage level.
+    let reporter = {
+        let (routing, stop) = (routing.clone(), stop.clone());
+        let ids: Vec<String> = (0..args.workers).map(|w| format!("w{w}")).collect();
+        let per_ms = ids.len().div_ceil(250);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_millis(1));
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+            let mut n = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                tick.tick().await;
+                for _ in 0..per_ms {
+                    n += 1;
+                    let r = mix64(n ^ 0x10ad);
+                    let id = &ids[(n % ids.len() as u64) as usize];
+                    let report = WorkerLoad {
+                        running: (r % 8) as usize,
+                        waiting: ((r >> 8) % 2) as usize,
+                        queued_prefill_tokens: if (r >> 16).is_multiple_of(3) {
+                            ((r >> 20) % 16 + 1) as usize * 512
+                        } else {
+                            0
+                        },
+                        total_blocks: 4_096,
+                        free_blocks: 4_096 - ((r >> 28) % 17) as usize * 256,
+                        ..WorkerLoad::default()
+                    };
+                    if let Err(e) = routing.update_load(id, report) {
+                        return Err(anyhow::anyhow!("reporting {id}'s load: {e}"));
+                    }
+                }
+            }
+            Ok(())
+        })
+    };
+
     // Requests, open loop.
     let wait = Arc::new(Histogram::new());
     let decide = Arc::new(Histogram::new());
@@ -607,6 +648,7 @@ async fn measure(args: RouterScaleArgs) -> Result<RouterScaleReport> {
     let elapsed = t0.elapsed().as_secs_f64();
     stop.store(true, Ordering::Relaxed);
     generator.await?;
+    reporter.await??;
     for t in feeder_tasks {
         t.await??;
     }
