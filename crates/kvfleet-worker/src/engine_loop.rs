@@ -96,17 +96,20 @@ pub(crate) fn spawn(
                 }
             };
             let exporter = engine.block_exporter();
-            if ready_tx.send(Ok((info, exporter))).is_err() {
-                return;
-            }
-            EngineLoop::new(
+            let mut engine_loop = EngineLoop::new(
                 engine,
                 rx,
                 &config.worker_id,
                 config.faults.clone(),
                 published,
-            )
-            .run(&reporter);
+            );
+            // Before ready: `Load` answers the empty pool from the start, not zeros
+            // until a first request makes the engine step.
+            engine_loop.publish_load();
+            if ready_tx.send(Ok((info, exporter))).is_err() {
+                return;
+            }
+            engine_loop.run(&reporter);
         })?;
     Ok(EngineThread {
         handle: EngineHandle::new(tx, capacity),

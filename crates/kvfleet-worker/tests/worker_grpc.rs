@@ -86,6 +86,16 @@ async fn unusable_configurations_fail_to_start() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fresh_worker_reports_its_whole_pool_free() {
+    // Before any request: the pool's size and every block free (a router prices a
+    // worker's KV usage from these; zeros used to stand until the first step).
+    let (_handle, mut client) = worker("w-fresh", |_| {}).await;
+    let l = load(&mut client).await;
+    assert_eq!((l.total_blocks, l.free_blocks), (256, 256), "{l:?}");
+    assert_eq!(l.running + l.waiting, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn generate_streams_tokens_and_second_request_hits_the_cache() {
     let (handle, mut client) = worker("w-gen", |_| {}).await;
     let info = client.info(pb::InfoRequest {}).await.unwrap().into_inner();
