@@ -60,9 +60,6 @@ pub fn run_of(p: &Position) -> Run {
     (p.0, p.1, p.2)
 }
 
-/// Usage levels, `0..=USAGE_LEVELS`.
-const LEVELS: usize = USAGE_LEVELS as usize + 1;
-
 /// Registered workers in two load orders, with the fleet's totals.
 #[derive(Clone, Debug)]
 pub struct LoadOrder {
@@ -72,8 +69,6 @@ pub struct LoadOrder {
     busy: BTreeSet<Position>,
     /// Each worker's lane and position, by index (`None`: not registered).
     slot: Vec<Option<(Lane, Position)>>,
-    /// Workers per lane (idle, busy) and usage level.
-    per_level: [[u32; LEVELS]; 2],
     workers: usize,
     active_sequences: usize,
     usage_levels: usize,
@@ -87,7 +82,6 @@ impl LoadOrder {
             idle: BTreeSet::new(),
             busy: BTreeSet::new(),
             slot: Vec::new(),
-            per_level: [[0; LEVELS]; 2],
             workers: 0,
             active_sequences: 0,
             usage_levels: 0,
@@ -123,7 +117,6 @@ impl LoadOrder {
         }
         if let Some((lane, pos)) = self.slot[i].take() {
             self.lane_mut(lane).remove(&pos);
-            self.per_level[lane as usize][pos.0 as usize] -= 1;
             self.workers -= 1;
             self.active_sequences -= pos.2 as usize;
             self.usage_levels -= usize::from(pos.0);
@@ -134,7 +127,6 @@ impl LoadOrder {
             let level = load.usage_level();
             let pos = (level, self.key(lane, &load), active as u64, id_hash, w);
             self.lane_mut(lane).insert(pos);
-            self.per_level[lane as usize][level as usize] += 1;
             self.slot[i] = Some((lane, pos));
             self.workers += 1;
             self.active_sequences += active;
@@ -142,9 +134,16 @@ impl LoadOrder {
         }
     }
 
-    /// The usage levels `lane` has workers at, lowest first.
+    /// The usage levels `lane` has workers at, lowest first: one range query per
+    /// level present (positions are ordered by level first).
     pub fn levels(&self, lane: Lane) -> impl Iterator<Item = u8> + '_ {
-        (0..=USAGE_LEVELS).filter(move |&l| self.per_level[lane as usize][l as usize] > 0)
+        let set = self.lane(lane);
+        std::iter::successors(set.first().map(|p| p.0), move |&l| {
+            let next = l.checked_add(1).filter(|&n| n <= USAGE_LEVELS)?;
+            set.range((next, 0, 0, 0, WorkerIdx(0))..)
+                .next()
+                .map(|p| p.0)
+        })
     }
 
     /// `lane`'s workers at usage `level` in order, after `after` (from the level's

@@ -275,11 +275,12 @@ impl KvRouter {
         // (one token of slack for rounding).
         let reach = cheapest_ok + policy.tie_band(cheapest_ok) + 1.0;
         for lane in Lane::BOTH {
-            for level in order.levels(lane) {
-                // A level without a run within bounds was walked to its end.
-                let Some(mut after) = resume[lane as usize][level as usize] else {
+            for (level, start) in resume[lane as usize].iter().enumerate() {
+                // A level without a run within bounds (or without workers) is done.
+                let Some(mut after) = *start else {
                     continue;
                 };
+                let level = level as u8;
                 // The first run's first member may be in already (a pull target).
                 let mut first_added = pull_targets && lane == Lane::Idle;
                 while let Some((first, c, cost, _)) = next_run(lane, level, after) {
