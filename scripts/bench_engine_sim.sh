@@ -90,7 +90,7 @@ print(f"kvfleet sim (cache-aware):          hit ratio {x['hit_ratio']:.4f} "
       f"({x['hit_blocks']} / {x['total_blocks']} blocks); cached tokens {x['cached_tokens']} / "
       f"{x['prompt_tokens']} = {x['cached_token_ratio']:.4f}; pooled {b['pooled']:.4f}, "
       f"ceiling {b['ceiling']:.4f}; TTFT p50 / p99 {x['ttft_ms']['p50']:.0f} / "
-      f"{x['ttft_ms']['p99']:.0f} ms")
+      f"{x['ttft_ms']['p99']:.0f} ms; {x['rejected']} refused (prompt larger than a pool)")
 # Side by side: the simulator's figures over the live fleet's.
 print(f"sim / replay: cached-token share {x['cached_token_ratio'] / max(r['cached_token_ratio'], 1e-9):.3f}, "
       f"TTFT p50 {x['ttft_ms']['p50'] / max(r['ttft_ms']['p50'], 1e-9):.3f}, "

@@ -136,6 +136,12 @@ pub fn run(args: SimArgs) -> Result<()> {
             "{}: hit ratio {:.3}, TTFT p99 {:.0} ms, {:.2} s wall",
             r.policy, r.hit_ratio, r.ttft_ms.p99, r.wall_s
         );
+        if r.rejected > 0 {
+            eprintln!(
+                "{}: {} of {} requests refused: their prompt needs more than {} KV blocks",
+                r.policy, r.rejected, r.requests, args.cache_blocks
+            );
+        }
         results.push(r);
     }
     if let Some(dir) = &args.out {

@@ -474,8 +474,12 @@ pub struct SimResult {
     pub tier_scoring: TierScoring,
     /// Cost model name.
     pub cost_model: String,
-    /// Requests served.
+    /// Requests in the trace.
     pub requests: usize,
+    /// Of those, requests refused because their prompt needs more KV blocks than a
+    /// worker's pool (`(prompt tokens + 1) ÷ block size`, rounded up), as the engine
+    /// refuses them. They count in no other figure; their children still run.
+    pub rejected: usize,
     /// Prompt blocks (hash ids) over all requests.
     pub total_blocks: u64,
     /// Leading blocks found cached, in any tier.
@@ -644,7 +648,9 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
     let (mut peer_hit_blocks, mut peer_pulls) = (0u64, 0u64);
     let mut arrivals: Vec<(f64, usize, usize)> = Vec::with_capacity(recs.len());
     let mut now = t0;
-    let mut served = 0usize;
+    // Requests served or refused.
+    let mut finished = 0usize;
+    let mut rejected = 0usize;
     // Workers whose prefill lane is busy, kept up to date on every start and finish.
     let mut prefilling = 0usize;
     let mut avoidable_waits = 0usize;
@@ -662,6 +668,18 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                     }
                 }
                 let r = &recs[i];
+                // The engine refuses a prompt its whole pool cannot hold ("the prompt
+                // needs N KV blocks"); the live replay counts it failed and still
+                // sends its children.
+                if (r.input_length + 1).div_ceil(bs) > cfg.cache_blocks {
+                    rejected += 1;
+                    st[i].done = true;
+                    finished += 1;
+                    for k in parked.remove(&i).unwrap_or_default() {
+                        push(&mut heap, now, Ev::Arrive(k));
+                    }
+                    continue;
+                }
                 let chain = &chains[i];
                 let req = RouteReq {
                     hashes: chain,
@@ -794,7 +812,7 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                 wk.active_blocks -= chains[i].len();
                 wk.in_use.release(&chains[i], st[i].output_blocks);
                 st[i].done = true;
-                served += 1;
+                finished += 1;
                 router.on_finished(w, st[i].token, &workers);
                 if let Some(kids) = parked.remove(&i) {
                     for k in kids {
@@ -805,9 +823,9 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
         }
     }
     anyhow::ensure!(
-        served == recs.len(),
+        finished == recs.len(),
         "{} requests never ran (a parent_id cycle?)",
-        recs.len() - served
+        recs.len() - finished
     );
 
     let makespan_s = (now - t0) / 1000.0;
@@ -827,6 +845,7 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
         tier_scoring: cfg.tier_scoring,
         cost_model: cfg.cost.name.clone(),
         requests: recs.len(),
+        rejected,
         total_blocks,
         hit_blocks,
         host_hit_blocks,
