@@ -338,6 +338,12 @@ pub struct SweepArgs {
     /// the trace's blocks); the baselines never pull.
     #[arg(long)]
     peer_pull_min_blocks: Option<usize>,
+    /// Hold every request's blocks as an engine does: never evicted from its arrival
+    /// to its last token, and a worker's prefill starts only once the running
+    /// sequences' blocks and its own fit the pool (default: held blocks may be
+    /// evicted and prefill never waits for memory).
+    #[arg(long)]
+    hold_blocks: bool,
     /// Write the Markdown page here (default: print it).
     #[arg(long)]
     doc: Option<PathBuf>,
@@ -652,6 +658,7 @@ fn run_sweep_cmd(a: SweepArgs) -> Result<()> {
         mooncake,
         only: a.only.clone(),
         peer_pull_min_blocks: a.peer_pull_min_blocks,
+        hold_blocks: a.hold_blocks,
     };
     let wall = std::time::Instant::now();
     let rows = run_sweep(&cfg)?;
@@ -667,7 +674,8 @@ fn run_sweep_cmd(a: SweepArgs) -> Result<()> {
         a.seed,
         a.peer_pull_min_blocks
             .map(|n| format!(" --peer-pull-min-blocks {n}"))
-            .unwrap_or_default(),
+            .unwrap_or_default()
+            + if a.hold_blocks { " --hold-blocks" } else { "" },
         rows.len(),
         wall.elapsed().as_secs_f64(),
         cost.name,

@@ -39,6 +39,12 @@ pub struct SimArgs {
     /// trace's blocks).
     #[arg(long)]
     peer_pull_min_blocks: Option<usize>,
+    /// Hold every request's blocks as an engine does: never evicted from its arrival
+    /// to its last token, and a worker's prefill starts only once the running
+    /// sequences' blocks and its own fit the pool (default: held blocks may be
+    /// evicted and prefill never waits for memory).
+    #[arg(long)]
+    hold_blocks: bool,
     /// Policies, comma-separated or repeated: cache-aware, round-robin, least-loaded,
     /// consistent-hash, random, sglang-cache-aware, dynamo-kv-cost, sglang-spill,
     /// dynamo-lmetric, or `all`.
@@ -128,6 +134,7 @@ pub fn run(args: SimArgs) -> Result<()> {
         cfg.host_blocks = args.host_blocks;
         cfg.disk_blocks = args.disk_blocks;
         cfg.tier_scoring = args.tier_scoring;
+        cfg.hold_blocks = args.hold_blocks;
         cfg.peer_pull_min_blocks = args
             .peer_pull_min_blocks
             .unwrap_or_else(|| default_peer_pull_min_blocks(trace.block_size()));

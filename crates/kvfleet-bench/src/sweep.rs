@@ -72,6 +72,9 @@ pub struct SweepConfig {
     /// blocks (0: no pulls; `None`: the serving default for the trace's block size,
     /// see [`comparison_pull_min_blocks`]); the baselines never pull.
     pub peer_pull_min_blocks: Option<usize>,
+    /// Simulate with every request's blocks held as an engine holds them
+    /// ([`SimConfig::hold_blocks`](crate::sim::SimConfig::hold_blocks)).
+    pub hold_blocks: bool,
 }
 
 /// The generated family for a fleet of `workers`, each with its memory budget.
@@ -214,6 +217,7 @@ pub fn run_sweep(cfg: &SweepConfig) -> Result<Vec<MatrixRow>> {
             sc.router = cfg.router.clone();
             sc.peer_pull_min_blocks =
                 comparison_pull_min_blocks(*p, cfg.peer_pull_min_blocks, j.scaled.block_size());
+            sc.hold_blocks = cfg.hold_blocks;
             let result = simulate(&j.scaled, &sc)?;
             Ok(MatrixRow {
                 trace: j.trace.clone(),

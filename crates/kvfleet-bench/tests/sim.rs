@@ -197,6 +197,7 @@ fn the_sweep_checks_cache_aware_against_the_best_other_policy() {
         mooncake: None,
         only: vec!["fork".into(), "conversation".into()],
         peer_pull_min_blocks: Some(0),
+        hold_blocks: false,
     };
     let rows = run_sweep(&cfg).unwrap();
     assert_eq!(rows.len(), 2 * 3);
@@ -511,4 +512,48 @@ fn a_prompt_larger_than_the_pool_is_refused_as_the_engine_refuses_it() {
         assert_eq!(r.ttft_samples.len(), 2);
         assert_eq!(r.worker_requests, vec![2]);
     }
+}
+
+/// With `hold_blocks`, a request's blocks are held as an engine holds them: a prompt
+/// that does not fit beside the running sequences waits for one to finish before its
+/// prefill starts, and the running sequence's blocks are not evicted meanwhile.
+/// Without it, the lane starts at once and the pool evicts held blocks.
+#[test]
+fn with_held_blocks_a_prompt_waits_for_memory_and_held_blocks_stay_cached() {
+    // A: 2 prompt blocks and 600 output tokens (2 more blocks): the whole 4-block pool
+    // while it decodes (~7 s). B: 3 blocks and 1 more for its output.
+    let t = Trace {
+        records: vec![
+            record(0, 0, vec![1, 2], 1024, 600, None),
+            record(1, 1, vec![7, 8, 9], 1536, 4, None),
+            // A's prompt again while A still decodes.
+            record(2, 3_000, vec![1, 2], 1024, 4, None),
+        ],
+    };
+    let run = |hold: bool| {
+        let mut cfg = SimConfig::new(1, 4, SimPolicy::Kvfleet(PolicyKind::CacheAware));
+        cfg.hold_blocks = hold;
+        simulate(&t, &cfg).unwrap()
+    };
+    let cost = CostModel::h200_llama8b();
+    let a_decode = cost.decode_step_ms(1) * 599.0;
+    // (The samples come sorted: B's is the largest.)
+    let b_ttft =
+        |r: &kvfleet_bench::sim::SimResult| r.ttft_samples.iter().copied().fold(0.0, f64::max);
+    let held = run(true);
+    assert!(
+        b_ttft(&held) > a_decode,
+        "B started before A finished: {:?}",
+        held.ttft_samples
+    );
+    let loose = run(false);
+    assert!(
+        b_ttft(&loose) < 1_000.0,
+        "without holding, B starts at once: {:?}",
+        loose.ttft_samples
+    );
+    // Without holding, B's three new blocks evicted the tail of A's running prompt,
+    // so the third request finds one block of it; held, it finds both.
+    assert_eq!(loose.hit_blocks, 1);
+    assert_eq!(held.hit_blocks, 2);
 }

@@ -38,6 +38,11 @@ impl BlocksInUse {
         self.output = self.output.saturating_sub(output);
     }
 
+    /// Whether a running sequence holds prompt block `h`.
+    pub fn holds(&self, h: &BlockHash) -> bool {
+        self.prompt.contains_key(h)
+    }
+
     /// Blocks in use.
     pub fn len(&self) -> usize {
         self.prompt.len() + self.output

@@ -2,6 +2,13 @@
 //! behaves: a request reuses the leading blocks of its chain that are cached, then
 //! every block of its chain becomes most recently used, tail first, so a prefix always
 //! outlives the suffixes that hang off it (the engine releases blocks tail-first).
+//!
+//! A block a sequence holds is *pinned* ([`LruBlockCache::pin_chain`]): an engine's
+//! pool never evicts a block in use, only the free ones, least recently released
+//! first. A pinned block leaves the eviction order and rejoins it, as most recently
+//! used, when its last holder lets go ([`LruBlockCache::unpin_chain`]). When every
+//! block is pinned, a new one is cached beyond the capacity rather than evict a
+//! held one (where an engine would make the request wait for blocks).
 
 use kvfleet_core::kv_events::Medium;
 use kvfleet_core::{BlockHash, BlockHashMap};
@@ -13,6 +20,8 @@ struct Node {
     hash: BlockHash,
     prev: u32,
     next: u32,
+    /// Sequences holding the block; a pinned node is out of the eviction list.
+    pins: u32,
 }
 
 /// What one [`LruBlockCache::insert_chain`] changed.
@@ -100,8 +109,10 @@ impl LruBlockCache {
         let mut new = vec![false; chain.len()];
         for (i, &h) in chain.iter().enumerate().rev() {
             if let Some(&n) = self.map.get(&h) {
-                self.unlink(n);
-                self.push_front(n);
+                if self.nodes[n as usize].pins == 0 {
+                    self.unlink(n);
+                    self.push_front(n);
+                }
             } else {
                 change.removed.extend(self.push_new(h));
                 new[i] = true;
@@ -127,12 +138,62 @@ impl LruBlockCache {
     pub fn touch(&mut self, h: BlockHash) -> bool {
         match self.map.get(&h) {
             Some(&n) => {
-                self.unlink(n);
-                self.push_front(n);
+                if self.nodes[n as usize].pins == 0 {
+                    self.unlink(n);
+                    self.push_front(n);
+                }
                 true
             }
             None => false,
         }
+    }
+
+    /// A sequence holds the cached blocks of `chain`: none of them can be evicted
+    /// until [`unpin_chain`](Self::unpin_chain) releases them.
+    pub fn pin_chain(&mut self, chain: &[BlockHash]) {
+        for h in chain {
+            if let Some(&n) = self.map.get(h) {
+                if self.nodes[n as usize].pins == 0 {
+                    self.unlink(n);
+                }
+                self.nodes[n as usize].pins += 1;
+            }
+        }
+    }
+
+    /// A sequence that pinned `chain` finished: each block it was the last holder of
+    /// becomes evictable again, most recently used, tail first (as the engine releases
+    /// blocks), so the chain's prefix outlives its suffix. A cache that had grown past
+    /// its capacity (every block pinned) evicts back down to it; returns what it
+    /// evicted.
+    pub fn unpin_chain(&mut self, chain: &[BlockHash]) -> Vec<BlockHash> {
+        for h in chain.iter().rev() {
+            if let Some(&n) = self.map.get(h) {
+                let node = &mut self.nodes[n as usize];
+                if node.pins == 0 {
+                    continue;
+                }
+                node.pins -= 1;
+                if node.pins == 0 {
+                    self.push_front(n);
+                }
+            }
+        }
+        let mut evicted = Vec::new();
+        while self.map.len() > self.capacity && self.tail != NIL {
+            evicted.push(self.evict_tail());
+        }
+        evicted
+    }
+
+    /// Evicts the least recently used unpinned block (the list must not be empty).
+    fn evict_tail(&mut self) -> BlockHash {
+        let lru = self.tail;
+        let old = self.nodes[lru as usize].hash;
+        self.unlink(lru);
+        self.map.remove(&old);
+        self.free.push(lru);
+        old
     }
 
     /// Caches the single block `h` as most recently used (a block demoted from the
@@ -152,18 +213,15 @@ impl LruBlockCache {
     /// recently used block when full; returns the evicted block.
     fn push_new(&mut self, h: BlockHash) -> Option<BlockHash> {
         let mut evicted = None;
-        if self.map.len() >= self.capacity {
-            let lru = self.tail;
-            let old = self.nodes[lru as usize].hash;
-            self.unlink(lru);
-            self.map.remove(&old);
-            self.free.push(lru);
-            evicted = Some(old);
+        // Every cached block pinned: cache beyond capacity rather than evict a held one.
+        if self.map.len() >= self.capacity && self.tail != NIL {
+            evicted = Some(self.evict_tail());
         }
         let node = Node {
             hash: h,
             prev: NIL,
             next: NIL,
+            pins: 0,
         };
         let n = match self.free.pop() {
             Some(n) => {
@@ -236,6 +294,35 @@ mod tests {
         assert_eq!(c.len(), 4);
         assert_eq!(c.match_prefix(&h(&[10, 11, 12, 13, 14])), 4);
         assert_eq!(ch.removed.len(), 4);
+    }
+
+    #[test]
+    fn pinned_blocks_are_never_evicted_and_come_back_most_recent() {
+        let mut c = LruBlockCache::new(4);
+        c.insert_chain(&h(&[1, 2]));
+        c.pin_chain(&h(&[1, 2]));
+        c.insert_chain(&h(&[3, 4]));
+        // Full; 1 and 2 are held, so a new chain evicts 4 then 3, the free ones,
+        // though 1 and 2 were used before them.
+        let ch = c.insert_chain(&h(&[5, 6]));
+        assert_eq!(ch.removed, h(&[4, 3]));
+        assert_eq!(c.match_prefix(&h(&[1, 2])), 2);
+        // Every block held: a new one is cached past the capacity, evicting nothing.
+        c.pin_chain(&h(&[5, 6]));
+        let ch = c.insert_chain(&h(&[7]));
+        assert!(ch.removed.is_empty());
+        assert_eq!(c.len(), 5);
+        // 1 and 2 released: they rejoin as most recent, head last, and the cache
+        // evicts back to its capacity from the least recent free block (7).
+        assert_eq!(c.unpin_chain(&h(&[1, 2])), h(&[7]));
+        assert_eq!(c.len(), 4);
+        // Two holders of a block: it stays pinned until both let go.
+        c.pin_chain(&h(&[1]));
+        c.pin_chain(&h(&[1]));
+        assert!(c.unpin_chain(&h(&[1])).is_empty());
+        let ch = c.insert_chain(&h(&[8]));
+        assert_eq!(ch.removed, h(&[2]));
+        assert!(c.contains(BlockHash(1)));
     }
 
     #[test]
