@@ -247,13 +247,19 @@ impl SimWorker {
             }
         }
         let mut change = self.lru.insert_chain(chain);
+        self.demote_removed(&mut change);
+        change
+    }
+
+    /// Demotes the blocks `change` evicted from the device to the lower tiers,
+    /// recording what the tiers stored and dropped (nothing without tiers).
+    fn demote_removed(&mut self, change: &mut ChainChange) {
         if self.host.capacity() > 0 || self.disk.capacity() > 0 {
             for i in 0..change.removed.len() {
                 let h = change.removed[i];
                 self.demote(h, &mut change.lower);
             }
         }
-        change
     }
 
     /// A request that held `chain` (see [`SimConfig::hold_blocks`]) finished: its
@@ -264,12 +270,7 @@ impl SimWorker {
             removed: self.lru.unpin_chain(chain),
             ..ChainChange::default()
         };
-        if self.host.capacity() > 0 || self.disk.capacity() > 0 {
-            for i in 0..change.removed.len() {
-                let h = change.removed[i];
-                self.demote(h, &mut change.lower);
-            }
-        }
+        self.demote_removed(&mut change);
         change
     }
 
