@@ -31,4 +31,4 @@ pub use block_hash::{
 pub use chat::{ChatError, ChatMessage, ChatTemplate, Role, ToolDefinition};
 pub use cost_model::{CostModel, CostModelError};
 pub use tokenizer::{ByteTokenizer, HfTokenizer, StreamDecoder, Tokenizer, TokenizerError};
-pub use tokens::{blocks_needed, full_blocks, TokenId};
+pub use tokens::{blocks_needed, blocks_to_start, full_blocks, TokenId};

@@ -682,7 +682,7 @@ impl Engine {
                 cfg.vocab_size
             )));
         }
-        let need = (prompt.len() + 1).div_ceil(self.config.block_size);
+        let need = kvfleet_core::blocks_to_start(prompt.len(), self.config.block_size);
         if need > self.scheduler.pool.num_blocks() {
             return Err(EngineError::InvalidRequest(format!(
                 "the prompt needs {need} KV blocks; this worker has {}",

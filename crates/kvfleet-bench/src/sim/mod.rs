@@ -720,7 +720,7 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                 // The engine refuses a prompt its whole pool cannot hold ("the prompt
                 // needs N KV blocks"); the live replay counts it failed and still
                 // sends its children.
-                if (r.input_length + 1).div_ceil(bs) > cfg.cache_blocks {
+                if kvfleet_core::blocks_to_start(r.input_length, bs) > cfg.cache_blocks {
                     rejected += 1;
                     st[i].done = true;
                     finished += 1;
@@ -808,9 +808,11 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                     idle_elsewhere,
                     own_prefix_ms,
                     computing: change.stored.clone(),
-                    output_blocks: (r.input_length + r.output_length)
-                        .div_ceil(bs)
-                        .saturating_sub(chain.len()),
+                    output_blocks: kvfleet_core::blocks_needed(
+                        r.input_length + r.output_length,
+                        bs,
+                    )
+                    .saturating_sub(chain.len()),
                     done: false,
                 };
                 if wk.prefilling.is_none() {
