@@ -22,6 +22,8 @@ struct Node {
     next: u32,
     /// Sequences holding the block; a pinned node is out of the eviction list.
     pins: u32,
+    /// Out of the eviction list for the length of one `insert_chain`.
+    detached: bool,
 }
 
 /// What one [`LruBlockCache::insert_chain`] changed.
@@ -107,15 +109,33 @@ impl LruBlockCache {
         let chain = &chain[..chain.len().min(self.capacity)];
         let mut change = ChainChange::default();
         let mut new = vec![false; chain.len()];
-        for (i, &h) in chain.iter().enumerate().rev() {
+        // The chain's cached blocks leave the eviction order while its new blocks are
+        // stored, and the new ones join it only at the end: they evict other blocks,
+        // never the ones this request reuses or stores (an engine takes its cached
+        // prefix before it allocates; evicting it here would store it again as computed
+        // by a request charged only for its new blocks).
+        for &h in chain {
             if let Some(&n) = self.map.get(&h) {
-                if self.nodes[n as usize].pins == 0 {
+                let node = &self.nodes[n as usize];
+                if node.pins == 0 && !node.detached {
                     self.unlink(n);
+                    self.nodes[n as usize].detached = true;
+                }
+            }
+        }
+        for (i, &h) in chain.iter().enumerate() {
+            if !self.map.contains_key(&h) {
+                change.removed.extend(self.store_detached(h));
+                new[i] = true;
+            }
+        }
+        // Back in, tail first: the head ends up most recently used.
+        for &h in chain.iter().rev() {
+            if let Some(&n) = self.map.get(&h) {
+                if self.nodes[n as usize].detached {
+                    self.nodes[n as usize].detached = false;
                     self.push_front(n);
                 }
-            } else {
-                change.removed.extend(self.push_new(h));
-                new[i] = true;
             }
         }
         let mut i = 0;
@@ -212,8 +232,21 @@ impl LruBlockCache {
     /// Links the uncached block `h` in as most recently used, first evicting the least
     /// recently used block when full; returns the evicted block.
     fn push_new(&mut self, h: BlockHash) -> Option<BlockHash> {
+        let evicted = self.store_detached(h);
+        if let Some(&n) = self.map.get(&h) {
+            self.nodes[n as usize].detached = false;
+            self.push_front(n);
+        }
+        evicted
+    }
+
+    /// Caches the uncached block `h` outside the eviction list (the caller links it
+    /// in), first evicting the least recently used block when full; returns the
+    /// evicted block.
+    fn store_detached(&mut self, h: BlockHash) -> Option<BlockHash> {
         let mut evicted = None;
-        // Every cached block pinned: cache beyond capacity rather than evict a held one.
+        // Every listed block gone (the rest pinned or detached): cache beyond the
+        // capacity rather than evict a held one.
         if self.map.len() >= self.capacity && self.tail != NIL {
             evicted = Some(self.evict_tail());
         }
@@ -222,6 +255,7 @@ impl LruBlockCache {
             prev: NIL,
             next: NIL,
             pins: 0,
+            detached: true,
         };
         let n = match self.free.pop() {
             Some(n) => {
@@ -234,7 +268,6 @@ impl LruBlockCache {
             }
         };
         self.map.insert(h, n);
-        self.push_front(n);
         evicted
     }
 
@@ -323,6 +356,31 @@ mod tests {
         let ch = c.insert_chain(&h(&[8]));
         assert_eq!(ch.removed, h(&[2]));
         assert!(c.contains(BlockHash(1)));
+    }
+
+    #[test]
+    fn a_chain_never_evicts_its_own_cached_prefix() {
+        // An engine takes its cached prefix blocks before it allocates the new ones,
+        // so the blocks a request reuses are never what its own new blocks evict.
+        let mut c = LruBlockCache::new(4);
+        c.insert_chain(&h(&[1, 2]));
+        c.insert_chain(&h(&[3, 4]));
+        // MRU→LRU: 3, 4, 1, 2. [1, 2, 5, 6] reuses 1 and 2 and stores 5 and 6, which
+        // evict the free blocks 4 and 3, not 2 and 1.
+        let ch = c.insert_chain(&h(&[1, 2, 5, 6]));
+        assert_eq!(ch.stored, vec![(Some(BlockHash(2)), h(&[5, 6]))]);
+        assert_eq!(ch.removed, h(&[4, 3]));
+        assert_eq!(c.match_prefix(&h(&[1, 2, 5, 6])), 4);
+        // With the other blocks held, the chain is cached past the capacity rather
+        // than evict one of its own blocks, reused or new.
+        let mut c = LruBlockCache::new(3);
+        c.insert_chain(&h(&[1]));
+        c.pin_chain(&h(&[1]));
+        c.insert_chain(&h(&[2]));
+        let ch = c.insert_chain(&h(&[2, 5, 6]));
+        assert!(ch.removed.is_empty());
+        assert_eq!(ch.stored, vec![(Some(BlockHash(2)), h(&[5, 6]))]);
+        assert_eq!(c.match_prefix(&h(&[2, 5, 6])), 3);
     }
 
     #[test]
