@@ -338,8 +338,8 @@ pub struct SweepArgs {
     /// the trace's blocks); the baselines never pull.
     #[arg(long)]
     peer_pull_min_blocks: Option<usize>,
-    /// Hold every request's blocks as an engine does: never evicted from its arrival
-    /// to its last token, and a worker's prefill starts only once the running
+    /// Hold every request's blocks as an engine does: never evicted from the start of
+    /// its prefill to its last token (a queued request holds none), and a worker's prefill starts only once the running
     /// sequences' blocks and its own fit the pool (default: held blocks may be
     /// evicted and prefill never waits for memory).
     #[arg(long)]

@@ -557,3 +557,27 @@ fn with_held_blocks_a_prompt_waits_for_memory_and_held_blocks_stay_cached() {
     assert_eq!(loose.hit_blocks, 1);
     assert_eq!(held.hit_blocks, 2);
 }
+
+/// With `hold_blocks`, a queued request holds no blocks (an engine's waiting
+/// sequence has none until it is admitted): when a running sequence ends, the pool
+/// trims back to its capacity from the least recently used free blocks, which may be
+/// a queued request's, not the blocks just released because the queued ones were
+/// held too.
+#[test]
+fn with_held_blocks_a_queued_request_holds_no_blocks() {
+    // A fills the 4-block pool while it decodes (2 prompt + 2 output blocks); B (3
+    // blocks) queues for memory; D asks for A's prompt again after both finished.
+    let t = Trace {
+        records: vec![
+            record(0, 0, vec![1, 2], 1024, 600, None),
+            record(1, 1, vec![7, 8, 9], 1536, 4, None),
+            record(2, 12_000, vec![1, 2], 1024, 4, None),
+        ],
+    };
+    let mut cfg = SimConfig::new(1, 4, SimPolicy::Kvfleet(PolicyKind::CacheAware));
+    cfg.hold_blocks = true;
+    let r = simulate(&t, &cfg).unwrap();
+    // A's release found B's queued blocks free and evicted B's tail, not A's: D
+    // reuses both of A's blocks (held from arrival, B would have pushed one out).
+    assert_eq!(r.hit_blocks, 2, "{:?}", r.ttft_samples);
+}

@@ -17,9 +17,10 @@
 //! By default a worker's pool evicts its least recently used blocks whether or not a
 //! running sequence holds them, and a prefill lane never waits for memory. With
 //! [`SimConfig::hold_blocks`] (`--hold-blocks`) a request's blocks are held as an
-//! engine holds them, from its arrival to its last token: the pool evicts only blocks
-//! nobody holds (see [`lru`]), and a lane starts a request only once the blocks the
-//! running sequences hold plus its own fit the pool. Under memory pressure the default
+//! engine holds them, from the start of its prefill (its admission) to its last token
+//! (a queued request holds none, as an engine's waiting sequence holds none): the pool
+//! evicts only blocks nobody holds (see [`lru`]), and a lane starts a request only
+//! once the blocks the running sequences hold plus its own fit the pool. Under memory pressure the default
 //! evicts mostly held blocks (`cache-aware` at 256 workers in the sweep's heaviest
 //! loads: 171,089 of 205,542 evictions in `conversation`, 276,155 of 432,690 in
 //! `fork`), so it overstates what a pool loses and understates how long a request
@@ -432,7 +433,8 @@ pub struct SimConfig {
     /// Buckets of the hit-ratio timeline.
     pub timeline_buckets: usize,
     /// Whether a request's blocks are held, as an engine holds them: never evicted
-    /// from its arrival to its last token, and a worker's prefill lane starts a
+    /// from the start of its prefill to its last token (a queued request holds
+    /// none), and a worker's prefill lane starts a
     /// request only once the running sequences' blocks and its own fit the pool
     /// (default off: held blocks may be evicted, and a lane never waits for memory).
     pub hold_blocks: bool,
@@ -765,9 +767,6 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                 let wk = &mut workers[w];
                 let hits = tier_hits.total() + peer;
                 let change = wk.admit(chain, tier_hits);
-                if hold {
-                    wk.lru.pin_chain(chain);
-                }
                 // Only a pull asks what is computed yet.
                 if pulls {
                     for (_, run) in &change.stored {
@@ -1003,6 +1002,9 @@ fn start_prefill(
     wk.queue.pop_front();
     wk.prefilling = Some(i);
     wk.in_use.hold(&chains[i], st[i].output_blocks);
+    if hold {
+        wk.lru.pin_chain(&chains[i]);
+    }
     let t = prefill_time(&st[i], cost);
     wk.prefill_until = now + t;
     Some(t)
