@@ -138,8 +138,13 @@ pub struct SimWorker {
     pub disk: LruBlockCache,
     queue: VecDeque<usize>,
     prefilling: Option<usize>,
-    /// When the prefill in progress ends, ms.
+    /// The lane tokens of the prefill in progress.
+    prefilling_tokens: usize,
+    /// When the prefill in progress started and ends, ms.
+    prefill_started: f64,
     prefill_until: f64,
+    /// The time its load is reported at, ms (set before each report).
+    report_ms: f64,
     /// Uncached prompt tokens queued or being prefilled.
     pub queued_prefill_tokens: usize,
     /// Sequences decoding.
@@ -168,7 +173,10 @@ impl SimWorker {
             disk: LruBlockCache::new(disk_blocks),
             queue: VecDeque::new(),
             prefilling: None,
+            prefilling_tokens: 0,
+            prefill_started: 0.0,
             prefill_until: 0.0,
+            report_ms: 0.0,
             queued_prefill_tokens: 0,
             decoding: 0,
             active_blocks: 0,
@@ -178,6 +186,23 @@ impl SimWorker {
             requests: 0,
             unready: HashMap::new(),
         }
+    }
+
+    /// Prompt tokens still to compute at `now_ms`, as an engine reports them: the
+    /// queued prefills and what is left of the one in progress (its lane time spent
+    /// so far counted as computed).
+    pub fn prefill_backlog_at(&self, now_ms: f64) -> usize {
+        if self.prefilling.is_none() {
+            return self.queued_prefill_tokens;
+        }
+        let span = self.prefill_until - self.prefill_started;
+        let left = if span > 0.0 {
+            ((self.prefill_until - now_ms) / span).clamp(0.0, 1.0)
+        } else {
+            0.0
+        };
+        let done = (self.prefilling_tokens as f64 * (1.0 - left)) as usize;
+        self.queued_prefill_tokens.saturating_sub(done)
     }
 
     /// The leading blocks of `chain` (up to `end`) this worker can hand to a peer now:
@@ -332,7 +357,7 @@ impl SimWorker {
         kvfleet_routing::WorkerLoad {
             running: self.decoding + usize::from(self.prefilling.is_some()),
             waiting: self.queue.len(),
-            queued_prefill_tokens: self.queued_prefill_tokens,
+            queued_prefill_tokens: self.prefill_backlog_at(self.report_ms),
             // Blocks no running sequence holds, cached or not, as an engine counts
             // them free.
             free_blocks: self.lru.capacity().saturating_sub(self.in_use.len()),
@@ -598,6 +623,8 @@ enum Ev {
     Arrive(usize),
     PrefillDone(usize),
     DecodeDone(usize),
+    /// A load poll of worker `.0` while it prefills request `.1`.
+    Poll(usize, usize),
 }
 
 #[derive(Clone, Debug, Default)]
@@ -818,8 +845,12 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                     if let Some(t) = start_prefill(wk, &st, &chains, &cfg.cost, now, hold) {
                         prefilling += 1;
                         push(&mut heap, now + t, Ev::PrefillDone(w));
+                        if let (Some(j), true) = (wk.prefilling, t > LOAD_POLL_MS) {
+                            push(&mut heap, now + LOAD_POLL_MS, Ev::Poll(w, j));
+                        }
                     }
                 }
+                wk.report_ms = now;
                 router.on_enqueued(w, &change, &workers);
             }
             Ev::PrefillDone(w) => {
@@ -858,7 +889,11 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                 if let Some(t) = start_prefill(wk, &st, &chains, &cfg.cost, now, hold) {
                     prefilling += 1;
                     push(&mut heap, now + t, Ev::PrefillDone(w));
+                    if let (Some(j), true) = (wk.prefilling, t > LOAD_POLL_MS) {
+                        push(&mut heap, now + LOAD_POLL_MS, Ev::Poll(w, j));
+                    }
                 }
+                wk.report_ms = now;
                 if !computed.is_empty() {
                     router.on_computed(w, &computed, &gone, &workers);
                 }
@@ -878,10 +913,15 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                         if let Some(t) = start_prefill(wk, &st, &chains, &cfg.cost, now, hold) {
                             prefilling += 1;
                             push(&mut heap, now + t, Ev::PrefillDone(w));
+                            if let (Some(j), true) = (wk.prefilling, t > LOAD_POLL_MS) {
+                                push(&mut heap, now + LOAD_POLL_MS, Ev::Poll(w, j));
+                            }
                         }
                     }
+                    wk.report_ms = now;
                     router.on_enqueued(w, &change, &workers);
                 }
+                workers[w].report_ms = now;
                 st[i].done = true;
                 finished += 1;
                 router.on_finished(w, st[i].token, &workers);
@@ -890,6 +930,17 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                         push(&mut heap, now, Ev::Arrive(k));
                     }
                 }
+            }
+            Ev::Poll(w, i) => {
+                let wk = &mut workers[w];
+                if wk.prefilling != Some(i) {
+                    continue;
+                }
+                wk.report_ms = now;
+                if wk.prefill_until > now + LOAD_POLL_MS {
+                    push(&mut heap, now + LOAD_POLL_MS, Ev::Poll(w, i));
+                }
+                router.on_load_changed(w, &workers);
             }
         }
     }
@@ -983,6 +1034,11 @@ fn moved_tokens(hits: TierHits, peer: usize, bs: usize, cached: usize) -> MovedT
     }
 }
 
+/// How often a worker's load is polled while it prefills, ms, as supervisors poll a
+/// live worker: the report between events counts only what is left of the prefill
+/// in progress, as an engine's does.
+const LOAD_POLL_MS: f64 = 100.0;
+
 /// Times closer than this, in ms, are equal when judging a wait.
 const ROUNDING_MS: f64 = 1e-6;
 
@@ -1006,6 +1062,8 @@ fn start_prefill(
         wk.lru.pin_chain(&chains[i]);
     }
     let t = prefill_time(&st[i], cost);
+    wk.prefilling_tokens = st[i].lane_tokens;
+    wk.prefill_started = now;
     wk.prefill_until = now + t;
     Some(t)
 }
@@ -1110,6 +1168,30 @@ mod tests {
         wk.in_use.release(&chain, 2);
         assert_eq!(wk.load_report().free_blocks, 100);
         assert_eq!(wk.lru.len(), 4);
+    }
+
+    #[test]
+    fn the_load_report_counts_what_is_left_of_the_prefill_in_progress() {
+        // An engine reports the prompt tokens it has yet to compute, and the router
+        // polls it while a prefill runs: halfway through an 8,000-token prefill (1 s at
+        // 8,000 tokens/s, plus 20 ms) the report says about 4,000, not 8,000.
+        let cost = CostModel::h200_llama8b();
+        let mut wk = SimWorker::new(100, 0, 0);
+        let st = vec![ReqState {
+            uncached: 8_000,
+            lane_tokens: 8_000,
+            ..ReqState::default()
+        }];
+        wk.queue.push_back(0);
+        wk.queued_prefill_tokens = 8_000;
+        let chains = [h(&[1])];
+        let t = start_prefill(&mut wk, &st, &chains, &cost, 0.0, false).unwrap();
+        wk.report_ms = 0.0;
+        assert_eq!(wk.load_report().queued_prefill_tokens, 8_000);
+        wk.report_ms = t / 2.0;
+        assert_eq!(wk.load_report().queued_prefill_tokens, 4_000);
+        wk.report_ms = t;
+        assert_eq!(wk.load_report().queued_prefill_tokens, 0);
     }
 
     #[test]
