@@ -339,9 +339,9 @@ pub struct SweepArgs {
     #[arg(long)]
     peer_pull_min_blocks: Option<usize>,
     /// Hold every request's blocks as an engine does: never evicted from the start of
-    /// its prefill to its last token (a queued request holds none), and a worker's prefill starts only once the running
-    /// sequences' blocks and its own fit the pool (default: held blocks may be
-    /// evicted and prefill never waits for memory).
+    /// its prefill to its last token (a queued request holds none), and a worker's
+    /// prefill starts only once the running sequences' blocks and its own fit the pool
+    /// (default: held blocks may be evicted and prefill never waits for memory).
     #[arg(long)]
     hold_blocks: bool,
     /// Write the Markdown page here (default: print it).

@@ -125,7 +125,7 @@ impl LruBlockCache {
         }
         for (i, &h) in chain.iter().enumerate() {
             if !self.map.contains_key(&h) {
-                change.removed.extend(self.store_detached(h));
+                change.removed.extend(self.store_detached(h).1);
                 new[i] = true;
             }
         }
@@ -232,18 +232,16 @@ impl LruBlockCache {
     /// Links the uncached block `h` in as most recently used, first evicting the least
     /// recently used block when full; returns the evicted block.
     fn push_new(&mut self, h: BlockHash) -> Option<BlockHash> {
-        let evicted = self.store_detached(h);
-        if let Some(&n) = self.map.get(&h) {
-            self.nodes[n as usize].detached = false;
-            self.push_front(n);
-        }
+        let (n, evicted) = self.store_detached(h);
+        self.nodes[n as usize].detached = false;
+        self.push_front(n);
         evicted
     }
 
     /// Caches the uncached block `h` outside the eviction list (the caller links it
-    /// in), first evicting the least recently used block when full; returns the
-    /// evicted block.
-    fn store_detached(&mut self, h: BlockHash) -> Option<BlockHash> {
+    /// in), first evicting the least recently used block when full; returns its node
+    /// and the evicted block.
+    fn store_detached(&mut self, h: BlockHash) -> (u32, Option<BlockHash>) {
         let mut evicted = None;
         // Every listed block gone (the rest pinned or detached): cache beyond the
         // capacity rather than evict a held one.
@@ -268,7 +266,7 @@ impl LruBlockCache {
             }
         };
         self.map.insert(h, n);
-        evicted
+        (n, evicted)
     }
 
     fn unlink(&mut self, n: u32) {

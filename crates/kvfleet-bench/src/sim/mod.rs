@@ -20,8 +20,8 @@
 //! engine holds them, from the start of its prefill (its admission) to its last token
 //! (a queued request holds none, as an engine's waiting sequence holds none): the pool
 //! evicts only blocks nobody holds (see [`lru`]), and a lane starts a request only
-//! once the blocks the running sequences hold plus its own fit the pool. Under memory pressure the default
-//! evicts mostly held blocks (`cache-aware` at 256 workers in the sweep's heaviest
+//! once the blocks the running sequences hold plus its own fit the pool. Under memory
+//! pressure the default evicts mostly held blocks (`cache-aware` at 256 workers in the sweep's heaviest
 //! loads: 171,089 of 205,542 evictions in `conversation`, 276,155 of 432,690 in
 //! `fork`), so it overstates what a pool loses and understates how long a request
 //! waits for memory.
@@ -459,9 +459,9 @@ pub struct SimConfig {
     pub timeline_buckets: usize,
     /// Whether a request's blocks are held, as an engine holds them: never evicted
     /// from the start of its prefill to its last token (a queued request holds
-    /// none), and a worker's prefill lane starts a
-    /// request only once the running sequences' blocks and its own fit the pool
-    /// (default off: held blocks may be evicted, and a lane never waits for memory).
+    /// none), and a worker's prefill lane starts a request only once the running
+    /// sequences' blocks and its own fit the pool (default off: held blocks may be
+    /// evicted, and a lane never waits for memory).
     pub hold_blocks: bool,
 }
 
@@ -706,14 +706,9 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
     let mut parked: HashMap<usize, Vec<usize>> = HashMap::new();
     let mut st = vec![ReqState::default(); recs.len()];
 
-    let mut heap: BinaryHeap<Reverse<(u64, u64, Ev)>> = BinaryHeap::new();
-    let mut seq = 0u64;
-    let mut push = |heap: &mut BinaryHeap<Reverse<(u64, u64, Ev)>>, t: f64, ev: Ev| {
-        seq += 1;
-        heap.push(Reverse((t.max(0.0).to_bits(), seq, ev)));
-    };
+    let mut events = Events::default();
     for (i, r) in recs.iter().enumerate() {
-        push(&mut heap, r.timestamp as f64, Ev::Arrive(i));
+        events.push(r.timestamp as f64, Ev::Arrive(i));
     }
 
     let t0 = recs.first().map_or(0.0, |r| r.timestamp as f64);
@@ -735,8 +730,8 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
     let pulls = cfg.peer_pull_min_blocks > 0;
     let hold = cfg.hold_blocks;
 
-    while let Some(Reverse((tb, _, ev))) = heap.pop() {
-        now = f64::from_bits(tb);
+    while let Some((t, ev)) = events.pop() {
+        now = t;
         match ev {
             Ev::Arrive(i) => {
                 if let Some(p) = parent[i] {
@@ -754,7 +749,7 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                     st[i].done = true;
                     finished += 1;
                     for k in parked.remove(&i).unwrap_or_default() {
-                        push(&mut heap, now, Ev::Arrive(k));
+                        events.push(now, Ev::Arrive(k));
                     }
                     continue;
                 }
@@ -841,14 +836,10 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                     .saturating_sub(chain.len()),
                     done: false,
                 };
-                if wk.prefilling.is_none() {
-                    if let Some(t) = start_prefill(wk, &st, &chains, &cfg.cost, now, hold) {
-                        prefilling += 1;
-                        push(&mut heap, now + t, Ev::PrefillDone(w));
-                        if let (Some(j), true) = (wk.prefilling, t > LOAD_POLL_MS) {
-                            push(&mut heap, now + LOAD_POLL_MS, Ev::Poll(w, j));
-                        }
-                    }
+                if wk.prefilling.is_none()
+                    && begin_prefill(wk, w, &st, &chains, &cfg.cost, now, hold, &mut events)
+                {
+                    prefilling += 1;
                 }
                 wk.report_ms = now;
                 router.on_enqueued(w, &change, &workers);
@@ -885,13 +876,9 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                 if steps > 0 {
                     itl.push(step);
                 }
-                push(&mut heap, now + step * steps as f64, Ev::DecodeDone(i));
-                if let Some(t) = start_prefill(wk, &st, &chains, &cfg.cost, now, hold) {
+                events.push(now + step * steps as f64, Ev::DecodeDone(i));
+                if begin_prefill(wk, w, &st, &chains, &cfg.cost, now, hold, &mut events) {
                     prefilling += 1;
-                    push(&mut heap, now + t, Ev::PrefillDone(w));
-                    if let (Some(j), true) = (wk.prefilling, t > LOAD_POLL_MS) {
-                        push(&mut heap, now + LOAD_POLL_MS, Ev::Poll(w, j));
-                    }
                 }
                 wk.report_ms = now;
                 if !computed.is_empty() {
@@ -902,6 +889,7 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
             Ev::DecodeDone(i) => {
                 let w = st[i].worker;
                 let wk = &mut workers[w];
+                wk.report_ms = now;
                 wk.decoding -= 1;
                 wk.inflight -= 1;
                 wk.active_blocks -= chains[i].len();
@@ -909,25 +897,19 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                 if hold {
                     let change = wk.release(&chains[i]);
                     // A lane waiting for memory may start now.
-                    if wk.prefilling.is_none() {
-                        if let Some(t) = start_prefill(wk, &st, &chains, &cfg.cost, now, hold) {
-                            prefilling += 1;
-                            push(&mut heap, now + t, Ev::PrefillDone(w));
-                            if let (Some(j), true) = (wk.prefilling, t > LOAD_POLL_MS) {
-                                push(&mut heap, now + LOAD_POLL_MS, Ev::Poll(w, j));
-                            }
-                        }
+                    if wk.prefilling.is_none()
+                        && begin_prefill(wk, w, &st, &chains, &cfg.cost, now, hold, &mut events)
+                    {
+                        prefilling += 1;
                     }
-                    wk.report_ms = now;
                     router.on_enqueued(w, &change, &workers);
                 }
-                workers[w].report_ms = now;
                 st[i].done = true;
                 finished += 1;
                 router.on_finished(w, st[i].token, &workers);
                 if let Some(kids) = parked.remove(&i) {
                     for k in kids {
-                        push(&mut heap, now, Ev::Arrive(k));
+                        events.push(now, Ev::Arrive(k));
                     }
                 }
             }
@@ -938,7 +920,7 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                 }
                 wk.report_ms = now;
                 if wk.prefill_until > now + LOAD_POLL_MS {
-                    push(&mut heap, now + LOAD_POLL_MS, Ev::Poll(w, i));
+                    events.push(now + LOAD_POLL_MS, Ev::Poll(w, i));
                 }
                 router.on_load_changed(w, &workers);
             }
@@ -1038,6 +1020,51 @@ fn moved_tokens(hits: TierHits, peer: usize, bs: usize, cached: usize) -> MovedT
 /// live worker: the report between events counts only what is left of the prefill
 /// in progress, as an engine's does.
 const LOAD_POLL_MS: f64 = 100.0;
+
+/// The simulation's pending events, earliest first; events at the same time in the
+/// order they were pushed.
+#[derive(Default)]
+struct Events {
+    heap: BinaryHeap<Reverse<(u64, u64, Ev)>>,
+    pushed: u64,
+}
+
+impl Events {
+    fn push(&mut self, t: f64, ev: Ev) {
+        self.pushed += 1;
+        self.heap
+            .push(Reverse((t.max(0.0).to_bits(), self.pushed, ev)));
+    }
+
+    fn pop(&mut self) -> Option<(f64, Ev)> {
+        self.heap
+            .pop()
+            .map(|Reverse((t, _, ev))| (f64::from_bits(t), ev))
+    }
+}
+
+/// Starts worker `w`'s next queued prefill at `now` (see [`start_prefill`]) and
+/// schedules its end and, while it runs, its load polls; returns whether one started.
+#[allow(clippy::too_many_arguments)]
+fn begin_prefill(
+    wk: &mut SimWorker,
+    w: usize,
+    st: &[ReqState],
+    chains: &[Vec<BlockHash>],
+    cost: &CostModel,
+    now: f64,
+    hold: bool,
+    events: &mut Events,
+) -> bool {
+    let Some(t) = start_prefill(wk, st, chains, cost, now, hold) else {
+        return false;
+    };
+    events.push(now + t, Ev::PrefillDone(w));
+    if let (Some(i), true) = (wk.prefilling, t > LOAD_POLL_MS) {
+        events.push(now + LOAD_POLL_MS, Ev::Poll(w, i));
+    }
+    true
+}
 
 /// Times closer than this, in ms, are equal when judging a wait.
 const ROUNDING_MS: f64 = 1e-6;
