@@ -384,8 +384,9 @@ fn main() {
             candidates: &candidates,
             fleet: FleetLoad::of(&candidates),
             peer_source: None,
-            // The even candidates' match.
+            // The even candidates' match, all of it reported computed.
             deepest_blocks: 1_000,
+            prefix_pending: false,
         };
         let mut policies: Vec<Box<dyn RoutingPolicy>> = vec![
             Box::new(CacheAware::default()),

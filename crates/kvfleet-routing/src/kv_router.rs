@@ -646,20 +646,25 @@ impl KvRouter {
         } else {
             None
         };
-        self.reservations.pending_into(hashes, &mut matches);
         // A holder this request cannot use (fenced, or one a retry failed on) does
         // not make a recompute a duplicate: its copy is going away or out of reach.
-        let deepest_blocks = if self.fenced.is_empty() && exclude.is_empty() {
-            matches.deepest()
-        } else {
-            matches
-                .iter()
-                .filter(|m| !self.is_barred(m.worker, exclude))
-                .map(|m| m.depth)
-                .max()
-                .unwrap_or(0)
-        }
-        .min(reusable);
+        let deepest = |matches: &Matches| {
+            if self.fenced.is_empty() && exclude.is_empty() {
+                matches.deepest()
+            } else {
+                matches
+                    .iter()
+                    .filter(|m| !self.is_barred(m.worker, exclude))
+                    .map(|m| m.depth)
+                    .max()
+                    .unwrap_or(0)
+            }
+            .min(reusable)
+        };
+        let computed_blocks = deepest(&matches);
+        self.reservations.pending_into(hashes, &mut matches);
+        let deepest_blocks = deepest(&matches);
+        let prefix_pending = deepest_blocks > computed_blocks;
         let t1 = Instant::now();
         let mut candidates = std::mem::take(&mut self.candidates);
         candidates.clear();
@@ -690,6 +695,7 @@ impl KvRouter {
                 fleet,
                 peer_source,
                 deepest_blocks,
+                prefix_pending,
             };
             self.ordered_candidates(
                 &base,
@@ -720,6 +726,7 @@ impl KvRouter {
             fleet,
             peer_source,
             deepest_blocks,
+            prefix_pending,
         };
         let policy_impl: &mut dyn RoutingPolicy = match policy {
             PolicyKind::CacheAware => &mut self.cache_aware,

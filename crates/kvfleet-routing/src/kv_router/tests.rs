@@ -71,6 +71,37 @@ fn fork_siblings_follow_the_first_under_cache_aware() {
 }
 
 #[test]
+fn a_sibling_waits_behind_its_prefix_being_computed_but_not_behind_other_work() {
+    let kids = fork_children(8_000, 160, 2);
+    // The first sibling is computing the 500-block prefix: waiting behind it (8,160
+    // queued + 2 × 160 + 16) beats recomputing the prefix on the idle lane at the
+    // pending weight (1.5 × 8,161).
+    let mut r = router(2);
+    let first = r
+        .route(&kids[0].0, kids[0].1, PolicyKind::CacheAware, 0)
+        .unwrap();
+    let second = r
+        .route(&kids[1].0, kids[1].1, PolicyKind::CacheAware, 0)
+        .unwrap();
+    assert_eq!(second.worker, first.worker);
+    assert_eq!(second.predicted_cached_tokens, 8_000);
+    // The prefix already computed on w0, whose lane is busy with as much other work:
+    // the idle lane starts sooner and takes the sibling (0.9 × 8,161 < 8,496).
+    let mut r = router(2);
+    r.apply_event(
+        "w0",
+        &RouterKvEvent::stored(1, None, kids[0].0[..500].to_vec()),
+    )
+    .unwrap();
+    backlog(&mut r, "w0", 8_160);
+    let d = r
+        .route(&kids[1].0, kids[1].1, PolicyKind::CacheAware, 0)
+        .unwrap();
+    assert_eq!(&*d.worker, "w1");
+    assert_eq!(d.deepest_match_blocks, 500);
+}
+
+#[test]
 fn round_robin_spreads_fork_siblings() {
     let mut r = router(5);
     let kids = fork_children(4_000, 200, 5);
@@ -196,8 +227,9 @@ fn bounded_load_guard_spills_and_the_spill_target_warms_a_copy() {
         &RouterKvEvent::stored(1, None, kids[0].0[..3_000].to_vec()),
     )
     .unwrap();
-    // w1 holds the prefix but already decodes 100 sequences; the others are idle.
-    // By cost alone w1 still wins (100 × 16 ≪ 2 × 48,000): the guard must step in.
+    // w1 holds the prefix but already decodes 100 sequences; w0 is idle, w2 and w3
+    // have short prefill queues. By cost alone w1 still wins (100 × 16 ≪ 0.9 ×
+    // 48,000): the guard must step in.
     r.update_load(
         "w1",
         WorkerLoad {
@@ -206,14 +238,19 @@ fn bounded_load_guard_spills_and_the_spill_target_warms_a_copy() {
         },
     )
     .unwrap();
+    for w in ["w2", "w3"] {
+        backlog(&mut r, w, 1_000);
+    }
     let d = r
         .route(&kids[0].0, kids[0].1, PolicyKind::CacheAware, 0)
         .unwrap();
     assert_ne!(&*d.worker, "w1");
     assert_eq!(d.spilled_from.as_deref(), Some("w1"));
     let spill = d.worker.clone();
+    assert_eq!(&*spill, "w0", "the idle lane");
     // The spill target now (pending) holds a second copy: the next sibling follows it
-    // and is predicted to hit the prefix there.
+    // and is predicted to hit the prefix there, rather than recompute it on a busy
+    // lane.
     let d2 = r
         .route(&kids[1].0, kids[1].1, PolicyKind::CacheAware, 1)
         .unwrap();
@@ -244,7 +281,17 @@ fn absolute_prefill_cap_spills() {
         },
     )
     .unwrap();
-    // Cost favours w0 (4,400 + 2×160 < 2×3,360), but 4,400 + 160 is over the cap.
+    // w1's lane is busy too (an idle one would start sooner than w0 and win on cost).
+    r.update_load(
+        "w1",
+        WorkerLoad {
+            queued_prefill_tokens: 100,
+            ..WorkerLoad::default()
+        },
+    )
+    .unwrap();
+    // Cost favours w0 (4,400 + 2 × 160 < 100 + 2 × 3,361 and w1's price for
+    // recomputing w0's prefix), but 4,400 + 160 is over the cap.
     let d = r
         .route(&kids[0].0, kids[0].1, PolicyKind::CacheAware, 0)
         .unwrap();
@@ -590,6 +637,15 @@ fn backlog(r: &mut KvRouter, id: &str, tokens: usize) {
     r.update_load(id, load).unwrap();
 }
 
+/// Sets `id`'s load to `running` decoding sequences and an idle prefill lane.
+fn decoding(r: &mut KvRouter, id: &str, running: usize) {
+    let load = WorkerLoad {
+        running,
+        ..WorkerLoad::default()
+    };
+    r.update_load(id, load).unwrap();
+}
+
 /// A 100-block prompt held in full on w0's device, w1's host tier and w2's disk; w3
 /// holds nothing.
 fn tiered_fleet(tiers: crate::policy::TierCostConfig) -> (KvRouter, Vec<BlockHash>, usize) {
@@ -626,8 +682,9 @@ fn a_device_hit_beats_host_beats_disk_beats_a_cold_start_as_load_shifts() {
         (d.matched_blocks, d.host_blocks, d.disk_blocks),
         (100, 0, 0)
     );
-    // A small backlog on w0 is still cheaper than the host copy's load time.
-    backlog(&mut r, "w0", 20);
+    // A small backlog on w0 is still cheaper than the host copy's load time: 10
+    // queued + 2 × 1 + 16 for the waiting sequence = 28, against 0.9 × (1 + ~34).
+    backlog(&mut r, "w0", 10);
     assert_eq!(&*route(&mut r).worker, "w0");
     // w0 has 2,000 tokens queued: loading 100 blocks from host (~2% of a recompute
     // each, ~34 token-equivalents) is far cheaper than waiting.
@@ -659,11 +716,12 @@ fn a_device_hit_beats_host_beats_disk_beats_a_cold_start_as_load_shifts() {
 #[test]
 fn dynamo_style_discounts_overprice_a_fast_host_tier() {
     use crate::policy::{TierCostConfig, TierScoring};
-    // w0 (device) has 500 tokens queued, w1 holds the prompt in host memory, idle.
-    // Priced by load time, the host copy costs ~34 token-equivalents: w1. With a fixed
-    // 0.75 discount it costs 400, so the router waits behind w0's queue.
+    // w0 (device) has 300 tokens queued (300 + 2 + 16 for the waiting sequence), w1
+    // holds the prompt in host memory, idle. Priced by load time, the host copy costs
+    // ~34 token-equivalents: w1. With a fixed 0.75 discount it costs 400 (0.9 × 401 =
+    // 361 on the idle lane), so the router waits behind w0's queue.
     let (mut by_time, h, n) = tiered_fleet(TierCostConfig::default());
-    backlog(&mut by_time, "w0", 500);
+    backlog(&mut by_time, "w0", 300);
     assert_eq!(
         &*by_time
             .route(&h, n, PolicyKind::CacheAware, 0)
@@ -675,7 +733,7 @@ fn dynamo_style_discounts_overprice_a_fast_host_tier() {
         scoring: TierScoring::Discount,
         ..TierCostConfig::default()
     });
-    backlog(&mut discounted, "w0", 500);
+    backlog(&mut discounted, "w0", 300);
     assert_eq!(
         &*discounted
             .route(&h, n, PolicyKind::CacheAware, 0)
@@ -799,14 +857,16 @@ fn a_swamped_holder_hands_its_prefix_to_an_idle_worker_by_pull() {
 #[test]
 fn the_idle_wait_trigger_pulls_only_past_a_cold_start() {
     // The default trigger: 1,000 queued tokens on the holder are under a 1,617-token
-    // cold start on w1, so the request waits there; 2,000 are past it, and w1 pulls.
+    // cold start on w1, so the request waits there; 1,800 are past it, and w1 pulls.
+    // (w1 decodes 30 sequences, so by cost alone the request would stay on w0.)
     let (mut r, h, n) = pull_fleet_with(4, crate::policy::PullTrigger::default());
+    decoding(&mut r, "w1", 30);
     backlog(&mut r, "w0", 1_000);
     let d = r.route(&h, n, PolicyKind::CacheAware, 0).unwrap();
     assert_eq!((&*d.worker, d.pull.as_ref()), ("w0", None));
     assert_eq!(d.reservation, None, "w0 already holds the whole chain");
     r.request_finished(&d.worker, d.prefill_tokens).unwrap();
-    backlog(&mut r, "w0", 2_000);
+    backlog(&mut r, "w0", 1_800);
     let d = r.route(&h, n, PolicyKind::CacheAware, 0).unwrap();
     assert_eq!(&*d.worker, "w1");
     assert_eq!(d.spilled_from.as_deref(), Some("w0"));
@@ -886,17 +946,19 @@ fn a_worker_with_no_kv_to_move_is_never_a_pull_source_or_target() {
 
 #[test]
 fn the_idle_wait_trigger_never_sends_a_request_to_pull_onto_a_worker_that_cannot() {
-    // w0 holds 100 of 101 blocks behind 2,000 queued tokens: past a cold start, so the
+    // w0 holds 100 of 101 blocks behind 1,800 queued tokens: past a cold start, so the
     // idle w1 would take the request and pull. A simulated-engine w1 cannot import
-    // blocks: the request stays on the holder instead of recomputing on w1.
+    // blocks: the request stays on the holder instead of recomputing on w1 (which
+    // decodes 30 sequences: by cost alone the request stays on w0).
     let route = |w1_bytes: u64, with_w2: bool| {
         let (mut r, h, n) = pull_fleet_with(4, crate::policy::PullTrigger::IdleWait);
         r.set_kv_block_bytes("w0", 737_280, BS);
         r.set_kv_block_bytes("w1", w1_bytes, BS);
+        decoding(&mut r, "w1", 30);
         if with_w2 {
             r.add_worker("w2", BS).unwrap();
         }
-        backlog(&mut r, "w0", 2_000);
+        backlog(&mut r, "w0", 1_800);
         let d = r.route(&h, n, PolicyKind::CacheAware, 0).unwrap();
         let pulled_from = d.pull.as_ref().map(|p| p.from.to_string());
         (d.worker.to_string(), pulled_from, d.predicted_cached_tokens)
@@ -1104,10 +1166,10 @@ fn an_unusable_holder_does_not_make_a_recompute_a_duplicate() {
     let n = toks.len() + 1;
     for unusable in ["fenced", "excluded"] {
         let mut r = router(3);
-        // w0 holds 60 blocks, w1 30 with a short queue, w2 nothing and is idle.
-        r.apply_event("w0", &RouterKvEvent::stored(1, None, h[..60].to_vec()))
+        // w0 holds 80 blocks, w1 64 with a short queue, w2 nothing and is idle.
+        r.apply_event("w0", &RouterKvEvent::stored(1, None, h[..80].to_vec()))
             .unwrap();
-        r.apply_event("w1", &RouterKvEvent::stored(1, None, h[..30].to_vec()))
+        r.apply_event("w1", &RouterKvEvent::stored(1, None, h[..64].to_vec()))
             .unwrap();
         let busy = WorkerLoad {
             queued_prefill_tokens: 100,
@@ -1122,8 +1184,9 @@ fn an_unusable_holder_does_not_make_a_recompute_a_duplicate() {
         } else {
             exclude.push("w0".to_string());
         }
-        // w1 finishes sooner (100 queued + 1,121 to compute, against 1,601 on w2) and
-        // computes less: it wins unless w0's 60 blocks count as held elsewhere.
+        // w1 finishes sooner (100 queued + 577 to compute, against 1,601 on w2) and
+        // computes less: it wins (100 + 2 × 577 + 16 = 1,270 against 0.9 × 1,601)
+        // unless w0's 80 blocks count as held elsewhere (6 × 256 more).
         let d = r
             .route_excluding(&h, n, None, PolicyKind::CacheAware, 0, &exclude)
             .unwrap();

@@ -14,6 +14,9 @@
 //!         + memory_weight × computed(W) × usage(W)  // what W stores, by its pool's use
 //! λ(W)    = prefill_weight          if W's prefill lane is busy
 //!         = idle_prefill_weight     if it is idle
+//!         = pending_idle_prefill_weight
+//!                                   if it is idle and the prompt's deepest prefix
+//!                                   is still being computed (a sibling's)
 //! δ(W)    = busy_duplicate_weight   if W's prefill lane is busy, else 0
 //! ```
 //!
@@ -29,13 +32,27 @@
 //! `prefill_weight` 2 a fork sibling waits behind its first sibling's prefix rather
 //! than recompute it elsewhere at equal latency but double the fleet's work.
 //!
-//! `idle_prefill_weight` (1.5) prices an uncached token on a worker whose prefill lane
+//! `idle_prefill_weight` (0.9) prices an uncached token on a worker whose prefill lane
 //! is idle: the capacity it spends there is not taken from anyone queued, so a request
-//! stops waiting behind a hot prefix once its queue there is well past a cold start on
-//! the idle worker (with 1.5, when the holder's backlog exceeds 1.5 × the prompt minus
-//! twice its uncached part there). It applies however busy the rest of the fleet is: a
-//! discount scaled down by the fraction of busy lanes vanished exactly when requests
-//! queued behind a hot prefix next to an idle lane.
+//! leaves a hot prefix's queue for an idle worker once a cold start there is about as
+//! soon as waiting. It is a little under 1 because the router sees a queue late and
+//! short: loads are polled (every 100 ms) and leave out each request's fixed
+//! overhead. It applies however busy the rest of the fleet is: a discount scaled down
+//! by the fraction of busy lanes vanished exactly when requests queued behind a hot
+//! prefix next to an idle lane.
+//!
+//! `pending_idle_prefill_weight` (1.5) replaces it while the prompt's deepest prefix
+//! is still being computed ([`RouteContext::prefix_pending`]: a fork sibling routed
+//! there, its blocks not yet reported). The holder's queue is then mostly that very
+//! prefix: recomputing it on an idle lane would double the work to save at most the
+//! sibling's head start, so the request waits unless the queue is well past a cold
+//! start (the holder's backlog over 1.5 × the prompt minus twice its uncached part
+//! there). Once the prefix is reported computed, a queue in front of it is other work.
+//! In `kvfleet bench sweep` (docs/policy-sweep.head.md, 2026-12-05), with load reports
+//! polled as a live router sees them, the pair met all three targets in 38, 38 and 35
+//! of 72 groups on seeds 1, 2 and 3, against 23, 22 and 23 with 1.5 throughout; a flat
+//! 0.9 did as well on the sweep but let fork siblings recompute their first sibling's
+//! prefix next to it (`tests/sim.rs`).
 //!
 //! `duplicated(W)` counts the tokens `W` would recompute that another worker already
 //! holds or is computing (up to the deepest match, `RouteContext::deepest_blocks`). On
@@ -70,7 +87,7 @@
 //! `kvfleet bench sweep` (docs/policy-sweep.head.md, 2026-12-05) chose both: the
 //! duplicate price (plateau 3-10) raised the hit target from 40 to 44-45 of 72 groups
 //! and Mooncake's mean hit ratio by 0.012, and with it an idle weight of 1.4-1.6
-//! (1.7 before) met all three targets in 28 of 72 groups against 22 (held-out seeds 2
+//! (1.7 before; 0.9 and 1.5 pending since, above) met all three targets in 28 of 72 groups against 22 (held-out seeds 2
 //! and 3: 12 and 13 of 36, against 9 and 12). A flat busy weight of 8 did as well on
 //! the sweep, but without pulls it moved requests off their holder to idle lanes at
 //! once, losing hits and p99 where memory is plentiful (`tests/sim.rs`).
@@ -122,8 +139,12 @@ pub struct CacheAwareConfig {
     /// (default 2.0).
     pub prefill_weight: f64,
     /// Cost of one uncached prompt token on a worker whose prefill lane is idle
-    /// (default 1.5; `prefill_weight` turns the discount off).
+    /// (default 0.9; `prefill_weight` turns the discount off).
     pub idle_prefill_weight: f64,
+    /// The same while the prompt's deepest prefix is still being computed (a
+    /// sibling's): recomputing it on an idle lane would double that work to save at
+    /// most the sibling's head start (default 1.5).
+    pub pending_idle_prefill_weight: f64,
     /// Extra cost of one prompt token a worker whose prefill lane is busy would
     /// recompute although another worker holds or is computing it (default 6.0; 0
     /// turns it off).
@@ -175,7 +196,8 @@ impl Default for CacheAwareConfig {
     fn default() -> Self {
         Self {
             prefill_weight: 2.0,
-            idle_prefill_weight: 1.5,
+            idle_prefill_weight: 0.9,
+            pending_idle_prefill_weight: 1.5,
             busy_duplicate_weight: 6.0,
             decode_cost_per_sequence: 16.0,
             memory_weight: 0.25,
@@ -233,11 +255,15 @@ impl CacheAware {
     }
 
     /// The weight of an uncached token on `c`: `prefill_weight` when its prefill lane
-    /// is busy, `idle_prefill_weight` when it is idle.
+    /// is busy; when it is idle, `idle_prefill_weight`, or
+    /// `pending_idle_prefill_weight` while the prompt's deepest prefix is still being
+    /// computed somewhere.
     #[inline]
-    pub fn prefill_weight(&self, c: &Candidate) -> f64 {
+    pub fn prefill_weight(&self, ctx: &RouteContext<'_>, c: &Candidate) -> f64 {
         if c.load.prefill_backlog_tokens() > 0 {
             self.config.prefill_weight
+        } else if ctx.prefix_pending {
+            self.config.pending_idle_prefill_weight
         } else {
             self.config.idle_prefill_weight
         }
@@ -261,7 +287,7 @@ impl CacheAware {
     #[inline]
     fn priced(&self, ctx: &RouteContext<'_>, c: &Candidate, pulls: bool) -> (f64, usize) {
         let (computed, own) = self.own_prefill(ctx, c, pulls);
-        let cost = self.prefill_weight(c) * own
+        let cost = self.prefill_weight(ctx, c) * own
             + c.load.prefill_backlog_tokens() as f64
             + self.config.decode_cost_per_sequence * c.load.active_sequences() as f64
             + self.memory_price(ctx, c, computed)
@@ -637,6 +663,8 @@ mod tests {
                 .max()
                 .unwrap_or(0)
                 .min(blocks),
+            // Every match computed: nothing pending.
+            prefix_pending: false,
         }
     }
 
@@ -655,7 +683,7 @@ mod tests {
     #[test]
     fn a_prompt_nobody_holds_goes_where_running_sequences_leave_the_pool_free() {
         // Two idle workers, one sequence each; w0's running sequences hold 12/16 of its
-        // pool, w1's 2/16. 1,601 cold tokens: 1.5 × 1,601 + 16 plus the memory
+        // pool, w1's 2/16. 1,601 cold tokens: 0.9 × 1,601 + 16 plus the memory
         // price, 0.25 × 1,601 × 12/16 ≈ 300.2 on w0 against ≈ 50.0 on w1.
         let c = [using(cand(0, 0, 1, 0), 12), using(cand(1, 0, 1, 0), 2)];
         let mut p = CacheAware::default();
@@ -680,8 +708,9 @@ mod tests {
     #[test]
     fn a_prompt_that_computes_little_stays_with_its_prefix_in_a_full_pool() {
         // w0 holds 98 of 100 blocks but its pool is full of running sequences; w1 is
-        // idle and empty. Computing 2 blocks (33 tokens) on w0 costs 1.5 × 33 + 16 +
-        // 0.25 × 33 = 74.25; computing all 1,601 on w1 costs 2,401.5.
+        // idle and empty. Computing 2 blocks (33 tokens) on w0 costs 0.9 × 33 + 16
+        // plus at most 0.25 × 33 for its full pool (under 55); computing all 1,601
+        // on w1 costs 0.9 × 1,601 ≈ 1,441.
         let c = [using(cand(0, 0, 1, 98), 16), cand(1, 0, 0, 0)];
         let mut p = CacheAware::default();
         assert_eq!(p.select(&ctx(&c, 100)).unwrap().worker, WorkerIdx(0));
@@ -861,7 +890,11 @@ mod tests {
         assert_ne!(route(1.7, 1_800, 0), WorkerIdx(0));
         // ...where without the discount (idle weight = prefill weight) it waited.
         assert_eq!(route(2.0, 1_800, 5_000), WorkerIdx(0));
-        assert_eq!(CacheAwareConfig::default().idle_prefill_weight, 1.5);
+        let d = CacheAwareConfig::default();
+        assert_eq!(
+            (d.idle_prefill_weight, d.pending_idle_prefill_weight),
+            (0.9, 1.5)
+        );
     }
 
     #[test]
@@ -901,18 +934,31 @@ mod tests {
         );
         // An idle lane pays no duplicate price: it recomputes without delaying anyone.
         let c = vec![cand(0, 4_000, 1, 60), cand(1, 0, 1, 0)];
-        let cx = ctx(&c, 100);
+        let mut cx = ctx(&c, 100);
+        assert_eq!(p.cost(&cx, &c[1]), 0.9 * 1_601.0 + 16.0);
+        // Unless the prefix is still being computed on w0: recomputing it in parallel
+        // would double that work, so the idle lane pays the pending weight.
+        cx.prefix_pending = true;
         assert_eq!(p.cost(&cx, &c[1]), 1.5 * 1_601.0 + 16.0);
     }
 
     #[test]
     fn a_fork_sibling_waits_for_its_first_siblings_prefix() {
         // w2 is computing the shared 2,000-block prefix (the first sibling); the
-        // sibling's own tail is 10 blocks. At equal latency it stays on the holder.
+        // sibling's own tail is 10 blocks. At equal latency it stays on the holder:
+        // an idle lane would recompute the prefix (1.5 × 32,161 against 32,000 queued
+        // + 2 × 160 + 16).
         let mut c: Vec<Candidate> = (0..8).map(|i| cand(i, 0, 0, 0)).collect();
         c[2] = cand(2, 2_000 * 16, 1, 2_000);
         let mut p = CacheAware::default();
-        assert_eq!(p.select(&ctx(&c, 2_010)).unwrap().worker, WorkerIdx(2));
+        let pending = RouteContext {
+            prefix_pending: true,
+            ..ctx(&c, 2_010)
+        };
+        assert_eq!(p.select(&pending).unwrap().worker, WorkerIdx(2));
+        // The same queue in front of a prefix w2 has already computed is other work:
+        // an idle lane starts sooner (0.9 × 32,161) and takes the request.
+        assert_ne!(p.select(&ctx(&c, 2_010)).unwrap().worker, WorkerIdx(2));
     }
 
     /// `cache-aware` with the idle-wait trigger and pulls on, choosing among `c` for a
@@ -936,19 +982,21 @@ mod tests {
 
     #[test]
     fn with_the_idle_wait_trigger_a_pull_only_ends_a_wait_past_a_cold_start() {
-        // w0 holds 100 of 101 blocks (1,617 prompt tokens); w1's lane is idle.
+        // w0 holds 100 of 101 blocks (1,617 prompt tokens); w1's lane is idle but
+        // decodes 30 sequences, so by cost alone (0.9 × 1,617 + 16 × 30 = 1,935) a
+        // request stays on w0 behind up to about 1,885 queued tokens.
         let route = |backlog: usize| {
-            select_idle_wait_pulling_from_w0(&[cand(0, backlog, 1, 100), cand(1, 0, 0, 0)])
+            select_idle_wait_pulling_from_w0(&[cand(0, backlog, 1, 100), cand(1, 0, 30, 0)])
         };
         // 1,000 tokens queued: the wait there (1,017) is under a cold start on w1
         // (1,617), so it stays, where the `cost` trigger pulls to w1 (next test).
         assert_eq!(route(1_000).worker, WorkerIdx(0));
-        // 2,000 queued: past a cold start; w1 pulls and starts in about 150 tokens.
-        let sel = route(2_000);
+        // 1,800 queued: past a cold start; w1 pulls and starts in about 150 tokens.
+        let sel = route(1_800);
         assert_eq!(sel.worker, WorkerIdx(1));
         assert_eq!(sel.spilled_from, Some(WorkerIdx(0)));
         // Without pulls the same trigger changes nothing.
-        let c = vec![cand(0, 2_000, 1, 100), cand(1, 0, 0, 0)];
+        let c = vec![cand(0, 1_800, 1, 100), cand(1, 0, 30, 0)];
         let mut off = CacheAware::new(CacheAwareConfig {
             pull_trigger: PullTrigger::IdleWait,
             ..CacheAwareConfig::default()
@@ -979,10 +1027,10 @@ mod tests {
     #[test]
     fn with_peer_pulls_a_busy_holder_loses_to_an_idle_worker_that_pulls() {
         // w0 holds 100 of 101 blocks but has 1,000 tokens of prefill queued; w1 is
-        // idle. Without pulls a cold start on w1 (2 × 1,617 = 3,234) loses to waiting
-        // on w0 (1,000 + 2 × 17 + 16 = 1,050). With pulls at 8.4% of a recompute, w1
-        // computes 17 tokens and pulls 100 blocks (2 × (17 + 0.084 × 1,600) ≈ 303):
-        // it wins.
+        // idle. Without pulls a cold start on w1 (0.9 × 1,617 = 1,455) loses to
+        // waiting on w0 (1,000 + 2 × 17 + 16 = 1,050). With pulls at 8.4% of a
+        // recompute, w1 computes 17 tokens and pulls 100 blocks (0.9 × (17 + 0.084 ×
+        // 1,600) ≈ 136): it wins.
         let c = vec![cand(0, 1_000, 1, 100), cand(1, 0, 0, 0)];
         let mut ctx = ctx(&c, 101);
         ctx.peer_source = Some(PeerSource {

@@ -83,6 +83,10 @@ pub struct RouteContext<'a> {
     /// every worker the request may use, not only `candidates` (a fenced worker, or
     /// one a retry failed on, does not count: its copy is going away or out of reach).
     pub deepest_blocks: usize,
+    /// Whether the prompt's deepest prefix is still being computed: a live reservation
+    /// (a sibling routed there, its blocks not yet reported) reaches deeper than any
+    /// worker the request may use has reported computing.
+    pub prefix_pending: bool,
 }
 
 /// Workers, their active sequences and their KV pools' use, for load bounds and
