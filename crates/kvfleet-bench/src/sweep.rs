@@ -1,6 +1,7 @@
 //! `kvfleet bench sweep`: does a policy generalize? Every policy runs over a family of
 //! generated traces (multi-turn conversations under memory pressure, fork fan-outs, a
-//! herd sharing one system prompt, mixed tenants, bursty arrivals) and the shared
+//! herd sharing one system prompt, mixed tenants, bursty arrivals, fork fan-outs with
+//! prompts short enough that per-request overhead outweighs the prefill) and the shared
 //! Mooncake trace, at several fleet sizes and three loads, and `cache-aware` is checked
 //! against the best baseline of each group:
 //!
@@ -81,8 +82,9 @@ pub struct SweepConfig {
 pub fn family(cfg: &SweepConfig, workers: usize) -> Result<Vec<SweepTrace>> {
     let sessions = cfg.min_sessions.max(cfg.sessions_per_worker * workers);
     let seed = cfg.seed * 100;
-    // (name, description, generator settings, memory as a fraction of distinct blocks)
-    let members: Vec<(&str, &str, GenConfig, f64)> = vec![
+    // (name, description, generator settings, memory as a fraction of distinct blocks,
+    // tokens per hash id if not the generator's)
+    let members: Vec<(&str, &str, GenConfig, f64, Option<usize>)> = vec![
         (
             "conversation",
             "multi-turn conversations, no forks: 2k system + 1k tools + 1k history, 12 turns of +768 tokens and 256-token answers, 8 s apart; memory 30% of the distinct blocks",
@@ -91,6 +93,7 @@ pub fn family(cfg: &SweepConfig, workers: usize) -> Result<Vec<SweepTrace>> {
                 ..GenConfig::conversation(sessions, 8_000)
             },
             0.3,
+            None,
         ),
         (
             "fork",
@@ -101,6 +104,7 @@ pub fn family(cfg: &SweepConfig, workers: usize) -> Result<Vec<SweepTrace>> {
                 ..GenConfig::default()
             },
             0.5,
+            None,
         ),
         (
             "herd",
@@ -112,6 +116,7 @@ pub fn family(cfg: &SweepConfig, workers: usize) -> Result<Vec<SweepTrace>> {
                 ..GenConfig::default()
             },
             0.5,
+            None,
         ),
         (
             "tenants",
@@ -124,6 +129,7 @@ pub fn family(cfg: &SweepConfig, workers: usize) -> Result<Vec<SweepTrace>> {
                 ..GenConfig::default()
             },
             0.5,
+            None,
         ),
         (
             "bursty",
@@ -135,14 +141,39 @@ pub fn family(cfg: &SweepConfig, workers: usize) -> Result<Vec<SweepTrace>> {
                 ..GenConfig::default()
             },
             0.5,
+            None,
+        ),
+        (
+            "short",
+            "fork fan-out with short prompts, as `scripts/bench_engine_sim.sh` replays it: 1k system + 1k tools + 1k history, 2 parent turns of +256, K=4 children of 1 turn, 4-token answers, then 16 tokens per hash id (prompts of about 120 tokens, where the 20 ms per-request overhead outweighs the prefill); memory 50%",
+            GenConfig {
+                sessions,
+                system_tokens: 1_024,
+                tools_tokens: 1_024,
+                history_tokens: 1_024,
+                turn_tokens: 256,
+                parent_turns: 2,
+                child_turns: 1,
+                fork_k: 4,
+                output_tokens: 4,
+                turn_gap_ms: 200,
+                seed: seed + 6,
+                ..GenConfig::default()
+            },
+            0.5,
+            Some(16),
         ),
     ];
     let mut out = Vec::new();
-    for (name, description, gen, frac) in members {
+    for (name, description, gen, frac, tokens_per_id) in members {
         if !cfg.only.is_empty() && !cfg.only.iter().any(|o| o == name) {
             continue;
         }
         let trace = generate(&gen)?;
+        let trace = match tokens_per_id {
+            Some(n) => trace.with_tokens_per_id(n),
+            None => trace,
+        };
         let blocks = distinct_blocks_of(&trace);
         out.push(SweepTrace {
             name: name.into(),
