@@ -387,6 +387,7 @@ fn main() {
             // The even candidates' match, all of it reported computed.
             deepest_blocks: 1_000,
             prefix_pending: false,
+            holder_wait_tokens: 0,
         };
         let mut policies: Vec<Box<dyn RoutingPolicy>> = vec![
             Box::new(CacheAware::default()),

@@ -665,6 +665,8 @@ impl KvRouter {
         self.reservations.pending_into(hashes, &mut matches);
         let deepest_blocks = deepest(&matches);
         let prefix_pending = deepest_blocks > computed_blocks;
+        let holder_wait_tokens =
+            self.holder_wait_tokens(&matches, deepest_blocks, prompt_tokens, exclude);
         let t1 = Instant::now();
         let mut candidates = std::mem::take(&mut self.candidates);
         candidates.clear();
@@ -696,6 +698,7 @@ impl KvRouter {
                 peer_source,
                 deepest_blocks,
                 prefix_pending,
+                holder_wait_tokens,
             };
             self.ordered_candidates(
                 &base,
@@ -727,6 +730,7 @@ impl KvRouter {
             peer_source,
             deepest_blocks,
             prefix_pending,
+            holder_wait_tokens,
         };
         let policy_impl: &mut dyn RoutingPolicy = match policy {
             PolicyKind::CacheAware => &mut self.cache_aware,
@@ -824,6 +828,30 @@ impl KvRouter {
                 reserve_ns: nanos(t3 - t2),
             },
         })
+    }
+
+    /// The soonest a worker the request may use that holds its `deepest` leading blocks
+    /// (reported or reserved) would start its first token: that worker's prefill
+    /// backlog plus the prompt tokens it lacks. `usize::MAX` when nobody holds any.
+    fn holder_wait_tokens(
+        &self,
+        matches: &Matches,
+        deepest: usize,
+        prompt_tokens: usize,
+        exclude: &[String],
+    ) -> usize {
+        if deepest == 0 {
+            return usize::MAX;
+        }
+        let unbarred = self.fenced.is_empty() && exclude.is_empty();
+        let lacks = prompt_tokens.saturating_sub(deepest * self.config.block_size);
+        matches
+            .iter()
+            .filter(|m| m.depth >= deepest && (unbarred || !self.is_barred(m.worker, exclude)))
+            .filter_map(|m| self.scored.get(m.worker.index())?.as_ref())
+            .map(|e| e.load.prefill_backlog_tokens().saturating_add(lacks))
+            .min()
+            .unwrap_or(usize::MAX)
     }
 
     /// Whether `worker` may not serve this request: fenced, or in `exclude`.

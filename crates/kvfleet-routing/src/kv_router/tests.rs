@@ -74,8 +74,8 @@ fn fork_siblings_follow_the_first_under_cache_aware() {
 fn a_sibling_waits_behind_its_prefix_being_computed_but_not_behind_other_work() {
     let kids = fork_children(8_000, 160, 2);
     // The first sibling is computing the 500-block prefix: waiting behind it (8,160
-    // queued + 2 × 160 + 16) beats recomputing the prefix on the idle lane at the
-    // pending weight (1.5 × 8,161).
+    // queued + 2 × 160 + 16) beats recomputing the prefix on the idle lane, which
+    // would end no wait (1.5 × 8,160).
     let mut r = router(2);
     let first = r
         .route(&kids[0].0, kids[0].1, PolicyKind::CacheAware, 0)
@@ -86,7 +86,7 @@ fn a_sibling_waits_behind_its_prefix_being_computed_but_not_behind_other_work() 
     assert_eq!(second.worker, first.worker);
     assert_eq!(second.predicted_cached_tokens, 8_000);
     // The prefix already computed on w0, whose lane is busy with as much other work:
-    // the idle lane starts sooner and takes the sibling (0.9 × 8,161 < 8,496).
+    // the idle lane starts sooner and takes the sibling (0.9 × 8,160 < 8,496).
     let mut r = router(2);
     r.apply_event(
         "w0",
@@ -228,7 +228,7 @@ fn bounded_load_guard_spills_and_the_spill_target_warms_a_copy() {
     )
     .unwrap();
     // w1 holds the prefix but already decodes 100 sequences; w0 is idle, w2 and w3
-    // have short prefill queues. By cost alone w1 still wins (100 × 16 ≪ 0.9 ×
+    // have short prefill queues. By cost alone w1 still wins (100 × 16 ≪ 1.5 ×
     // 48,000): the guard must step in.
     r.update_load(
         "w1",
@@ -682,9 +682,8 @@ fn a_device_hit_beats_host_beats_disk_beats_a_cold_start_as_load_shifts() {
         (d.matched_blocks, d.host_blocks, d.disk_blocks),
         (100, 0, 0)
     );
-    // A small backlog on w0 is still cheaper than the host copy's load time: 10
-    // queued + 2 × 1 + 16 for the waiting sequence = 28, against 0.9 × (1 + ~34).
-    backlog(&mut r, "w0", 10);
+    // A small backlog on w0 is still cheaper than the host copy's load time.
+    backlog(&mut r, "w0", 20);
     assert_eq!(&*route(&mut r).worker, "w0");
     // w0 has 2,000 tokens queued: loading 100 blocks from host (~2% of a recompute
     // each, ~34 token-equivalents) is far cheaper than waiting.
@@ -1185,7 +1184,7 @@ fn an_unusable_holder_does_not_make_a_recompute_a_duplicate() {
             exclude.push("w0".to_string());
         }
         // w1 finishes sooner (100 queued + 577 to compute, against 1,601 on w2) and
-        // computes less: it wins (100 + 2 × 577 + 16 = 1,270 against 0.9 × 1,601)
+        // computes less: it wins (100 + 2 × 577 + 16 = 1,270 against 1.5 × 1,601)
         // unless w0's 80 blocks count as held elsewhere (6 × 256 more).
         let d = r
             .route_excluding(&h, n, None, PolicyKind::CacheAware, 0, &exclude)

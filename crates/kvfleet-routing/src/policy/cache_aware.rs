@@ -14,9 +14,10 @@
 //!         + memory_weight × computed(W) × usage(W)  // what W stores, by its pool's use
 //! λ(W)    = prefill_weight          if W's prefill lane is busy
 //!         = idle_prefill_weight     if it is idle
-//!         = pending_idle_prefill_weight
-//!                                   if it is idle and the prompt's deepest prefix
-//!                                   is still being computed (a sibling's)
+//!         = wait_ending_prefill_weight
+//!                                   if it is idle and starting there ends a wait:
+//!                                   the prompt's deepest prefix is computed, and its
+//!                                   holder's wait ≥ wait_ending_ratio × W's prefill
 //! δ(W)    = busy_duplicate_weight   if W's prefill lane is busy, else 0
 //! ```
 //!
@@ -32,27 +33,35 @@
 //! `prefill_weight` 2 a fork sibling waits behind its first sibling's prefix rather
 //! than recompute it elsewhere at equal latency but double the fleet's work.
 //!
-//! `idle_prefill_weight` (0.9) prices an uncached token on a worker whose prefill lane
-//! is idle: the capacity it spends there is not taken from anyone queued, so a request
-//! leaves a hot prefix's queue for an idle worker once a cold start there is about as
-//! soon as waiting. It is a little under 1 because the router sees a queue late and
-//! short: loads are polled (every 100 ms) and leave out each request's fixed
-//! overhead. It applies however busy the rest of the fleet is: a discount scaled down
-//! by the fraction of busy lanes vanished exactly when requests queued behind a hot
-//! prefix next to an idle lane.
+//! `idle_prefill_weight` (1.5) prices an uncached token on a worker whose prefill lane
+//! is idle: the capacity it spends there is not taken from anyone queued. It applies
+//! however busy the rest of the fleet is: a discount scaled down by the fraction of
+//! busy lanes vanished exactly when requests queued behind a hot prefix next to an
+//! idle lane.
 //!
-//! `pending_idle_prefill_weight` (1.5) replaces it while the prompt's deepest prefix
-//! is still being computed ([`RouteContext::prefix_pending`]: a fork sibling routed
-//! there, its blocks not yet reported). The holder's queue is then mostly that very
-//! prefix: recomputing it on an idle lane would double the work to save at most the
-//! sibling's head start, so the request waits unless the queue is well past a cold
-//! start (the holder's backlog over 1.5 × the prompt minus twice its uncached part
-//! there). Once the prefix is reported computed, a queue in front of it is other work.
+//! `wait_ending_prefill_weight` (0.9) replaces it where recomputing on the idle lane
+//! ends a wait: the worker holding the prompt's deepest prefix
+//! ([`RouteContext::holder_wait_tokens`]) would start the request no sooner than
+//! `wait_ending_ratio` (0.7) × the idle lane's own prefill. A request then leaves a
+//! hot prefix's queue once a cold start is about as soon as waiting; the weight is a
+//! little under 1 and the ratio well under, because the router sees a queue late
+//! and short (loads are polled every 100 ms, and leave out each request's fixed
+//! overhead). Elsewhere the full weight holds, for two reasons:
+//! - while the prefix is still being computed ([`RouteContext::prefix_pending`]: a
+//!   fork sibling routed there, its blocks not yet reported), the holder's queue is
+//!   mostly that very prefix, and recomputing it would double the work to save at
+//!   most the sibling's head start;
+//! - where the holder would start the request soon anyway, the discount would only
+//!   let the decode and memory terms move short prompts off their prefix: on fork
+//!   fan-outs of ~120-token prompts (the sweep's `short`) a flat 0.9 lost 0.17 in hit
+//!   ratio against SGLang's rule for no gain in p99.
+//!
 //! In `kvfleet bench sweep` (docs/policy-sweep.head.md, 2026-12-05), with load reports
-//! polled as a live router sees them, the pair met all three targets in 38, 38 and 35
-//! of 72 groups on seeds 1, 2 and 3, against 23, 22 and 23 with 1.5 throughout; a flat
-//! 0.9 did as well on the sweep but let fork siblings recompute their first sibling's
-//! prefix next to it (`tests/sim.rs`).
+//! polled as a live router sees them, this met all three targets in 38, 38 and 35 of
+//! the 72 groups that predate `short` (seeds 1, 2, 3), as a flat 0.9 pending-aware
+//! discount did, against 23, 22 and 23 with 1.5 throughout; the ratio at 0.6, 0.8 and
+//! 0.9 gave 114, 109 and 104 over the three seeds against 111, trading hits on `short`
+//! (mean gap to the best baseline −0.080, −0.054, −0.046 against −0.065).
 //!
 //! `duplicated(W)` counts the tokens `W` would recompute that another worker already
 //! holds or is computing (up to the deepest match, `RouteContext::deepest_blocks`). On
@@ -87,7 +96,7 @@
 //! `kvfleet bench sweep` (docs/policy-sweep.head.md, 2026-12-05) chose both: the
 //! duplicate price (plateau 3-10) raised the hit target from 40 to 44-45 of 72 groups
 //! and Mooncake's mean hit ratio by 0.012, and with it an idle weight of 1.4-1.6
-//! (1.7 before; 0.9 and 1.5 pending since, above) met all three targets in 28 of 72 groups against 22 (held-out seeds 2
+//! (1.7 before; 1.5 with a wait-ending 0.9 since, above) met all three targets in 28 of 72 groups against 22 (held-out seeds 2
 //! and 3: 12 and 13 of 36, against 9 and 12). A flat busy weight of 8 did as well on
 //! the sweep, but without pulls it moved requests off their holder to idle lanes at
 //! once, losing hits and p99 where memory is plentiful (`tests/sim.rs`).
@@ -139,12 +148,16 @@ pub struct CacheAwareConfig {
     /// (default 2.0).
     pub prefill_weight: f64,
     /// Cost of one uncached prompt token on a worker whose prefill lane is idle
-    /// (default 0.9; `prefill_weight` turns the discount off).
+    /// (default 1.5; `prefill_weight` turns the discount off).
     pub idle_prefill_weight: f64,
-    /// The same while the prompt's deepest prefix is still being computed (a
-    /// sibling's): recomputing it on an idle lane would double that work to save at
-    /// most the sibling's head start (default 1.5).
-    pub pending_idle_prefill_weight: f64,
+    /// The same where recomputing there ends a wait: the prompt's deepest prefix is
+    /// computed (no sibling is still computing it) and its holder would start the
+    /// request no sooner than `wait_ending_ratio` × a cold start there (default 0.9).
+    pub wait_ending_prefill_weight: f64,
+    /// The holder's wait, as a fraction of a cold start on an idle lane, from which the
+    /// idle lane pays `wait_ending_prefill_weight` (default 0.7: the router sees a
+    /// queue late and short, so a wait it puts at 70% of a cold start may be longer).
+    pub wait_ending_ratio: f64,
     /// Extra cost of one prompt token a worker whose prefill lane is busy would
     /// recompute although another worker holds or is computing it (default 6.0; 0
     /// turns it off).
@@ -196,8 +209,9 @@ impl Default for CacheAwareConfig {
     fn default() -> Self {
         Self {
             prefill_weight: 2.0,
-            idle_prefill_weight: 0.9,
-            pending_idle_prefill_weight: 1.5,
+            idle_prefill_weight: 1.5,
+            wait_ending_prefill_weight: 0.9,
+            wait_ending_ratio: 0.7,
             busy_duplicate_weight: 6.0,
             decode_cost_per_sequence: 16.0,
             memory_weight: 0.25,
@@ -254,19 +268,31 @@ impl CacheAware {
         self.config.pull_trigger == PullTrigger::IdleWait && self.config.tiers.pulls_enabled()
     }
 
-    /// The weight of an uncached token on `c`: `prefill_weight` when its prefill lane
-    /// is busy; when it is idle, `idle_prefill_weight`, or
-    /// `pending_idle_prefill_weight` while the prompt's deepest prefix is still being
-    /// computed somewhere.
+    /// The weight of an uncached token on `c`, which would compute `own` token
+    /// equivalents for the request: `prefill_weight` when its prefill lane is busy;
+    /// when it is idle, `wait_ending_prefill_weight` if that ends a wait
+    /// ([`Self::ends_a_wait`]), else `idle_prefill_weight`.
     #[inline]
-    pub fn prefill_weight(&self, ctx: &RouteContext<'_>, c: &Candidate) -> f64 {
+    pub fn prefill_weight(&self, ctx: &RouteContext<'_>, c: &Candidate, own: f64) -> f64 {
         if c.load.prefill_backlog_tokens() > 0 {
             self.config.prefill_weight
-        } else if ctx.prefix_pending {
-            self.config.pending_idle_prefill_weight
+        } else if self.ends_a_wait(ctx, own) {
+            self.config.wait_ending_prefill_weight
         } else {
             self.config.idle_prefill_weight
         }
+    }
+
+    /// Whether an idle lane computing `own` token equivalents would end a wait: the
+    /// prompt's deepest prefix is computed, and its holder would start the request no
+    /// sooner than `wait_ending_ratio` × `own`. While a sibling still computes the
+    /// prefix, the holder's queue is mostly that prefix: recomputing it would double
+    /// the work to save at most the sibling's head start.
+    #[inline]
+    fn ends_a_wait(&self, ctx: &RouteContext<'_>, own: f64) -> bool {
+        !ctx.prefix_pending
+            && ctx.deepest_blocks > 0
+            && self.config.wait_ending_ratio * own < ctx.holder_wait_tokens as f64
     }
 
     /// Estimated cost of sending the request of `ctx` to `c`.
@@ -287,7 +313,7 @@ impl CacheAware {
     #[inline]
     fn priced(&self, ctx: &RouteContext<'_>, c: &Candidate, pulls: bool) -> (f64, usize) {
         let (computed, own) = self.own_prefill(ctx, c, pulls);
-        let cost = self.prefill_weight(ctx, c) * own
+        let cost = self.prefill_weight(ctx, c, own) * own
             + c.load.prefill_backlog_tokens() as f64
             + self.config.decode_cost_per_sequence * c.load.active_sequences() as f64
             + self.memory_price(ctx, c, computed)
@@ -650,21 +676,31 @@ mod tests {
     }
 
     fn ctx(candidates: &[Candidate], blocks: usize) -> RouteContext<'_> {
+        let prompt_tokens = blocks * 16 + 1;
+        let deepest_blocks = candidates
+            .iter()
+            .map(|c| c.matched_blocks)
+            .max()
+            .unwrap_or(0)
+            .min(blocks);
+        // As the router works it out: the soonest start among the deepest holders.
+        let holder_wait_tokens = candidates
+            .iter()
+            .filter(|c| deepest_blocks > 0 && c.matched_blocks >= deepest_blocks)
+            .map(|c| c.load.prefill_backlog_tokens() + prompt_tokens - deepest_blocks * 16)
+            .min()
+            .unwrap_or(usize::MAX);
         RouteContext {
             hashes: &[],
-            prompt_tokens: blocks * 16 + 1,
+            prompt_tokens,
             block_size: 16,
             candidates,
             fleet: FleetLoad::of(candidates),
             peer_source: None,
-            deepest_blocks: candidates
-                .iter()
-                .map(|c| c.matched_blocks)
-                .max()
-                .unwrap_or(0)
-                .min(blocks),
+            deepest_blocks,
             // Every match computed: nothing pending.
             prefix_pending: false,
+            holder_wait_tokens,
         }
     }
 
@@ -683,7 +719,7 @@ mod tests {
     #[test]
     fn a_prompt_nobody_holds_goes_where_running_sequences_leave_the_pool_free() {
         // Two idle workers, one sequence each; w0's running sequences hold 12/16 of its
-        // pool, w1's 2/16. 1,601 cold tokens: 0.9 × 1,601 + 16 plus the memory
+        // pool, w1's 2/16. 1,601 cold tokens: 1.5 × 1,601 + 16 plus the memory
         // price, 0.25 × 1,601 × 12/16 ≈ 300.2 on w0 against ≈ 50.0 on w1.
         let c = [using(cand(0, 0, 1, 0), 12), using(cand(1, 0, 1, 0), 2)];
         let mut p = CacheAware::default();
@@ -710,7 +746,7 @@ mod tests {
         // w0 holds 98 of 100 blocks but its pool is full of running sequences; w1 is
         // idle and empty. Computing 2 blocks (33 tokens) on w0 costs 0.9 × 33 + 16
         // plus at most 0.25 × 33 for its full pool (under 55); computing all 1,601
-        // on w1 costs 0.9 × 1,601 ≈ 1,441.
+        // on w1 ends no wait and costs 1.5 × 1,601 ≈ 2,402.
         let c = [using(cand(0, 0, 1, 98), 16), cand(1, 0, 0, 0)];
         let mut p = CacheAware::default();
         assert_eq!(p.select(&ctx(&c, 100)).unwrap().worker, WorkerIdx(0));
@@ -869,32 +905,61 @@ mod tests {
         // w0 holds 60 of 100 blocks (1,601 prompt tokens, 641 uncached there); w5's
         // lane is idle.
         let prompt_blocks = 100;
-        let route = |idle_weight: f64, backlog: usize, others: usize| {
+        let route = |config: CacheAwareConfig, backlog: usize, others: usize| {
             let mut c: Vec<Candidate> = (0..8).map(|i| cand(i, others, 1, 0)).collect();
             c[0] = cand(0, backlog, 1, 60);
             c[5] = cand(5, 0, 1, 0);
-            CacheAware::new(CacheAwareConfig {
-                idle_prefill_weight: idle_weight,
-                ..CacheAwareConfig::default()
-            })
-            .select(&ctx(&c, prompt_blocks))
-            .unwrap()
-            .worker
+            CacheAware::new(config)
+                .select(&ctx(&c, prompt_blocks))
+                .unwrap()
+                .worker
         };
-        // A short queue: waiting there (1,200 + 641 tokens) is barely slower than a
-        // cold start on w5 (1,601), and saves 960 tokens of fleet work: it stays.
-        assert_eq!(route(1.7, 1_200, 5_000), WorkerIdx(0));
-        // A longer one (1,800 + 641 tokens, half again the cold start): it moves to
-        // the idle lane, however busy the rest of the fleet is...
-        assert_eq!(route(1.7, 1_800, 5_000), WorkerIdx(5));
-        assert_ne!(route(1.7, 1_800, 0), WorkerIdx(0));
-        // ...where without the discount (idle weight = prefill weight) it waited.
-        assert_eq!(route(2.0, 1_800, 5_000), WorkerIdx(0));
         let d = CacheAwareConfig::default();
         assert_eq!(
-            (d.idle_prefill_weight, d.pending_idle_prefill_weight),
-            (0.9, 1.5)
+            (
+                d.idle_prefill_weight,
+                d.wait_ending_prefill_weight,
+                d.wait_ending_ratio
+            ),
+            (1.5, 0.9, 0.7)
         );
+        // A short queue: the wait there (400 + 641) is under 70% of a cold start on
+        // w5 (1,121), so w5 pays the full idle weight (1.5 × 1,601) and the request
+        // stays, saving 960 tokens of fleet work.
+        assert_eq!(route(d.clone(), 400, 5_000), WorkerIdx(0));
+        // A longer one (600 + 641): recomputing on w5 ends a wait, at 0.9 × 1,601 +
+        // 16 = 1,457 against 600 + 2 × 641 + 16 = 1,898. It moves to the idle lane,
+        // however busy the rest of the fleet is...
+        assert_eq!(route(d.clone(), 600, 5_000), WorkerIdx(5));
+        assert_ne!(route(d.clone(), 600, 0), WorkerIdx(0));
+        // ...where without the discounts (idle weights = prefill weight) it waited.
+        let flat = CacheAwareConfig {
+            idle_prefill_weight: 2.0,
+            wait_ending_prefill_weight: 2.0,
+            ..d
+        };
+        assert_eq!(route(flat, 600, 5_000), WorkerIdx(0));
+    }
+
+    #[test]
+    fn an_idle_lane_takes_no_short_prompt_from_a_holder_that_would_not_keep_it_waiting() {
+        // An 8-block prompt (129 tokens) whose first 7 blocks w0 holds; w0's lane is
+        // idle but it decodes 8 sequences, w1 is empty. Starting on w0 (17 tokens)
+        // is sooner than a cold start on w1, so w1 ends no wait and pays the full
+        // idle weight: 1.5 × 129 = 193.5 against 0.9 × 17 + 16 × 8 = 143.3.
+        let c = [cand(0, 0, 8, 7), cand(1, 0, 0, 0)];
+        let mut p = CacheAware::default();
+        let cx = ctx(&c, 8);
+        assert_eq!(cx.holder_wait_tokens, 17);
+        assert_eq!(p.cost(&cx, &c[1]), 1.5 * 129.0);
+        assert_eq!(p.select(&cx).unwrap().worker, WorkerIdx(0));
+        // Behind 100 queued tokens w0 would start the request after 117, over 70% of
+        // w1's cold start: w1 ends a wait and takes it (0.9 × 129 = 116.1 against
+        // 100 + 2 × 17 + 128).
+        let c = [cand(0, 100, 8, 7), cand(1, 0, 0, 0)];
+        let cx = ctx(&c, 8);
+        assert_eq!(p.cost(&cx, &c[1]), 0.9 * 129.0);
+        assert_eq!(p.select(&cx).unwrap().worker, WorkerIdx(1));
     }
 
     #[test]
@@ -932,12 +997,13 @@ mod tests {
             CacheAware::default().select(&cx).unwrap().worker,
             WorkerIdx(1)
         );
-        // An idle lane pays no duplicate price: it recomputes without delaying anyone.
+        // An idle lane pays no duplicate price: it recomputes without delaying anyone,
+        // and ends a wait (4,000 + 641 against 0.7 × 1,601).
         let c = vec![cand(0, 4_000, 1, 60), cand(1, 0, 1, 0)];
         let mut cx = ctx(&c, 100);
         assert_eq!(p.cost(&cx, &c[1]), 0.9 * 1_601.0 + 16.0);
         // Unless the prefix is still being computed on w0: recomputing it in parallel
-        // would double that work, so the idle lane pays the pending weight.
+        // would double that work, so the idle lane pays the full idle weight.
         cx.prefix_pending = true;
         assert_eq!(p.cost(&cx, &c[1]), 1.5 * 1_601.0 + 16.0);
     }
@@ -983,8 +1049,8 @@ mod tests {
     #[test]
     fn with_the_idle_wait_trigger_a_pull_only_ends_a_wait_past_a_cold_start() {
         // w0 holds 100 of 101 blocks (1,617 prompt tokens); w1's lane is idle but
-        // decodes 30 sequences, so by cost alone (0.9 × 1,617 + 16 × 30 = 1,935) a
-        // request stays on w0 behind up to about 1,885 queued tokens.
+        // decodes 30 sequences, so by cost alone (at most 0.9 × 1,617 + 16 × 30 =
+        // 1,935) a request stays on w0 behind up to about 1,885 queued tokens.
         let route = |backlog: usize| {
             select_idle_wait_pulling_from_w0(&[cand(0, backlog, 1, 100), cand(1, 0, 30, 0)])
         };
@@ -1027,10 +1093,10 @@ mod tests {
     #[test]
     fn with_peer_pulls_a_busy_holder_loses_to_an_idle_worker_that_pulls() {
         // w0 holds 100 of 101 blocks but has 1,000 tokens of prefill queued; w1 is
-        // idle. Without pulls a cold start on w1 (0.9 × 1,617 = 1,455) loses to
-        // waiting on w0 (1,000 + 2 × 17 + 16 = 1,050). With pulls at 8.4% of a
-        // recompute, w1 computes 17 tokens and pulls 100 blocks (0.9 × (17 + 0.084 ×
-        // 1,600) ≈ 136): it wins.
+        // idle. Without pulls a cold start on w1 (1.5 × 1,617 = 2,426: w0's wait is
+        // under 70% of it) loses to waiting on w0 (1,000 + 2 × 17 + 16 = 1,050). With
+        // pulls at 8.4% of a recompute, w1 computes 17 tokens and pulls 100 blocks,
+        // which ends the wait (0.9 × (17 + 0.084 × 1,600) ≈ 136): it wins.
         let c = vec![cand(0, 1_000, 1, 100), cand(1, 0, 0, 0)];
         let mut ctx = ctx(&c, 101);
         ctx.peer_source = Some(PeerSource {

@@ -87,6 +87,10 @@ pub struct RouteContext<'a> {
     /// (a sibling routed there, its blocks not yet reported) reaches deeper than any
     /// worker the request may use has reported computing.
     pub prefix_pending: bool,
+    /// The soonest a worker the request may use that holds its `deepest_blocks` would
+    /// start its first token, in tokens: that worker's prefill backlog plus the prompt
+    /// tokens it lacks (`usize::MAX` when `deepest_blocks` is 0).
+    pub holder_wait_tokens: usize,
 }
 
 /// Workers, their active sequences and their KV pools' use, for load bounds and
