@@ -110,6 +110,11 @@ impl InflightGuard {
         self.in_flight.predicted_cached_tokens()
     }
 
+    /// The request's first token came: its prefill leaves the worker's backlog now.
+    pub fn prefill_done(&self) {
+        self.in_flight.prefill_done();
+    }
+
     /// The worker served `actual` prompt tokens from cache: recorded against the
     /// prediction when the request ends.
     pub fn record_outcome(&self, actual: usize) {

@@ -25,7 +25,7 @@ use kvfleet_routing::{
     ReservationId, RouteDecision, RouteError, RouterConfig, RouterKvEvent, RouterSnapshot,
     UnknownWorker, WorkerIdx, WorkerLoad,
 };
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 use std::time::Instant;
 
@@ -105,6 +105,10 @@ pub struct InFlight {
     kv: Arc<Mutex<KvRouter>>,
     worker: Arc<str>,
     prefill_tokens: usize,
+    /// The worker's load-report count when the request was routed.
+    load_reports: u64,
+    /// The first token came: the prefill tokens already left the worker's backlog.
+    prefill_done: AtomicBool,
     predicted_cached_tokens: usize,
     actual_cached_tokens: AtomicUsize,
 }
@@ -113,6 +117,18 @@ impl InFlight {
     /// Cached tokens the router predicted for the request.
     pub fn predicted_cached_tokens(&self) -> usize {
         self.predicted_cached_tokens
+    }
+
+    /// The request's first token came: its prefill tokens leave the worker's backlog
+    /// now rather than at the next load report (once; later calls do nothing).
+    pub fn prefill_done(&self) {
+        if !self.prefill_done.swap(true, Ordering::Relaxed) {
+            let _ = hold(&self.kv).prefill_finished(
+                &self.worker,
+                self.prefill_tokens,
+                self.load_reports,
+            );
+        }
     }
 
     /// The worker served `actual` prompt tokens from cache (recorded when this drops).
@@ -125,8 +141,15 @@ impl InFlight {
 impl Drop for InFlight {
     fn drop(&mut self) {
         let actual = self.actual_cached_tokens.load(Ordering::Relaxed);
+        // Prefill tokens a first token already took out of the backlog are not taken
+        // twice.
+        let prefill = if self.prefill_done.load(Ordering::Relaxed) {
+            0
+        } else {
+            self.prefill_tokens
+        };
         let mut kv = hold(&self.kv);
-        let _ = kv.request_finished(&self.worker, self.prefill_tokens);
+        let _ = kv.request_finished(&self.worker, prefill);
         if actual != NO_OUTCOME {
             kv.record_outcome(self.predicted_cached_tokens, actual);
         }
@@ -174,6 +197,8 @@ impl RoutingState {
             kv: self.kv.clone(),
             worker: decision.worker.clone(),
             prefill_tokens: decision.prefill_tokens,
+            load_reports: decision.load_reports,
+            prefill_done: AtomicBool::new(false),
             predicted_cached_tokens: decision.predicted_cached_tokens,
             actual_cached_tokens: AtomicUsize::new(NO_OUTCOME),
         };

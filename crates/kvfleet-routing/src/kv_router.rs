@@ -161,6 +161,9 @@ pub struct RouteDecision {
     /// block, or when the worker already holds the whole chain); release it with
     /// [`KvRouter::cancel_reservation`] if the request never reaches the worker.
     pub reservation: Option<ReservationId>,
+    /// Load reports the chosen worker's load had taken in when this was decided: give
+    /// it back to [`KvRouter::prefill_finished`].
+    pub load_reports: u64,
     /// Time spent per phase.
     pub timings: RouteTimings,
 }
@@ -540,6 +543,23 @@ impl KvRouter {
         Ok(())
     }
 
+    /// Records that a request routed to worker `id` (whose [`RouteDecision`] read
+    /// `load_reports`) has computed its `prefill_tokens`: its first token came. They
+    /// leave the worker's backlog now; the request still counts as in flight until
+    /// [`request_finished`](Self::request_finished), which must then be given 0
+    /// prefill tokens.
+    pub fn prefill_finished(
+        &mut self,
+        id: &str,
+        prefill_tokens: usize,
+        load_reports: u64,
+    ) -> Result<(), UnknownWorker> {
+        let (idx, e) = self.entry_mut(id)?;
+        e.load.finish_prefill(prefill_tokens, load_reports);
+        self.rescore(idx);
+        Ok(())
+    }
+
     /// Ends a reservation early, e.g. when the request never reached the worker.
     /// Returns whether it was still live.
     pub fn cancel_reservation(&mut self, id: ReservationId) -> bool {
@@ -798,8 +818,10 @@ impl KvRouter {
             }
             _ => None,
         };
+        let mut load_reports = 0;
         if let Some(Some(e)) = self.workers.get_mut(worker.index()) {
             e.load.start_request(prefill_tokens);
+            load_reports = e.load.reports;
         }
         self.rescore(worker);
         let p = &mut self.predictions;
@@ -822,6 +844,7 @@ impl KvRouter {
             prefill_tokens,
             spilled_from,
             reservation,
+            load_reports,
             timings: RouteTimings {
                 index_lookup_ns: nanos(t1 - t0),
                 scoring_ns: nanos(t2 - t1),

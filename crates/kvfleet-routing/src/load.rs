@@ -5,7 +5,11 @@
 //! microseconds. Between two reports the router adds what it sent itself
 //! (`*_since_poll`), so a burst of requests does not all land on the worker that looked
 //! idle at the last poll. A new report replaces the polled fields and zeroes the
-//! since-poll counters, because the report now includes that work.
+//! since-poll counters, because the report now includes that work. When a request's
+//! first token comes, its prefill tokens leave the backlog at once (`finish_prefill`),
+//! from whichever of the two counted them: otherwise a worker that has just finished a
+//! prompt looks busy with it until the next report, and a repeat of the prompt moves
+//! away from its cache.
 //!
 //! [`WorkerLoad`] is the one load type from the wire to the policy: the serving router
 //! converts the worker's `Load` answer into it once (the polled fields), and the same
@@ -50,6 +54,10 @@ pub struct WorkerLoad {
     /// Prefill tokens this router sent since the last load report. Maintained by the
     /// router.
     pub prefill_tokens_since_poll: usize,
+    /// Load reports this router has applied. Maintained by the router: a request that
+    /// started at one count and ended its prefill at another was in a report's
+    /// `queued_prefill_tokens`.
+    pub reports: u64,
 }
 
 impl WorkerLoad {
@@ -106,6 +114,7 @@ impl WorkerLoad {
         self.preemptions = report.preemptions;
         self.requests_since_poll = 0;
         self.prefill_tokens_since_poll = 0;
+        self.reports = self.reports.wrapping_add(1);
     }
 
     /// Records a request this router sent, with its expected prefill tokens.
@@ -116,6 +125,23 @@ impl WorkerLoad {
         self.prefill_tokens_since_poll = self
             .prefill_tokens_since_poll
             .saturating_add(prefill_tokens);
+    }
+
+    /// Records that a request started with [`start_request`](Self::start_request) when
+    /// `reports` load reports had been applied has computed its `prefill_tokens`
+    /// (its first token came). They leave the backlog now, not at the next report:
+    /// from the since-poll count if no report came since the request started, else
+    /// from the polled queue, which counted them (a router otherwise sees a worker
+    /// that just finished a prompt as busy with it for up to a poll interval).
+    pub fn finish_prefill(&mut self, prefill_tokens: usize, reports: u64) {
+        self.inflight_prefill_tokens = self.inflight_prefill_tokens.saturating_sub(prefill_tokens);
+        if reports == self.reports {
+            self.prefill_tokens_since_poll = self
+                .prefill_tokens_since_poll
+                .saturating_sub(prefill_tokens);
+        } else {
+            self.queued_prefill_tokens = self.queued_prefill_tokens.saturating_sub(prefill_tokens);
+        }
     }
 
     /// Records the end of a request started with [`start_request`](Self::start_request).
@@ -229,5 +255,33 @@ mod tests {
         l.finish_request(500);
         assert_eq!(l.inflight_requests, 0);
         assert_eq!(l.inflight_prefill_tokens, 0);
+    }
+
+    #[test]
+    fn a_first_token_takes_the_prefill_out_of_the_backlog_at_once() {
+        let report = |queued| WorkerLoad {
+            running: 1,
+            queued_prefill_tokens: queued,
+            ..WorkerLoad::default()
+        };
+        // A report came while the request was queued: it counted the request's 650
+        // tokens, which leave the polled queue at the first token, not at the next
+        // report 100 ms later.
+        let mut l = WorkerLoad::default();
+        l.start_request(650);
+        let at_start = l.reports;
+        l.apply_report(&report(650 + 200));
+        l.finish_prefill(650, at_start);
+        assert_eq!(l.prefill_backlog_tokens(), 200);
+        assert_eq!(l.inflight_prefill_tokens, 0);
+        l.finish_request(0);
+        assert_eq!((l.inflight_requests, l.prefill_backlog_tokens()), (0, 200));
+        // No report since it started: the tokens leave the since-poll count.
+        l.start_request(300);
+        l.start_request(100);
+        let at_start = l.reports;
+        l.finish_prefill(300, at_start);
+        assert_eq!(l.prefill_backlog_tokens(), 200 + 100);
+        assert_eq!(l.prefill_tokens_since_poll, 100);
     }
 }

@@ -106,13 +106,15 @@ impl Tally {
         }
     }
 
-    pub(super) fn message(&mut self, msg: &pb::GenerateResponse) {
+    /// Counts `msg`; returns whether it brought the request's first token.
+    pub(super) fn message(&mut self, msg: &pb::GenerateResponse) -> bool {
         if let Some(u) = &msg.usage {
             self.usage = Some(*u);
         }
         if msg.token_ids.is_empty() {
-            return;
+            return false;
         }
+        let first = self.first_token.is_none();
         let now = Instant::now();
         match self.last_token {
             None => m::ttft(now.duration_since(self.started).as_secs_f64()),
@@ -127,6 +129,7 @@ impl Tally {
         self.first_token.get_or_insert(now);
         self.last_token = Some(now);
         self.tokens += msg.token_ids.len();
+        first
     }
 
     /// Time to the first token, once one came.
@@ -275,7 +278,9 @@ async fn collect_once(fleet: &Fleet, d: &mut Dispatched) -> Result<Collected, Un
     let mut out = Collected::default();
     let mut msg = Some(std::mem::take(&mut d.first));
     while let Some(cur) = msg.take() {
-        tally.message(&cur);
+        if tally.message(&cur) {
+            d.guard.prefill_done();
+        }
         out.text.push_str(&cur.text);
         out.logprobs.extend(cur.logprobs);
         if let Some(f) = finish_reason_name(cur.finish_reason) {
@@ -340,7 +345,9 @@ pub async fn relay_sse(
             let _ = send(events(&writer, vec![e])).await;
             return;
         };
-        tally.message(&cur);
+        if tally.message(&cur) {
+            d.guard.prefill_done();
+        }
         if !cur.text.is_empty() || !cur.logprobs.is_empty() {
             let chunks = writer.text(&cur.text, &cur.logprobs);
             if !send(events(&writer, chunks)).await {
@@ -476,7 +483,9 @@ async fn relay_choice<W: ChunkWriter>(
             let _ = send_all(&tx, vec![error_chunk("the worker ended the stream early")]).await;
             return None;
         };
-        tally.message(&cur);
+        if tally.message(&cur) {
+            d.guard.prefill_done();
+        }
         let fresh = !cur.text.is_empty() || !cur.logprobs.is_empty();
         if fresh && !send_all(&tx, writer.text(&cur.text, &cur.logprobs)).await {
             tally.close(&fleet, &d, "client_gone");
