@@ -386,7 +386,6 @@ fn main() {
             peer_source: None,
             // The even candidates' match, all of it reported computed.
             deepest_blocks: 1_000,
-            prefix_pending: false,
             holder_wait_tokens: 0,
         };
         let mut policies: Vec<Box<dyn RoutingPolicy>> = vec![

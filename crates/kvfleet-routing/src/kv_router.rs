@@ -21,7 +21,7 @@ use crate::policy::{
     FleetLoad, LeastLoaded, PeerSource, PolicyKind, RandomPolicy, RoundRobin, RouteContext,
     RoutingPolicy,
 };
-use crate::prefix_index::{IndexError, Matches, PrefixIndex, TieredMatches};
+use crate::prefix_index::{IndexError, Matches, PrefixIndex, TieredMatches, WorkerMatch};
 use crate::registry::{WorkerIdx, WorkerRegistry};
 use crate::reservations::{ReservationId, Reservations};
 use kvfleet_core::{BlockHash, DEFAULT_BLOCK_SIZE};
@@ -672,9 +672,7 @@ impl KvRouter {
             if self.fenced.is_empty() && exclude.is_empty() {
                 matches.deepest()
             } else {
-                matches
-                    .iter()
-                    .filter(|m| !self.is_barred(m.worker, exclude))
+                self.usable_matches(matches, exclude)
                     .map(|m| m.depth)
                     .max()
                     .unwrap_or(0)
@@ -684,9 +682,14 @@ impl KvRouter {
         let computed_blocks = deepest(&matches);
         self.reservations.pending_into(hashes, &mut matches);
         let deepest_blocks = deepest(&matches);
-        let prefix_pending = deepest_blocks > computed_blocks;
+        // Only `cache-aware` reads it, and not while a sibling still computes the
+        // prefix (a reservation reaches deeper than any reported copy).
         let holder_wait_tokens =
-            self.holder_wait_tokens(&matches, deepest_blocks, prompt_tokens, exclude);
+            if policy == PolicyKind::CacheAware && deepest_blocks == computed_blocks {
+                self.holder_wait_tokens(&matches, deepest_blocks, prompt_tokens, exclude)
+            } else {
+                0
+            };
         let t1 = Instant::now();
         let mut candidates = std::mem::take(&mut self.candidates);
         candidates.clear();
@@ -717,7 +720,6 @@ impl KvRouter {
                 fleet,
                 peer_source,
                 deepest_blocks,
-                prefix_pending,
                 holder_wait_tokens,
             };
             self.ordered_candidates(
@@ -749,7 +751,6 @@ impl KvRouter {
             fleet,
             peer_source,
             deepest_blocks,
-            prefix_pending,
             holder_wait_tokens,
         };
         let policy_impl: &mut dyn RoutingPolicy = match policy {
@@ -854,8 +855,8 @@ impl KvRouter {
     }
 
     /// The soonest a worker the request may use that holds its `deepest` leading blocks
-    /// (reported or reserved) would start its first token: that worker's prefill
-    /// backlog plus the prompt tokens it lacks. `usize::MAX` when nobody holds any.
+    /// would start its first token: that worker's prefill backlog plus the prompt
+    /// tokens it lacks. 0 when nobody holds any.
     fn holder_wait_tokens(
         &self,
         matches: &Matches,
@@ -864,17 +865,28 @@ impl KvRouter {
         exclude: &[String],
     ) -> usize {
         if deepest == 0 {
-            return usize::MAX;
+            return 0;
         }
-        let unbarred = self.fenced.is_empty() && exclude.is_empty();
         let lacks = prompt_tokens.saturating_sub(deepest * self.config.block_size);
-        matches
-            .iter()
-            .filter(|m| m.depth >= deepest && (unbarred || !self.is_barred(m.worker, exclude)))
+        self.usable_matches(matches, exclude)
+            .filter(|m| m.depth >= deepest)
             .filter_map(|m| self.scored.get(m.worker.index())?.as_ref())
             .map(|e| e.load.prefill_backlog_tokens().saturating_add(lacks))
             .min()
-            .unwrap_or(usize::MAX)
+            .unwrap_or(0)
+    }
+
+    /// The matches of the workers the request may use: neither fenced nor in
+    /// `exclude`.
+    fn usable_matches<'a>(
+        &'a self,
+        matches: &'a Matches,
+        exclude: &'a [String],
+    ) -> impl Iterator<Item = WorkerMatch> + 'a {
+        let all = self.fenced.is_empty() && exclude.is_empty();
+        matches
+            .iter()
+            .filter(move |m| all || !self.is_barred(m.worker, exclude))
     }
 
     /// Whether `worker` may not serve this request: fenced, or in `exclude`.

@@ -47,7 +47,7 @@
 //! little under 1 and the ratio well under, because the router sees a queue late
 //! and short (loads are polled every 100 ms, and leave out each request's fixed
 //! overhead). Elsewhere the full weight holds, for two reasons:
-//! - while the prefix is still being computed ([`RouteContext::prefix_pending`]: a
+//! - while the prefix is still being computed (the router then passes no wait: a
 //!   fork sibling routed there, its blocks not yet reported), the holder's queue is
 //!   mostly that very prefix, and recomputing it would double the work to save at
 //!   most the sibling's head start;
@@ -284,15 +284,13 @@ impl CacheAware {
     }
 
     /// Whether an idle lane computing `own` token equivalents would end a wait: the
-    /// prompt's deepest prefix is computed, and its holder would start the request no
-    /// sooner than `wait_ending_ratio` × `own`. While a sibling still computes the
-    /// prefix, the holder's queue is mostly that prefix: recomputing it would double
-    /// the work to save at most the sibling's head start.
+    /// prompt's holder would start the request no sooner than `wait_ending_ratio` ×
+    /// `own`. The router passes no wait while a sibling still computes the prefix: the
+    /// holder's queue is then mostly that prefix, and recomputing it would double the
+    /// work to save at most the sibling's head start.
     #[inline]
     fn ends_a_wait(&self, ctx: &RouteContext<'_>, own: f64) -> bool {
-        !ctx.prefix_pending
-            && ctx.deepest_blocks > 0
-            && self.config.wait_ending_ratio * own < ctx.holder_wait_tokens as f64
+        self.config.wait_ending_ratio * own < ctx.holder_wait_tokens as f64
     }
 
     /// Estimated cost of sending the request of `ctx` to `c`.
@@ -689,7 +687,7 @@ mod tests {
             .filter(|c| deepest_blocks > 0 && c.matched_blocks >= deepest_blocks)
             .map(|c| c.load.prefill_backlog_tokens() + prompt_tokens - deepest_blocks * 16)
             .min()
-            .unwrap_or(usize::MAX);
+            .unwrap_or(0);
         RouteContext {
             hashes: &[],
             prompt_tokens,
@@ -699,7 +697,6 @@ mod tests {
             peer_source: None,
             deepest_blocks,
             // Every match computed: nothing pending.
-            prefix_pending: false,
             holder_wait_tokens,
         }
     }
@@ -1004,7 +1001,7 @@ mod tests {
         assert_eq!(p.cost(&cx, &c[1]), 0.9 * 1_601.0 + 16.0);
         // Unless the prefix is still being computed on w0: recomputing it in parallel
         // would double that work, so the idle lane pays the full idle weight.
-        cx.prefix_pending = true;
+        cx.holder_wait_tokens = 0;
         assert_eq!(p.cost(&cx, &c[1]), 1.5 * 1_601.0 + 16.0);
     }
 
@@ -1018,7 +1015,7 @@ mod tests {
         c[2] = cand(2, 2_000 * 16, 1, 2_000);
         let mut p = CacheAware::default();
         let pending = RouteContext {
-            prefix_pending: true,
+            holder_wait_tokens: 0,
             ..ctx(&c, 2_010)
         };
         assert_eq!(p.select(&pending).unwrap().worker, WorkerIdx(2));

@@ -83,13 +83,13 @@ pub struct RouteContext<'a> {
     /// every worker the request may use, not only `candidates` (a fenced worker, or
     /// one a retry failed on, does not count: its copy is going away or out of reach).
     pub deepest_blocks: usize,
-    /// Whether the prompt's deepest prefix is still being computed: a live reservation
-    /// (a sibling routed there, its blocks not yet reported) reaches deeper than any
-    /// worker the request may use has reported computing.
-    pub prefix_pending: bool,
-    /// The soonest a worker the request may use that holds its `deepest_blocks` would
-    /// start its first token, in tokens: that worker's prefill backlog plus the prompt
-    /// tokens it lacks (`usize::MAX` when `deepest_blocks` is 0).
+    /// The wait for the prompt's holder that a cold start elsewhere could end, in
+    /// tokens: the soonest a worker the request may use that holds its
+    /// `deepest_blocks` would start its first token (its prefill backlog plus the
+    /// prompt tokens it lacks). 0 when nobody holds any of the prompt, and while its
+    /// deepest prefix is still being computed (a live reservation, a sibling routed
+    /// there, reaches deeper than any reported copy): that queue is the prefix itself,
+    /// no wait to end. The router works it out for `cache-aware` only.
     pub holder_wait_tokens: usize,
 }
 
