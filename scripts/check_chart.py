@@ -238,6 +238,22 @@ def main():
                                       "validation_errors": errors, "ok": ok}
         report["ok"] &= ok
 
+    # `cache-aware` weights: one flag holding them as JSON, none when left empty.
+    weight_cases = {"weights_default": ({}, []),
+                    "weights_set": ({"cacheAwareConfig": {"idle_prefill_weight": 1.2}},
+                                    ['--cache-aware-config={"idle_prefill_weight":1.2}'])}
+    report["weight_cases"] = {}
+    for case, (router, want) in weight_cases.items():
+        objs = render({"router": router})
+        errors = [e for _, o in objs for e in validate(o)]
+        args = [o for _, o in objs if o["kind"] == "Deployment"][0][
+            "spec"]["template"]["spec"]["containers"][0]["args"]
+        flags = [a for a in args if a.startswith("--cache-aware-config")]
+        ok = not errors and flags == want
+        report["weight_cases"][case] = {"router_flags": flags, "validation_errors": errors,
+                                        "ok": ok}
+        report["ok"] &= ok
+
     # The chart refuses combinations that cannot work.
     bad_values = {
         "two_routers_without_etcd": ({"router": {"replicas": 2}}, "more than one router"),

@@ -327,9 +327,14 @@ pub struct SweepArgs {
     /// Policies (default: all).
     #[arg(long, value_delimiter = ',')]
     policy: Vec<SimPolicy>,
-    /// `cache-aware` weights as JSON (fields of CacheAwareConfig), for tuning.
-    #[arg(long)]
-    cache_aware: Option<String>,
+    /// `cache-aware`'s weights as a JSON object, inline or in a file, as `kvfleet
+    /// router --cache-aware-config` takes them (`--cache-aware` is the old name).
+    #[arg(long, alias = "cache-aware", value_parser = crate::cache_aware_args::parse_cache_aware_config)]
+    cache_aware_config: Option<crate::cache_aware_args::CacheAwareOverrides>,
+    /// When `cache-aware` moves a request to pull its prefix elsewhere: `idle-wait`
+    /// (default) or `cost`, as `kvfleet router --peer-pull-trigger`.
+    #[arg(long, default_value = "idle-wait", value_parser = crate::serve_args::parse_pull_trigger)]
+    peer_pull_trigger: kvfleet_routing::policy::PullTrigger,
     /// Cost model file (default: the built-in H200 estimate).
     #[arg(long)]
     cost_model: Option<PathBuf>,
@@ -625,10 +630,16 @@ fn run_sweep_cmd(a: SweepArgs) -> Result<()> {
         Some(p) => CostModel::read_path(p)?,
         None => CostModel::h200_llama8b(),
     };
-    let mut router = kvfleet_router::RouterConfig::default();
-    if let Some(j) = &a.cache_aware {
-        router.cache_aware = serde_json::from_str(j).context("parsing --cache-aware")?;
-    }
+    let router = kvfleet_router::RouterConfig {
+        cache_aware: crate::cache_aware_args::with_overrides(
+            kvfleet_routing::policy::CacheAwareConfig {
+                pull_trigger: a.peer_pull_trigger,
+                ..Default::default()
+            },
+            a.cache_aware_config.as_ref(),
+        )?,
+        ..kvfleet_router::RouterConfig::default()
+    };
     let mooncake = if a.mooncake.exists() {
         Some(Trace::read_path(&a.mooncake)?)
     } else {

@@ -1,6 +1,7 @@
 //! The `kvfleet` command line.
 
 mod bench_cmd;
+mod cache_aware_args;
 mod control_plane;
 mod generate;
 mod http_serve;

@@ -57,7 +57,7 @@ pub fn run(args: RouterArgs) -> Result<()> {
             tokenizer: side.tokenizer,
             chat_template: side.chat_template,
         };
-        let mut config = args.routing.fleet_config(prompt, args.block_size);
+        let mut config = args.routing.fleet_config(prompt, args.block_size)?;
         // With Kafka, every worker's KV events come from the stream.
         config.follow_worker_events = args.control.kafka.is_none();
         config.worker_tls = args.worker_tls.client_config()?;

@@ -264,6 +264,12 @@ pub struct RoutingArgs {
     /// `cost` whenever pricing the pull makes another worker cheapest.
     #[arg(long, default_value = "idle-wait", value_parser = parse_pull_trigger)]
     pub peer_pull_trigger: PullTrigger,
+    /// `cache-aware`'s weights as a JSON object, inline or in a file: fields of
+    /// `CacheAwareConfig` (crates/kvfleet-routing/src/policy/cache_aware.rs), e.g.
+    /// `'{"idle_prefill_weight": 1.2}'`; a field left out keeps its default. Tier
+    /// pricing and the pull trigger have their own flags.
+    #[arg(long, value_parser = crate::cache_aware_args::parse_cache_aware_config)]
+    pub cache_aware_config: Option<crate::cache_aware_args::CacheAwareOverrides>,
     /// Worker-to-worker bandwidth (GB/s) that prices a pulled block's transfer.
     #[arg(long, default_value_t = 12.5, value_parser = positive_f64)]
     pub peer_bandwidth_gbs: f64,
@@ -289,7 +295,7 @@ pub struct RoutingArgs {
 }
 
 /// Parses `--peer-pull-trigger`.
-fn parse_pull_trigger(s: &str) -> Result<PullTrigger, String> {
+pub fn parse_pull_trigger(s: &str) -> Result<PullTrigger, String> {
     match s {
         "idle-wait" => Ok(PullTrigger::IdleWait),
         "cost" => Ok(PullTrigger::Cost),
@@ -311,25 +317,12 @@ impl RoutingArgs {
         &self,
         prompt: kvfleet_router::prompt_model::PromptModel,
         block_size: usize,
-    ) -> FleetConfig {
-        FleetConfig {
+    ) -> anyhow::Result<FleetConfig> {
+        Ok(FleetConfig {
             prompt,
             router: RouterConfig {
                 block_size,
-                cache_aware: CacheAwareConfig {
-                    tiers: TierCostConfig {
-                        peer_pull_min_blocks: self
-                            .peer_pull_min_blocks
-                            .unwrap_or_else(|| default_peer_pull_min_blocks(block_size)),
-                        peer_bytes_per_s: self.peer_bandwidth_gbs * 1e9,
-                        host_bytes_per_s: self.host_bandwidth_gbs * 1e9,
-                        disk_bytes_per_s: self.disk_bandwidth_gbs * 1e9,
-                        prefill_tokens_per_s: self.prefill_tokens_per_s,
-                        ..TierCostConfig::default()
-                    },
-                    pull_trigger: self.peer_pull_trigger,
-                    ..CacheAwareConfig::default()
-                },
+                cache_aware: self.cache_aware(block_size)?,
                 ..RouterConfig::default()
             },
             default_policy: self.policy,
@@ -348,7 +341,32 @@ impl RoutingArgs {
             tokenizer_memo_bytes: self.tokenizer_memo_bytes,
             pin_budget_bytes_per_tenant: self.pin_budget_bytes_per_tenant,
             ..FleetConfig::default()
+        })
+    }
+
+    /// `cache-aware`'s configuration: tier pricing and the pull trigger from their
+    /// flags, the weights from `--cache-aware-config` over the defaults.
+    pub fn cache_aware(&self, block_size: usize) -> anyhow::Result<CacheAwareConfig> {
+        let base = CacheAwareConfig {
+            tiers: TierCostConfig {
+                peer_pull_min_blocks: self
+                    .peer_pull_min_blocks
+                    .unwrap_or_else(|| default_peer_pull_min_blocks(block_size)),
+                peer_bytes_per_s: self.peer_bandwidth_gbs * 1e9,
+                host_bytes_per_s: self.host_bandwidth_gbs * 1e9,
+                disk_bytes_per_s: self.disk_bandwidth_gbs * 1e9,
+                prefill_tokens_per_s: self.prefill_tokens_per_s,
+                ..TierCostConfig::default()
+            },
+            pull_trigger: self.peer_pull_trigger,
+            ..CacheAwareConfig::default()
+        };
+        let config =
+            crate::cache_aware_args::with_overrides(base, self.cache_aware_config.as_ref())?;
+        if self.cache_aware_config.is_some() {
+            tracing::info!(?config, "cache-aware weights set by --cache-aware-config");
         }
+        Ok(config)
     }
 }
 
@@ -436,4 +454,58 @@ pub fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
         .enable_all()
         .build()
         .context("starting the async runtime")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    /// The routing flags alone, as `kvfleet router` and `kvfleet up` flatten them.
+    #[derive(Parser)]
+    struct Routing {
+        #[command(flatten)]
+        routing: RoutingArgs,
+    }
+
+    fn cache_aware(args: &[&str]) -> CacheAwareConfig {
+        let parsed =
+            Routing::try_parse_from(std::iter::once("kvfleet").chain(args.iter().copied()))
+                .expect("flags parse");
+        parsed.routing.cache_aware(16).expect("config")
+    }
+
+    #[test]
+    fn cache_aware_config_sets_the_weights_and_the_other_flags_keep_theirs() {
+        let c = cache_aware(&[
+            "--cache-aware-config",
+            r#"{"idle_prefill_weight": 1.2, "wait_ending_ratio": 0.5}"#,
+            "--peer-pull-min-blocks",
+            "3",
+            "--peer-pull-trigger",
+            "cost",
+        ]);
+        assert_eq!((c.idle_prefill_weight, c.wait_ending_ratio), (1.2, 0.5));
+        assert_eq!(c.tiers.peer_pull_min_blocks, 3);
+        assert_eq!(c.pull_trigger, PullTrigger::Cost);
+        let defaults = cache_aware(&[]);
+        assert_eq!(
+            defaults.idle_prefill_weight,
+            CacheAwareConfig::default().idle_prefill_weight
+        );
+        assert_eq!(
+            defaults.tiers.peer_pull_min_blocks,
+            default_peer_pull_min_blocks(16)
+        );
+        let refused = Routing::try_parse_from([
+            "kvfleet",
+            "--cache-aware-config",
+            r#"{"decode_cost_per_sequence": -16}"#,
+        ]);
+        let e = refused
+            .err()
+            .expect("a negative weight is refused")
+            .to_string();
+        assert!(e.contains("decode_cost_per_sequence"), "{e}");
+    }
 }

@@ -1,5 +1,6 @@
 //! `kvfleet sim`: simulate a fleet on a trace with one or more policies.
 
+use crate::cache_aware_args::with_overrides;
 use anyhow::{Context, Result};
 use clap::Args;
 use kvfleet_bench::bounds::bounds_with_tiers;
@@ -7,7 +8,7 @@ use kvfleet_bench::report::{sim_markdown, write_sim_report};
 use kvfleet_bench::sim::cost_model::CostModel;
 use kvfleet_bench::sim::{simulate, SimConfig, SimPolicy, TierScoring};
 use kvfleet_bench::Trace;
-use kvfleet_routing::policy::default_peer_pull_min_blocks;
+use kvfleet_routing::policy::{default_peer_pull_min_blocks, CacheAwareConfig, PullTrigger};
 use std::path::PathBuf;
 
 /// Arguments of `kvfleet sim`.
@@ -39,6 +40,14 @@ pub struct SimArgs {
     /// trace's blocks).
     #[arg(long)]
     peer_pull_min_blocks: Option<usize>,
+    /// When `cache-aware` moves a request to pull its prefix elsewhere: `idle-wait`
+    /// (default) or `cost`, as `kvfleet router --peer-pull-trigger`.
+    #[arg(long, default_value = "idle-wait", value_parser = crate::serve_args::parse_pull_trigger)]
+    peer_pull_trigger: PullTrigger,
+    /// `cache-aware`'s weights as a JSON object, inline or in a file, as `kvfleet
+    /// router --cache-aware-config` takes them.
+    #[arg(long, value_parser = crate::cache_aware_args::parse_cache_aware_config)]
+    cache_aware_config: Option<crate::cache_aware_args::CacheAwareOverrides>,
     /// Hold every request's blocks as an engine does: never evicted from the start of
     /// its prefill to its last token (a queued request holds none), and a worker's
     /// prefill starts only once the running sequences' blocks and its own fit the pool
@@ -135,6 +144,13 @@ pub fn run(args: SimArgs) -> Result<()> {
         cfg.disk_blocks = args.disk_blocks;
         cfg.tier_scoring = args.tier_scoring;
         cfg.hold_blocks = args.hold_blocks;
+        cfg.router.cache_aware = with_overrides(
+            CacheAwareConfig {
+                pull_trigger: args.peer_pull_trigger,
+                ..CacheAwareConfig::default()
+            },
+            args.cache_aware_config.as_ref(),
+        )?;
         cfg.peer_pull_min_blocks = args
             .peer_pull_min_blocks
             .unwrap_or_else(|| default_peer_pull_min_blocks(trace.block_size()));

@@ -59,7 +59,7 @@ async fn serve(args: UpArgs) -> Result<()> {
     }
     let fleet = Fleet::new(
         args.routing
-            .fleet_config(model.prompt.clone(), args.engine.block_size),
+            .fleet_config(model.prompt.clone(), args.engine.block_size)?,
     )
     .map_err(anyhow::Error::msg)?;
     for w in &workers {

@@ -140,9 +140,11 @@ use crate::registry::WorkerIdx;
 use kvfleet_core::kv_events::Medium;
 use serde::{Deserialize, Serialize};
 
-/// Weights and bounds of [`CacheAware`].
+/// Weights and bounds of [`CacheAware`]. Read from JSON by `kvfleet router
+/// --cache-aware-config` and the simulators: a field left out keeps its default, an
+/// unknown one is an error.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(default)]
+#[serde(default, deny_unknown_fields)]
 pub struct CacheAwareConfig {
     /// Cost of one uncached prompt token on a worker whose prefill lane is busy
     /// (default 2.0).
@@ -238,6 +240,36 @@ pub struct CacheAware {
     within: Vec<Key>,
     /// The near ties of a selection, reused likewise.
     ties: Vec<Key>,
+}
+
+impl CacheAwareConfig {
+    /// Checks that every weight, ratio and slack is a finite number of at least 0
+    /// (a negative or NaN weight would turn the cost order upside down); the error
+    /// names the first field that is not.
+    pub fn validate(&self) -> Result<(), String> {
+        let fields = [
+            ("prefill_weight", self.prefill_weight),
+            ("idle_prefill_weight", self.idle_prefill_weight),
+            (
+                "wait_ending_prefill_weight",
+                self.wait_ending_prefill_weight,
+            ),
+            ("wait_ending_ratio", self.wait_ending_ratio),
+            ("busy_duplicate_weight", self.busy_duplicate_weight),
+            ("decode_cost_per_sequence", self.decode_cost_per_sequence),
+            ("memory_weight", self.memory_weight),
+            ("balance_epsilon", self.balance_epsilon),
+            ("balance_slack", self.balance_slack),
+            ("near_tie_tokens", self.near_tie_tokens),
+            ("near_tie_ratio", self.near_tie_ratio),
+        ];
+        match fields.iter().find(|(_, v)| !(v.is_finite() && *v >= 0.0)) {
+            Some((name, v)) => Err(format!(
+                "cache-aware `{name}` must be a finite number of at least 0, not {v}"
+            )),
+            None => Ok(()),
+        }
+    }
 }
 
 impl CacheAware {
@@ -1122,5 +1154,31 @@ mod tests {
         let mut ictx = ctx;
         ictx.candidates = &idle;
         assert_eq!(on.select(&ictx).unwrap().worker, WorkerIdx(0));
+    }
+
+    #[test]
+    fn weights_from_json_keep_defaults_refuse_unknown_fields_and_bad_values() {
+        let c: CacheAwareConfig =
+            serde_json::from_str(r#"{"idle_prefill_weight": 1.2}"#).expect("one field");
+        assert_eq!(c.idle_prefill_weight, 1.2);
+        assert_eq!(c.prefill_weight, CacheAwareConfig::default().prefill_weight);
+        assert_eq!(c.validate(), Ok(()));
+        let e = serde_json::from_str::<CacheAwareConfig>(r#"{"idle_weight": 1.2}"#)
+            .expect_err("unknown field");
+        assert!(e.to_string().contains("idle_weight"), "{e}");
+        let negative = CacheAwareConfig {
+            memory_weight: -0.5,
+            ..CacheAwareConfig::default()
+        };
+        let e = negative.validate().expect_err("negative weight");
+        assert!(e.contains("memory_weight"), "{e}");
+        let nan = CacheAwareConfig {
+            wait_ending_ratio: f64::NAN,
+            ..CacheAwareConfig::default()
+        };
+        assert!(nan
+            .validate()
+            .expect_err("NaN")
+            .contains("wait_ending_ratio"));
     }
 }
