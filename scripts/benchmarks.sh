@@ -51,13 +51,19 @@ cp "$OUT/replay/worker_load.svg" docs/plots/replay_worker_load.svg
 
 # 5. The policy sweep: every policy over the generated trace family and Mooncake at
 #    8-256 workers (docs/policy-sweep.md), and two held-out families (seeds 2 and 3) at
-#    8 and 64. About 3 minutes on 2 cores; SWEEP=0 skips it.
+#    8 and 64, and the whole sweep on the CPU cost model. About 5 minutes on 2 cores;
+#    SWEEP=0 skips it.
 [ "${SWEEP:-1}" = 0 ] && exit 0
 "$BIN" bench sweep --mooncake "$MOONCAKE" --doc docs/policy-sweep.md --json docs/bench/policy-sweep.json
 "$BIN" bench sweep --mooncake "$MOONCAKE" --seed 2 --workers 8,64 --doc docs/policy-sweep-seed2.md \
   --json docs/bench/policy-sweep-seed2.json
 "$BIN" bench sweep --mooncake "$MOONCAKE" --seed 3 --workers 8,64 --doc docs/policy-sweep-seed3.md \
   --json docs/bench/policy-sweep-seed3.json
+# The same on the other cost model in the tree (a CPU engine: prefill 6x slower, decode
+# dearer per sequence; docs/policy-sweep-cpu-small.md): defaults chosen on the H200
+# estimate, checked on a model they were not tuned on.
+"$BIN" bench sweep --mooncake "$MOONCAKE" --cost-model crates/kvfleet-bench/cost-models/cpu-small.json \
+  --doc docs/policy-sweep-cpu-small.md --json docs/bench/policy-sweep-cpu-small.json
 # The same with peer pulls off (`--peer-pull-min-blocks 0`, the router's default until
 # 2026-12-04; docs/policy-sweep-no-pulls.md), to show what pulls are worth.
 "$BIN" bench sweep --mooncake "$MOONCAKE" --peer-pull-min-blocks 0 \

@@ -686,7 +686,12 @@ fn run_sweep_cmd(a: SweepArgs) -> Result<()> {
         a.peer_pull_min_blocks
             .map(|n| format!(" --peer-pull-min-blocks {n}"))
             .unwrap_or_default()
-            + if a.hold_blocks { " --hold-blocks" } else { "" },
+            + if a.hold_blocks { " --hold-blocks" } else { "" }
+            + &a
+                .cost_model
+                .as_ref()
+                .map(|p| format!(" --cost-model {}", p.display()))
+                .unwrap_or_default(),
         rows.len(),
         wall.elapsed().as_secs_f64(),
         cost.name,

@@ -111,6 +111,10 @@ pub struct InFlight {
     prefill_done: AtomicBool,
     predicted_cached_tokens: usize,
     actual_cached_tokens: AtomicUsize,
+    /// The request's reservation, and the reservations' clock: when the request ends,
+    /// the reservation counts only for the grace period more.
+    reservation: Option<ReservationId>,
+    clock: Instant,
 }
 
 impl InFlight {
@@ -148,8 +152,12 @@ impl Drop for InFlight {
         } else {
             self.prefill_tokens
         };
+        let now_ms = self.clock.elapsed().as_millis() as u64;
         let mut kv = hold(&self.kv);
         let _ = kv.request_finished(&self.worker, prefill);
+        if let Some(id) = self.reservation {
+            kv.request_ended(id, now_ms);
+        }
         if actual != NO_OUTCOME {
             kv.record_outcome(self.predicted_cached_tokens, actual);
         }
@@ -201,6 +209,8 @@ impl RoutingState {
             prefill_done: AtomicBool::new(false),
             predicted_cached_tokens: decision.predicted_cached_tokens,
             actual_cached_tokens: AtomicUsize::new(NO_OUTCOME),
+            reservation: decision.reservation,
+            clock: self.started,
         };
         Ok(Routed {
             decision,
@@ -351,6 +361,26 @@ mod tests {
             .iter()
             .map(|w| w.load.inflight_requests)
             .sum()
+    }
+
+    #[test]
+    fn a_reservation_outlives_a_long_queue_but_not_its_request_by_more_than_the_grace() {
+        // Grace 0: an ended request's reservation goes at the next lookup.
+        let r = RoutingState::new(RouterConfig {
+            reservation_grace_ms: 0,
+            ..RouterConfig::default()
+        });
+        let bs = r.block_size();
+        r.add_worker("w0", bs).unwrap();
+        let chain: Vec<BlockHash> = (1..=4).map(BlockHash).collect();
+        let routed = r.route(&whole_chain(&chain, bs)).unwrap();
+        // While the request is in flight (queued, say), its prefix stays findable.
+        assert!(r.holds_prefix(&chain));
+        assert!(r.holds_prefix(&chain));
+        // Its end starts the grace, here none: nothing confirmed it, so it is gone.
+        drop(routed);
+        assert!(!r.holds_prefix(&chain), "an ended request still steers");
+        assert_eq!(inflight(&r), 0);
     }
 
     #[tokio::test]

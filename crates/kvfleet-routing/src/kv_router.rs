@@ -36,9 +36,16 @@ pub struct RouterConfig {
     /// Tokens per KV block for the whole fleet (default 16). Workers with another
     /// block size are refused.
     pub block_size: usize,
-    /// How long a reservation counts if the worker's events never confirm it
-    /// (default 30 s: longer than a long prompt's queueing plus prefill).
+    /// How long a reservation counts while its request is in flight, if the worker's
+    /// events never confirm it (default 10 min: a request may queue for minutes on a
+    /// slow or overloaded fleet, and the siblings routed meanwhile must still find the
+    /// prefix it will compute; at 30 s, a CPU fleet at 90% load lost 0.17 in hit
+    /// ratio on the Mooncake trace, docs/policy-sweep.head.md).
     pub reservation_ttl_ms: u64,
+    /// How long a reservation counts after its request ends unconfirmed
+    /// ([`KvRouter::request_ended`]; default 30 s: the worker's events trail the
+    /// request's end by at most a poll, unless they are lost).
+    pub reservation_grace_ms: u64,
     /// Weights of the `cache-aware` policy.
     pub cache_aware: CacheAwareConfig,
     /// Ring shape of the `consistent-hash` policy.
@@ -51,7 +58,8 @@ impl Default for RouterConfig {
     fn default() -> Self {
         Self {
             block_size: DEFAULT_BLOCK_SIZE,
-            reservation_ttl_ms: 30_000,
+            reservation_ttl_ms: 600_000,
+            reservation_grace_ms: 30_000,
             cache_aware: CacheAwareConfig::default(),
             consistent_hash: ConsistentHashConfig::default(),
             random_seed: 0x6b76_666c_6565_7421,
@@ -303,7 +311,8 @@ impl KvRouter {
         Self {
             registry: WorkerRegistry::new(),
             index: PrefixIndex::new(),
-            reservations: Reservations::new(config.reservation_ttl_ms),
+            reservations: Reservations::new(config.reservation_ttl_ms)
+                .with_grace(config.reservation_grace_ms),
             workers: Vec::new(),
             scored: Vec::new(),
             load_order: LoadOrder::new(config.cache_aware.decode_cost_per_sequence),
@@ -558,6 +567,13 @@ impl KvRouter {
         e.load.finish_prefill(prefill_tokens, load_reports);
         self.rescore(idx);
         Ok(())
+    }
+
+    /// The request that made reservation `id` ended at `now_ms` (its worker answered
+    /// it): unless the worker's events confirm the reservation first, it ends
+    /// `reservation_grace_ms` later rather than at its TTL.
+    pub fn request_ended(&mut self, id: ReservationId, now_ms: u64) {
+        self.reservations.finish(id, now_ms);
     }
 
     /// Ends a reservation early, e.g. when the request never reached the worker.

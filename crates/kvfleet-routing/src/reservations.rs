@@ -7,8 +7,12 @@
 //! it reserves the request's block-hash chain for `W`; lookups then count `W` as a
 //! holder of that chain's prefixes. A reservation ends when `W`'s events confirm its
 //! deepest block ([`Reservations::confirm`]), when the caller releases it (the request
-//! failed), or when its TTL passes ([`Reservations::expire`], lazy: a FIFO of expiry
-//! times is popped from the front, so each reservation costs O(1) to expire). Time is
+//! failed), a grace period after its request ends unconfirmed ([`Reservations::finish`]),
+//! or when its TTL passes ([`Reservations::expire`], lazy: FIFOs of expiry times are
+//! popped from the front, so each reservation costs O(1) to expire). The TTL is long
+//! because a request may queue for minutes on a slow or overloaded fleet, and its
+//! siblings must still find the prefix it will compute; the grace after its end is
+//! short, since by then the worker's events are due. Time is
 //! always an argument (milliseconds on any monotonic clock the caller picks), never
 //! read here, so behaviour is deterministic.
 //!
@@ -79,7 +83,27 @@ pub struct Reservations {
     // worker's live reservations.
     by_deepest: BlockHashMap<Vec<u32>>,
     expiry: VecDeque<(u64, ReservationId)>,
+    /// How long a reservation counts after its request ends.
+    grace_ms: u64,
+    // Expiry times set by `finish` (uniform grace, so also in order).
+    ending: VecDeque<(u64, ReservationId)>,
     live: usize,
+}
+
+/// Whether `id` names a reservation still live in `slots`.
+fn is_live(slots: &[Reservation], id: ReservationId) -> bool {
+    matches!(slots.get(id.slot as usize), Some(r) if r.live && r.generation == id.generation)
+}
+
+/// Pops the front of `fifo` if it is due at `now_ms`.
+fn pop_due(fifo: &mut VecDeque<(u64, ReservationId)>, now_ms: u64) -> Option<ReservationId> {
+    match fifo.front() {
+        Some(&(at, id)) if at <= now_ms => {
+            fifo.pop_front();
+            Some(id)
+        }
+        _ => None,
+    }
 }
 
 impl Reservations {
@@ -95,7 +119,27 @@ impl Reservations {
             by_worker: Vec::new(),
             by_deepest: BlockHashMap::default(),
             expiry: VecDeque::new(),
+            grace_ms: ttl_ms,
+            ending: VecDeque::new(),
             live: 0,
+        }
+    }
+
+    /// The same table, whose reservations count at most `grace_ms` after their request
+    /// ends ([`finish`](Self::finish)); without it, until their TTL.
+    pub fn with_grace(mut self, grace_ms: u64) -> Self {
+        self.grace_ms = grace_ms;
+        self
+    }
+
+    /// The request of reservation `id` ended at `now_ms`: unless the worker's events
+    /// confirm it first, it ends `grace_ms` later (or at its TTL, if sooner). Stale
+    /// handles are ignored.
+    pub fn finish(&mut self, id: ReservationId, now_ms: u64) {
+        if is_live(&self.slots, id) && self.grace_ms < self.ttl_ms {
+            self.ending
+                .push_back((now_ms.saturating_add(self.grace_ms), id));
+            Self::compact(&mut self.ending, &self.slots, self.live);
         }
     }
 
@@ -172,34 +216,40 @@ impl Reservations {
         self.live += 1;
         let id = ReservationId { slot, generation };
         self.expiry.push_back((expires_at_ms, id));
+        Self::compact(&mut self.expiry, &self.slots, self.live);
         Some(id)
     }
 
     /// Ends a reservation early (the request failed or was cancelled). Returns whether
     /// it was still live.
     pub fn release(&mut self, id: ReservationId) -> bool {
-        match self.slots.get(id.slot as usize) {
-            Some(r) if r.live && r.generation == id.generation => {
-                self.end(id.slot);
-                true
-            }
-            _ => false,
+        if is_live(&self.slots, id) {
+            self.end(id.slot);
+            true
+        } else {
+            false
         }
     }
 
-    /// Ends every reservation whose TTL has passed at `now_ms`; returns how many.
+    /// Ends every reservation whose TTL, or grace after its request's end, has passed
+    /// at `now_ms`; returns how many.
     pub fn expire(&mut self, now_ms: u64) -> usize {
         let mut ended = 0;
-        while let Some(&(at, id)) = self.expiry.front() {
-            if at > now_ms {
-                break;
-            }
-            self.expiry.pop_front();
-            if self.release(id) {
-                ended += 1;
-            }
+        while let Some(id) =
+            pop_due(&mut self.expiry, now_ms).or_else(|| pop_due(&mut self.ending, now_ms))
+        {
+            ended += usize::from(self.release(id));
         }
         ended
+    }
+
+    /// Drops the entries of ended reservations from `fifo` once they outnumber the live
+    /// ones: with a long TTL most entries outlive their reservation, and the FIFO must
+    /// stay proportional to what is live, not to the requests of the last TTL.
+    fn compact(fifo: &mut VecDeque<(u64, ReservationId)>, slots: &[Reservation], live: usize) {
+        if fifo.len() > 2 * live + 64 {
+            fifo.retain(|&(_, id)| is_live(slots, id));
+        }
     }
 
     /// Ends `worker`'s reservations whose deepest block `holds` reports as cached —
@@ -556,6 +606,44 @@ mod tests {
         assert_eq!(r.expire(1_000), 1);
         assert!(r.is_empty());
         assert_eq!(r.node_count(), 0);
+    }
+
+    #[test]
+    fn a_reservation_lasts_while_its_request_runs_and_a_grace_after_it_ends() {
+        let mut r = Reservations::new(600_000).with_grace(30_000);
+        let a = chain_from(&[], 1, 5);
+        let b = chain_from(&[], 2, 5);
+        let queued = r.reserve(w(0), &a, 0).unwrap();
+        let done = r.reserve(w(1), &b, 0).unwrap();
+        // A request queued for minutes keeps its prefix findable.
+        assert_eq!(r.expire(300_000), 0);
+        assert_eq!(r.pending(&a).depth(w(0)), 5);
+        // One that ended unconfirmed counts for the grace only.
+        r.finish(done, 300_000);
+        assert_eq!(r.expire(329_999), 0);
+        assert_eq!(r.expire(330_000), 1);
+        assert_eq!(r.pending(&b).depth(w(1)), 0);
+        // Finishing an ended reservation, or twice, changes nothing.
+        r.finish(done, 330_000);
+        r.finish(queued, 590_000);
+        r.finish(queued, 595_000);
+        assert_eq!(r.expire(599_999), 0);
+        assert_eq!(r.expire(600_000), 1);
+        assert!(r.is_empty());
+    }
+
+    #[test]
+    fn expiry_queues_stay_proportional_to_live_reservations() {
+        let mut r = Reservations::new(600_000).with_grace(30_000);
+        for i in 0..10_000u64 {
+            let c = chain_from(&[], i, 2);
+            let id = r.reserve(w(0), &c, i).unwrap();
+            r.finish(id, i);
+            assert!(r.release(id));
+        }
+        assert!(r.is_empty());
+        assert!(r.expiry.len() <= 2 * r.len() + 66, "{}", r.expiry.len());
+        assert!(r.ending.len() <= 2 * r.len() + 66, "{}", r.ending.len());
     }
 
     #[test]

@@ -12,7 +12,7 @@ use super::lru::ChainChange;
 use super::{RouteReq, SimRouter, SimWorker};
 use kvfleet_core::kv_events::{KvEvent, KvEventKind};
 use kvfleet_core::BlockHash;
-use kvfleet_routing::{KvRouter, PolicyKind, RouterConfig};
+use kvfleet_routing::{KvRouter, PolicyKind, ReservationId, RouterConfig};
 
 /// A [`KvRouter`] driving one policy.
 pub struct KvfleetPolicy {
@@ -24,6 +24,11 @@ pub struct KvfleetPolicy {
     slot: Vec<usize>,
     /// The last decision's pull: (simulated source worker, end block).
     pull: Option<(usize, usize)>,
+    /// Requests in flight, by the token `route` handed out: (prefill tokens,
+    /// reservation), so their end releases both as the live router's does.
+    in_flight: Vec<(usize, Option<ReservationId>)>,
+    /// Tokens of finished requests, for reuse.
+    free_tokens: Vec<usize>,
 }
 
 impl KvfleetPolicy {
@@ -49,6 +54,8 @@ impl KvfleetPolicy {
             ids,
             slot,
             pull: None,
+            in_flight: Vec::new(),
+            free_tokens: Vec::new(),
         })
     }
 
@@ -61,6 +68,20 @@ impl KvfleetPolicy {
         let _ = self
             .router
             .update_load(&self.ids[w], workers[w].load_report());
+    }
+
+    /// The token `route` hands back for a request, remembering what its end releases.
+    fn issue_token(&mut self, entry: (usize, Option<ReservationId>)) -> usize {
+        match self.free_tokens.pop() {
+            Some(t) => {
+                self.in_flight[t] = entry;
+                t
+            }
+            None => {
+                self.in_flight.push(entry);
+                self.in_flight.len() - 1
+            }
+        }
     }
 
     fn event(&mut self, w: usize, make: impl FnOnce(u64) -> KvEvent) {
@@ -80,11 +101,12 @@ impl SimRouter for KvfleetPolicy {
         {
             Ok(d) => {
                 self.pull = d.pull.map(|p| (self.slot[p.from_idx.index()], p.end_block));
-                (self.slot[d.worker_idx.index()], d.prefill_tokens)
+                let token = self.issue_token((d.prefill_tokens, d.reservation));
+                (self.slot[d.worker_idx.index()], token)
             }
             Err(_) => {
                 self.pull = None;
-                (0, 0)
+                (0, self.issue_token((0, None)))
             }
         }
     }
@@ -142,8 +164,13 @@ impl SimRouter for KvfleetPolicy {
         self.report(w, workers);
     }
 
-    fn on_finished(&mut self, w: usize, token: usize, workers: &[SimWorker]) {
-        let _ = self.router.request_finished(&self.ids[w], token);
+    fn on_finished(&mut self, w: usize, token: usize, workers: &[SimWorker], now_ms: f64) {
+        let (prefill, reservation) = self.in_flight.get(token).copied().unwrap_or((0, None));
+        self.free_tokens.push(token);
+        let _ = self.router.request_finished(&self.ids[w], prefill);
+        if let Some(id) = reservation {
+            self.router.request_ended(id, now_ms as u64);
+        }
         self.report(w, workers);
     }
 }

@@ -419,8 +419,8 @@ pub trait SimRouter {
     }
     /// Worker `w`'s queues changed.
     fn on_load_changed(&mut self, _w: usize, _workers: &[SimWorker]) {}
-    /// A request routed with `token` finished on `w`.
-    fn on_finished(&mut self, _w: usize, _token: usize, _workers: &[SimWorker]) {}
+    /// A request routed with `token` finished on `w` at `now_ms`.
+    fn on_finished(&mut self, _w: usize, _token: usize, _workers: &[SimWorker], _now_ms: f64) {}
     /// The pull the last [`route`](Self::route) planned: (worker to pull from, one
     /// past the last block to pull); `None` for no pull (every baseline).
     fn take_pull(&mut self) -> Option<(usize, usize)> {
@@ -906,7 +906,7 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                 }
                 st[i].done = true;
                 finished += 1;
-                router.on_finished(w, st[i].token, &workers);
+                router.on_finished(w, st[i].token, &workers, now);
                 if let Some(kids) = parked.remove(&i) {
                     for k in kids {
                         events.push(now, Ev::Arrive(k));

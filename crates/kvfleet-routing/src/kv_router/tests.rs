@@ -102,6 +102,23 @@ fn a_sibling_waits_behind_its_prefix_being_computed_but_not_behind_other_work() 
 }
 
 #[test]
+fn a_sibling_finds_its_prefix_queued_longer_than_thirty_seconds() {
+    // On a slow or loaded fleet the first sibling may still be queued 40 s after it
+    // was routed: its prefix is still coming, so the next sibling follows it rather
+    // than computing it again on the idle lane (a 30 s TTL forgot it).
+    let kids = fork_children(8_000, 160, 2);
+    let mut r = router(2);
+    let first = r
+        .route(&kids[0].0, kids[0].1, PolicyKind::CacheAware, 0)
+        .unwrap();
+    let second = r
+        .route(&kids[1].0, kids[1].1, PolicyKind::CacheAware, 40_000)
+        .unwrap();
+    assert_eq!(second.worker, first.worker);
+    assert_eq!(second.predicted_cached_tokens, 8_000);
+}
+
+#[test]
 fn round_robin_spreads_fork_siblings() {
     let mut r = router(5);
     let kids = fork_children(4_000, 200, 5);
