@@ -72,19 +72,10 @@ fn fork_siblings_follow_the_first_under_cache_aware() {
 
 #[test]
 fn a_sibling_waits_behind_its_prefix_being_computed_but_not_behind_other_work() {
-    let kids = fork_children(8_000, 160, 2);
     // The first sibling is computing the 500-block prefix: waiting behind it (8,160
     // queued + 2 × 160 + 16) beats recomputing the prefix on the idle lane, which
     // would end no wait (1.5 × 8,160).
-    let mut r = router(2);
-    let first = r
-        .route(&kids[0].0, kids[0].1, PolicyKind::CacheAware, 0)
-        .unwrap();
-    let second = r
-        .route(&kids[1].0, kids[1].1, PolicyKind::CacheAware, 0)
-        .unwrap();
-    assert_eq!(second.worker, first.worker);
-    assert_eq!(second.predicted_cached_tokens, 8_000);
+    let kids = second_sibling_follows_the_first(0);
     // The prefix already computed on w0, whose lane is busy with as much other work:
     // the idle lane starts sooner and takes the sibling (0.9 × 8,160 < 8,496).
     let mut r = router(2);
@@ -106,16 +97,24 @@ fn a_sibling_finds_its_prefix_queued_longer_than_thirty_seconds() {
     // On a slow or loaded fleet the first sibling may still be queued 40 s after it
     // was routed: its prefix is still coming, so the next sibling follows it rather
     // than computing it again on the idle lane (a 30 s TTL forgot it).
+    second_sibling_follows_the_first(40_000);
+}
+
+/// Routes two fork siblings of an 8,000-token prefix over two idle workers, the second
+/// `later_ms` after the first, and checks that the second follows the first onto the
+/// prefix it is computing; returns the siblings.
+fn second_sibling_follows_the_first(later_ms: u64) -> Vec<(Vec<BlockHash>, usize)> {
     let kids = fork_children(8_000, 160, 2);
     let mut r = router(2);
     let first = r
         .route(&kids[0].0, kids[0].1, PolicyKind::CacheAware, 0)
         .unwrap();
     let second = r
-        .route(&kids[1].0, kids[1].1, PolicyKind::CacheAware, 40_000)
+        .route(&kids[1].0, kids[1].1, PolicyKind::CacheAware, later_ms)
         .unwrap();
     assert_eq!(second.worker, first.worker);
     assert_eq!(second.predicted_cached_tokens, 8_000);
+    kids
 }
 
 #[test]
