@@ -136,6 +136,14 @@ pub fn run(args: SimArgs) -> Result<()> {
         args.host_blocks + args.disk_blocks,
         &cost,
     );
+    // Worked out once: every policy's run uses the same weights.
+    let cache_aware = with_overrides(
+        CacheAwareConfig {
+            pull_trigger: args.peer_pull_trigger,
+            ..CacheAwareConfig::default()
+        },
+        args.cache_aware_config.as_ref(),
+    )?;
     let mut results = Vec::new();
     for p in policies {
         let mut cfg = SimConfig::new(args.workers, args.cache_blocks, p);
@@ -144,13 +152,7 @@ pub fn run(args: SimArgs) -> Result<()> {
         cfg.disk_blocks = args.disk_blocks;
         cfg.tier_scoring = args.tier_scoring;
         cfg.hold_blocks = args.hold_blocks;
-        cfg.router.cache_aware = with_overrides(
-            CacheAwareConfig {
-                pull_trigger: args.peer_pull_trigger,
-                ..CacheAwareConfig::default()
-            },
-            args.cache_aware_config.as_ref(),
-        )?;
+        cfg.router.cache_aware = cache_aware.clone();
         cfg.peer_pull_min_blocks = args
             .peer_pull_min_blocks
             .unwrap_or_else(|| default_peer_pull_min_blocks(trace.block_size()));
