@@ -283,6 +283,10 @@ pub struct RoutingArgs {
     /// pulls are priced.
     #[arg(long, default_value_t = 8_000.0, value_parser = positive_f64)]
     pub prefill_tokens_per_s: f64,
+    /// One worker's fixed cost per prefill (ms), on top of its tokens: the pull
+    /// trigger counts it for every prefill queued ahead of a request.
+    #[arg(long, default_value_t = 20.0, value_parser = non_negative_f64)]
+    pub prefill_overhead_ms: f64,
     /// Bytes of KV blocks each tenant may keep pinned (Anthropic `cache_control`
     /// breakpoints pin their prefix for the `ttl`): a pin past it is served unpinned
     /// and the response says so (`x-kvfleet-pin: refused; reason=over-budget`). A
@@ -300,6 +304,14 @@ pub fn parse_pull_trigger(s: &str) -> Result<PullTrigger, String> {
         "idle-wait" => Ok(PullTrigger::IdleWait),
         "cost" => Ok(PullTrigger::Cost),
         _ => Err(format!("{s:?} is not a pull trigger (idle-wait or cost)")),
+    }
+}
+
+/// Parses a duration flag: a finite number of at least zero.
+fn non_negative_f64(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(v) if v.is_finite() && v >= 0.0 => Ok(v),
+        _ => Err(format!("{s:?} is not a number of at least 0")),
     }
 }
 
@@ -356,6 +368,7 @@ impl RoutingArgs {
                 host_bytes_per_s: self.host_bandwidth_gbs * 1e9,
                 disk_bytes_per_s: self.disk_bandwidth_gbs * 1e9,
                 prefill_tokens_per_s: self.prefill_tokens_per_s,
+                prefill_overhead_ms: self.prefill_overhead_ms,
                 ..TierCostConfig::default()
             },
             pull_trigger: self.peer_pull_trigger,
@@ -484,8 +497,11 @@ mod tests {
             "3",
             "--peer-pull-trigger",
             "cost",
+            "--prefill-overhead-ms",
+            "45",
         ]);
         assert_eq!((c.idle_prefill_weight, c.wait_ending_ratio), (1.2, 0.5));
+        assert_eq!(c.tiers.prefill_overhead_ms, 45.0);
         assert_eq!(c.tiers.peer_pull_min_blocks, 3);
         assert_eq!(c.pull_trigger, PullTrigger::Cost);
         let defaults = cache_aware(&[]);
@@ -497,6 +513,8 @@ mod tests {
             defaults.tiers.peer_pull_min_blocks,
             default_peer_pull_min_blocks(16)
         );
+        assert_eq!(defaults.tiers.prefill_overhead_ms, 20.0);
+        assert!(Routing::try_parse_from(["kvfleet", "--prefill-overhead-ms", "-1"]).is_err());
         let refused = Routing::try_parse_from([
             "kvfleet",
             "--cache-aware-config",

@@ -217,6 +217,36 @@ fn the_sweep_checks_cache_aware_against_the_best_other_policy() {
     }
 }
 
+/// The sweep's `short` family (fork children of ~120 tokens) at 64 workers, light
+/// load, with pulls of any whole block: each child queued behind its siblings waits
+/// their fixed 20 ms overheads, which the token backlog leaves out. Counting them, the
+/// pull trigger moves a child that would wait past a cold start to an idle lane that
+/// pulls the prefix, so nobody waits avoidably and the hits stay at the ceiling
+/// (blind to them, on `be8ab7b`: 765 avoidable waits).
+#[test]
+fn short_fork_children_do_not_wait_behind_their_siblings_overheads() {
+    use kvfleet_bench::sweep::{run_sweep, SweepConfig};
+    let cfg = SweepConfig {
+        workers: vec![64],
+        loads: vec![("light".into(), 0.5)],
+        policies: vec![SimPolicy::Kvfleet(PolicyKind::CacheAware)],
+        cost: CostModel::h200_llama8b(),
+        router: kvfleet_routing::RouterConfig::default(),
+        sessions_per_worker: 4,
+        min_sessions: 100,
+        seed: 1,
+        mooncake: None,
+        only: vec!["short".into()],
+        peer_pull_min_blocks: Some(1),
+        hold_blocks: false,
+    };
+    let rows = run_sweep(&cfg).unwrap();
+    assert_eq!(rows.len(), 1);
+    let r = &rows[0].result;
+    assert_eq!(r.avoidable_waits, 0, "{r:?}");
+    assert!(r.hit_ratio > 0.72, "hit ratio {}", r.hit_ratio);
+}
+
 /// A conversation trace whose live sessions outgrow a small device pool.
 fn small_conversation() -> Trace {
     generate(&GenConfig {

@@ -78,6 +78,18 @@ impl WorkerLoad {
             .max(self.inflight_requests)
     }
 
+    /// Prefills a new request would wait behind: the worker's waiting requests, those
+    /// this router sent since its last report, and the one it is computing (when its
+    /// backlog is not empty). Each costs the engine a fixed overhead on top of its
+    /// tokens, which the token backlog leaves out. A request sent since the report
+    /// counts until the next one, even if its first token came: an overestimate of at
+    /// most one poll interval.
+    pub fn prefills_ahead(&self) -> usize {
+        self.waiting
+            .saturating_add(self.requests_since_poll)
+            .saturating_add(usize::from(self.prefill_backlog_tokens() > 0))
+    }
+
     /// KV blocks in use by running sequences, in sixteenths of the pool
     /// (`0..=USAGE_LEVELS`; 0 when unknown), as the memory price reads it.
     pub fn usage_level(&self) -> u8 {
@@ -170,6 +182,8 @@ pub const USAGE_LEVELS: u8 = 16;
 pub struct CandidateLoad {
     active_sequences: usize,
     prefill_backlog_tokens: usize,
+    // u32, so the load still fits the 16 bytes beside the two counts.
+    prefills_ahead: u32,
     usage_level: u8,
 }
 
@@ -180,8 +194,22 @@ impl CandidateLoad {
         CandidateLoad {
             active_sequences,
             prefill_backlog_tokens,
+            prefills_ahead: 0,
             usage_level: 0,
         }
+    }
+
+    /// This load with `n` prefills queued or running ahead of a new request
+    /// (saturating at `u32::MAX`).
+    pub fn with_prefills_ahead(mut self, n: usize) -> Self {
+        self.prefills_ahead = u32::try_from(n).unwrap_or(u32::MAX);
+        self
+    }
+
+    /// See [`WorkerLoad::prefills_ahead`] (0 unless set).
+    #[inline]
+    pub fn prefills_ahead(&self) -> usize {
+        self.prefills_ahead as usize
     }
 
     /// This load with `level` sixteenths of the KV pool in use (capped at
@@ -214,12 +242,37 @@ impl From<&WorkerLoad> for CandidateLoad {
     fn from(l: &WorkerLoad) -> Self {
         CandidateLoad::new(l.active_sequences(), l.prefill_backlog_tokens())
             .with_usage_level(l.usage_level())
+            .with_prefills_ahead(l.prefills_ahead())
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn prefills_ahead_count_the_queue_what_was_sent_since_and_the_one_computing() {
+        let mut l = WorkerLoad::default();
+        assert_eq!(l.prefills_ahead(), 0);
+        // One prefill computing (its tokens in the backlog), two waiting.
+        l.apply_report(&WorkerLoad {
+            running: 3,
+            waiting: 2,
+            queued_prefill_tokens: 400,
+            ..WorkerLoad::default()
+        });
+        assert_eq!(l.prefills_ahead(), 3);
+        // A request this router sent since: one more ahead of the next.
+        l.start_request(50);
+        assert_eq!(l.prefills_ahead(), 4);
+        assert_eq!(CandidateLoad::from(&l).prefills_ahead(), 4);
+        // An idle lane decoding: nothing ahead.
+        l.apply_report(&WorkerLoad {
+            running: 3,
+            ..WorkerLoad::default()
+        });
+        assert_eq!(l.prefills_ahead(), 0);
+    }
 
     #[test]
     fn reports_and_router_work_combine() {

@@ -20,6 +20,7 @@ pub fn tier_pricing(
         peer_bytes_per_s: cost.peer_bytes_per_s,
         peer_pull_min_blocks,
         prefill_tokens_per_s: cost.prefill_tokens_per_s,
+        prefill_overhead_ms: cost.prefill_overhead_ms,
         ..Default::default()
     }
 }

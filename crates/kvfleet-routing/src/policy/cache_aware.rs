@@ -202,7 +202,9 @@ pub enum PullTrigger {
     /// longer than a cold start on an idle lane, and the pulled start there is
     /// sooner still. Copies are made only to end such a wait, so they crowd the
     /// pools less (docs/policy-sweep.head.md: 18 of 54 groups meet all three
-    /// targets at 8-64 workers, against 16 with `cost` and 12 without pulls).
+    /// targets at 8-64 workers, against 16 with `cost` and 12 without pulls). The
+    /// wait counts the fixed overhead of every prefill ahead
+    /// ([`TierCostConfig::prefill_overhead_ms`]).
     #[default]
     IdleWait,
 }
@@ -536,10 +538,16 @@ impl RoutingPolicy for CacheAware {
 
 impl CacheAware {
     /// Tokens `c` must compute (or load) before this request's first token: its
-    /// backlog, then the request's own prefill, with or without the blocks it could
-    /// pull.
+    /// backlog with the fixed overhead of each prefill ahead
+    /// ([`TierCostConfig::prefill_overhead_tokens`]), then the request's own prefill,
+    /// with or without the blocks it could pull. The overhead matters where prompts
+    /// are short: four fork children of 120 tokens queued on their prefix's holder
+    /// wait 20 ms each behind one another for 15 ms of tokens, which the backlog
+    /// alone puts at 2 ms.
     fn time_to_first_token(&self, ctx: &RouteContext<'_>, c: &Candidate, pulls: bool) -> f64 {
-        c.load.prefill_backlog_tokens() as f64 + self.own_prefill(ctx, c, pulls).1
+        c.load.prefill_backlog_tokens() as f64
+            + self.config.tiers.prefill_overhead_tokens() * c.load.prefills_ahead() as f64
+            + self.own_prefill(ctx, c, pulls).1
     }
 
     /// [`PullTrigger::IdleWait`]: the idle prefill lane that pulls the prompt's prefix,
@@ -1097,6 +1105,44 @@ mod tests {
             ..CacheAwareConfig::default()
         });
         assert_eq!(off.select(&ctx(&c, 101)).unwrap().worker, WorkerIdx(0));
+    }
+
+    #[test]
+    fn the_idle_wait_trigger_counts_the_overhead_of_each_prefill_ahead() {
+        // A fork child of 8 blocks (129 tokens): w0 holds 7 and is computing one short
+        // prefill (16 tokens left) with another queued; w1's lane is idle. In tokens
+        // alone the wait on w0 is 16 + 17 = 33, under a cold start on w1 (129); but
+        // each prefill ahead also costs the engine 20 ms (160 tokens at 8,000/s), so
+        // the child really waits 353: w1 pulls the 7 blocks and starts in about 26.
+        let c = [
+            Candidate {
+                load: CandidateLoad::new(2, 16).with_prefills_ahead(2),
+                ..cand(0, 16, 2, 7)
+            },
+            cand(1, 0, 0, 0),
+        ];
+        let route = |overhead_ms: f64| {
+            let mut ctx = ctx(&c, 8);
+            ctx.peer_source = Some(PeerSource {
+                worker: WorkerIdx(0),
+                blocks: 7,
+            });
+            let mut p = CacheAware::new(CacheAwareConfig {
+                pull_trigger: PullTrigger::IdleWait,
+                tiers: TierCostConfig {
+                    peer_pull_min_blocks: 1,
+                    prefill_overhead_ms: overhead_ms,
+                    ..TierCostConfig::default()
+                },
+                ..CacheAwareConfig::default()
+            });
+            p.select(&ctx).unwrap()
+        };
+        let sel = route(20.0);
+        assert_eq!(sel.worker, WorkerIdx(1));
+        assert_eq!(sel.spilled_from, Some(WorkerIdx(0)));
+        // Blind to the overhead, the trigger leaves it queued on w0.
+        assert_eq!(route(0.0).worker, WorkerIdx(0));
     }
 
     #[test]

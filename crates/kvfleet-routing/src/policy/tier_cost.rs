@@ -77,6 +77,10 @@ pub struct TierCostConfig {
     pub disk_bytes_per_s: f64,
     /// Prefill throughput of one worker, tokens/s (default 8,000).
     pub prefill_tokens_per_s: f64,
+    /// Fixed cost of each prefill on a worker, ms, on top of its tokens (default 20,
+    /// the simulator's `h200-llama8b` estimate). The pull trigger adds it for every
+    /// prefill queued or running ahead of a request (see `PullTrigger::IdleWait`).
+    pub prefill_overhead_ms: f64,
     /// Fraction of a recompute a host token saves under `discount` (default 0.75).
     pub host_discount: f64,
     /// Fraction of a recompute a disk token saves under `discount` (default 0.25).
@@ -96,6 +100,7 @@ impl Default for TierCostConfig {
             host_bytes_per_s: 50e9,
             disk_bytes_per_s: 5e9,
             prefill_tokens_per_s: 8_000.0,
+            prefill_overhead_ms: 20.0,
             host_discount: 0.75,
             disk_discount: 0.25,
             peer_bytes_per_s: 12.5e9,
@@ -105,6 +110,18 @@ impl Default for TierCostConfig {
 }
 
 impl TierCostConfig {
+    /// [`prefill_overhead_ms`](Self::prefill_overhead_ms) in prompt-token equivalents
+    /// at [`prefill_tokens_per_s`](Self::prefill_tokens_per_s) (0 when either is not a
+    /// finite number above 0).
+    pub fn prefill_overhead_tokens(&self) -> f64 {
+        let t = self.prefill_overhead_ms * self.prefill_tokens_per_s / 1000.0;
+        if t.is_finite() && t > 0.0 {
+            t
+        } else {
+            0.0
+        }
+    }
+
     /// The cost of one token found in tier `m`, as a fraction of recomputing it, in
     /// `[0, 1]` (0 for the device; 1 when the tier is no faster than recompute or the
     /// knobs are not finite and positive).
@@ -166,6 +183,25 @@ impl TierCostConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_prefill_overhead_is_priced_in_tokens_at_the_prefill_rate() {
+        let t = TierCostConfig::default();
+        assert_eq!(t.prefill_overhead_tokens(), 160.0);
+        let cpu = TierCostConfig {
+            prefill_tokens_per_s: 1_340.0,
+            prefill_overhead_ms: 45.0,
+            ..TierCostConfig::default()
+        };
+        assert!((cpu.prefill_overhead_tokens() - 60.3).abs() < 1e-9);
+        for bad in [f64::NAN, -1.0, f64::INFINITY] {
+            let t = TierCostConfig {
+                prefill_overhead_ms: bad,
+                ..TierCostConfig::default()
+            };
+            assert_eq!(t.prefill_overhead_tokens(), 0.0);
+        }
+    }
 
     #[test]
     fn load_time_pricing_follows_bandwidth_and_never_beats_the_device() {
