@@ -2,21 +2,28 @@
 """Cross-worker prefix transfer vs recompute, on the real default model.
 
 Starts two `kvfleet worker` processes and a `kvfleet router` with its defaults (peer
-pulls on), then for each of REPS fresh prompts of about TOKENS tokens:
+pulls on), then for each size in TOKENS (comma-separated), REPS fresh prompts of about
+that many tokens:
   1. sends it to one worker (cold: the whole prompt is computed there);
   2. sends it again, round-robin, so it lands on the other worker, which pulls the
      prefix blocks from the first over gRPC (FetchBlocks) instead of recomputing;
-and reports both latencies (max_tokens=1, so latency ~ TTFT) and their ratio, side by
-side in one run. Then the `idle-wait` trigger with `cache-aware`: a fresh prompt is
-computed on one worker, that worker is given a long cold prompt (BUSY_TOKENS), and the
-fresh prompt is sent again while the long one is in prefill; it should go to the idle
-worker and pull its prefix there rather than queue behind the long prefill.
+  3. sends it a third time: back on the first worker, a local cache hit;
+and reports the latencies (max_tokens=1, so latency ~ TTFT) side by side in one run:
+what the pull adds over a local hit (transfer and both engines' hand-offs) against
+what recomputing adds, the ratio the router's default pull minimum rests on
+(`DEFAULT_PEER_PULL_MIN_TOKENS`). Then the `idle-wait` trigger with `cache-aware`: a
+fresh prompt is computed on one worker, that worker is given a long cold prompt
+(BUSY_TOKENS), and the fresh prompt is sent again while the long one is in prefill; it
+should go to the idle worker and pull its prefix there rather than queue behind the
+long prefill.
 Usage: scripts/bench_peer_pull.py [BIN] (default target/release/kvfleet).
 """
 import json, os, subprocess, sys, threading, time, urllib.request
 
 BIN = sys.argv[1] if len(sys.argv) > 1 else "target/release/kvfleet"
-TOKENS = int(os.environ.get("TOKENS", "2650"))  # words ~ 2,070 SmolLM2 tokens
+# Prompt sizes in SmolLM2 tokens (about 1.3 per word).
+SIZES = [int(x) for x in os.environ.get("TOKENS", "64,500,2070").split(",")]
+TOKENS = SIZES[-1]
 REPS = int(os.environ.get("REPS", "3"))
 BUSY_TOKENS = int(os.environ.get("BUSY_TOKENS", "6000"))
 
@@ -73,17 +80,24 @@ def main():
         ask(url, "warm up")
         ask(url, "warm up too")
         rows = []
-        for i in range(REPS):
-            text = words(100 + i, int(TOKENS / 1.3))
-            cold_t, cw, cu = ask(url, text)
-            time.sleep(1.0)  # the router's index learns the first worker's blocks
-            pull_t, pw, pu = ask(url, text)
-            rows.append((cu["prompt_tokens"], cold_t, cw, pull_t, pw,
-                         pu["prompt_tokens_details"]["cached_tokens"]))
-        print("| prompt tokens | cold (s) | worker | pulled (s) | worker | cached | cold ÷ pulled |")
-        print("|---:|---:|---|---:|---|---:|---:|")
-        for p, ct, cw, pt, pw, c in rows:
-            print(f"| {p} | {ct:.3f} | {cw} | {pt:.3f} | {pw} | {c} | {ct / pt:.1f}× |")
+        for k, size in enumerate(SIZES):
+            for i in range(REPS):
+                text = words(100 + 10 * k + i, max(1, int(size / 1.3)))
+                cold_t, cw, cu = ask(url, text)
+                time.sleep(1.0)  # the router's index learns the first worker's blocks
+                pull_t, pw, pu = ask(url, text)
+                time.sleep(0.3)
+                hit_t, hw, _ = ask(url, text)
+                if hw != cw:  # round-robin out of step: not a local hit
+                    continue
+                rows.append((cu["prompt_tokens"], cold_t, cw, pull_t, pw,
+                             pu["prompt_tokens_details"]["cached_tokens"], hit_t))
+        print("| prompt tokens | cold (s) | worker | pulled (s) | worker | cached | local hit (s) "
+              "| pull adds (ms) | recompute adds (ms) | cold ÷ pulled |")
+        print("|---:|---:|---|---:|---|---:|---:|---:|---:|---:|")
+        for p, ct, cw, pt, pw, c, ht in rows:
+            print(f"| {p} | {ct:.3f} | {cw} | {pt:.3f} | {pw} | {c} | {ht:.3f} | "
+                  f"{(pt - ht) * 1000:.1f} | {(ct - ht) * 1000:.1f} | {ct / pt:.1f}× |")
 
         # The idle-wait trigger: the holder busy with a long cold prefill.
         text = words(900, int(TOKENS / 1.3))

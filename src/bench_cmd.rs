@@ -339,7 +339,7 @@ pub struct SweepArgs {
     #[arg(long)]
     cost_model: Option<PathBuf>,
     /// `cache-aware` pulls a prefix from a peer when that gains it at least this many
-    /// blocks (0: no pulls; default: as `kvfleet router` does, 256 tokens' worth in
+    /// blocks (0: no pulls; default: as `kvfleet router` does, 16 tokens' worth in
     /// the trace's blocks); the baselines never pull.
     #[arg(long)]
     peer_pull_min_blocks: Option<usize>,
@@ -376,7 +376,7 @@ pub struct MatrixArgs {
     #[arg(long)]
     cost_model: Option<PathBuf>,
     /// `cache-aware` pulls a prefix from a peer when that gains it at least this many
-    /// blocks (0: no pulls; default: as `kvfleet router` does, 256 tokens' worth in
+    /// blocks (0: no pulls; default: as `kvfleet router` does, 16 tokens' worth in
     /// the trace's blocks); the baselines never pull.
     #[arg(long)]
     peer_pull_min_blocks: Option<usize>,

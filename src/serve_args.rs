@@ -254,7 +254,7 @@ pub struct RoutingArgs {
     /// Let the chosen worker pull a prompt's prefix blocks from the worker that holds
     /// them (gRPC FetchBlocks) when that one holds at least this many more blocks;
     /// `cache-aware` moves a request to pull only to end a wait longer than a cold
-    /// start (`--peer-pull-trigger`). Default: 256 tokens' worth (16 blocks of 16
+    /// start (`--peer-pull-trigger`). Default: 16 tokens' worth (one block of 16
     /// tokens). 0 recomputes instead; use it where workers cannot reach each other's
     /// gRPC port. Workers of the simulated engine never pull.
     #[arg(long)]

@@ -36,7 +36,7 @@ pub struct SimArgs {
     tier_scoring: TierScoring,
     /// kvfleet's router pulls a prompt's prefix from the worker holding it when that
     /// saves at least this many blocks, priced by the cost model's peer bandwidth
-    /// (0: no pulls; default: as `kvfleet router` does, 256 tokens' worth in the
+    /// (0: no pulls; default: as `kvfleet router` does, 16 tokens' worth in the
     /// trace's blocks).
     #[arg(long)]
     peer_pull_min_blocks: Option<usize>,

@@ -34,11 +34,16 @@ use kvfleet_core::kv_events::Medium;
 use serde::{Deserialize, Serialize};
 
 /// The smallest prefix, in tokens, that `kvfleet router` and `kvfleet up` pull from a
-/// peer by default (`--peer-pull-min-blocks` unset): below it a transfer's round trip
-/// costs about what recomputing saves (256 tokens are 32 ms of prefill at 8,000
-/// tokens/s). The core's own [`TierCostConfig::default`] keeps pulls off: only the
-/// deployment knows whether its workers can reach each other.
-pub const DEFAULT_PEER_PULL_MIN_TOKENS: usize = 256;
+/// peer by default (`--peer-pull-min-blocks` unset): one block of the engine's 16
+/// tokens. A pull's round trip is small next to recomputing even that little:
+/// `scripts/bench_peer_pull.py` measured SmolLM2-135M on the CPU engine pulling 48
+/// cached tokens in 6 ms against 48 ms to recompute them (the tiny preset's bare
+/// round trip: 1.5 ms), and the pull trigger moves a request only to end a wait.
+/// (It was 256 tokens, on an unmeasured guess of a 32 ms round trip; that kept the
+/// ~100-token prefixes of short fork children from being pulled.) The core's own
+/// [`TierCostConfig::default`] keeps pulls off: only the deployment knows whether its
+/// workers can reach each other.
+pub const DEFAULT_PEER_PULL_MIN_TOKENS: usize = 16;
 
 /// [`DEFAULT_PEER_PULL_MIN_TOKENS`] in whole blocks of `block_size` tokens (at least 1):
 /// the serving default of `peer_pull_min_blocks`.
@@ -259,11 +264,11 @@ mod tests {
     }
 
     #[test]
-    fn the_serving_default_pulls_256_tokens_or_more_in_whole_blocks() {
-        assert_eq!(default_peer_pull_min_blocks(16), 16);
-        assert_eq!(default_peer_pull_min_blocks(100), 3);
-        // A trace's 512-token blocks: one block is already past 256 tokens.
+    fn the_serving_default_pulls_16_tokens_or_more_in_whole_blocks() {
+        assert_eq!(default_peer_pull_min_blocks(16), 1);
+        assert_eq!(default_peer_pull_min_blocks(8), 2);
+        assert_eq!(default_peer_pull_min_blocks(100), 1);
         assert_eq!(default_peer_pull_min_blocks(512), 1);
-        assert_eq!(default_peer_pull_min_blocks(0), 256);
+        assert_eq!(default_peer_pull_min_blocks(0), 16);
     }
 }
