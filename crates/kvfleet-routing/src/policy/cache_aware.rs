@@ -1067,16 +1067,27 @@ mod tests {
     /// `cache-aware` with the idle-wait trigger and pulls on, choosing among `c` for a
     /// 101-block prompt whose first 100 blocks w0 can hand over.
     fn select_idle_wait_pulling_from_w0(c: &[Candidate]) -> Selection {
-        let mut ctx = ctx(c, 101);
+        select_idle_wait_pulling(c, 101, 100, TierCostConfig::default())
+    }
+
+    /// The same for a `blocks`-block prompt whose first `held` blocks w0 can hand
+    /// over, with `tiers` (pulls of 1 block or more).
+    fn select_idle_wait_pulling(
+        c: &[Candidate],
+        blocks: usize,
+        held: usize,
+        tiers: TierCostConfig,
+    ) -> Selection {
+        let mut ctx = ctx(c, blocks);
         ctx.peer_source = Some(PeerSource {
             worker: WorkerIdx(0),
-            blocks: 100,
+            blocks: held,
         });
         let mut p = CacheAware::new(CacheAwareConfig {
             pull_trigger: PullTrigger::IdleWait,
             tiers: TierCostConfig {
                 peer_pull_min_blocks: 1,
-                ..TierCostConfig::default()
+                ..tiers
             },
             ..CacheAwareConfig::default()
         });
@@ -1122,21 +1133,11 @@ mod tests {
             cand(1, 0, 0, 0),
         ];
         let route = |overhead_ms: f64| {
-            let mut ctx = ctx(&c, 8);
-            ctx.peer_source = Some(PeerSource {
-                worker: WorkerIdx(0),
-                blocks: 7,
-            });
-            let mut p = CacheAware::new(CacheAwareConfig {
-                pull_trigger: PullTrigger::IdleWait,
-                tiers: TierCostConfig {
-                    peer_pull_min_blocks: 1,
-                    prefill_overhead_ms: overhead_ms,
-                    ..TierCostConfig::default()
-                },
-                ..CacheAwareConfig::default()
-            });
-            p.select(&ctx).unwrap()
+            let tiers = TierCostConfig {
+                prefill_overhead_ms: overhead_ms,
+                ..TierCostConfig::default()
+            };
+            select_idle_wait_pulling(&c, 8, 7, tiers)
         };
         let sel = route(20.0);
         assert_eq!(sel.worker, WorkerIdx(1));
