@@ -307,20 +307,22 @@ pub fn parse_pull_trigger(s: &str) -> Result<PullTrigger, String> {
     }
 }
 
+/// Parses a finite number that `ok` accepts; otherwise says it is not `what`.
+fn finite_f64(s: &str, ok: fn(f64) -> bool, what: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(v) if v.is_finite() && ok(v) => Ok(v),
+        _ => Err(format!("{s:?} is not {what}")),
+    }
+}
+
 /// Parses a duration flag: a finite number of at least zero.
 fn non_negative_f64(s: &str) -> Result<f64, String> {
-    match s.trim().parse::<f64>() {
-        Ok(v) if v.is_finite() && v >= 0.0 => Ok(v),
-        _ => Err(format!("{s:?} is not a number of at least 0")),
-    }
+    finite_f64(s, |v| v >= 0.0, "a number of at least 0")
 }
 
 /// Parses a rate flag: a finite number above zero.
 fn positive_f64(s: &str) -> Result<f64, String> {
-    match s.trim().parse::<f64>() {
-        Ok(v) if v.is_finite() && v > 0.0 => Ok(v),
-        _ => Err(format!("{s:?} is not a positive number")),
-    }
+    finite_f64(s, |v| v > 0.0, "a positive number")
 }
 
 impl RoutingArgs {
