@@ -182,7 +182,7 @@ pub const USAGE_LEVELS: u8 = 16;
 pub struct CandidateLoad {
     active_sequences: usize,
     prefill_backlog_tokens: usize,
-    // u32, so the load still fits the 16 bytes beside the two counts.
+    // u32: it takes what was padding after the two counts, so the load keeps its size.
     prefills_ahead: u32,
     usage_level: u8,
 }

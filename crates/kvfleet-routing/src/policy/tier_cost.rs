@@ -36,9 +36,9 @@ use serde::{Deserialize, Serialize};
 /// The smallest prefix, in tokens, that `kvfleet router` and `kvfleet up` pull from a
 /// peer by default (`--peer-pull-min-blocks` unset): one block of the engine's 16
 /// tokens. A pull's round trip is small next to recomputing even that little:
-/// `scripts/bench_peer_pull.py` measured SmolLM2-135M on the CPU engine pulling 48
-/// cached tokens in 6 ms against 48 ms to recompute them (the tiny preset's bare
-/// round trip: 1.5 ms), and the pull trigger moves a request only to end a wait.
+/// `scripts/bench_peer_pull.py` (docs/kv-tiers.md) measured SmolLM2-135M on the CPU
+/// engine adding 14.8 ms over a local hit to pull 64 cached tokens, where recomputing
+/// them adds 61.2 ms; and the pull trigger moves a request only to end a wait.
 /// (It was 256 tokens, on an unmeasured guess of a 32 ms round trip; that kept the
 /// ~100-token prefixes of short fork children from being pulled.) The core's own
 /// [`TierCostConfig::default`] keeps pulls off: only the deployment knows whether its
