@@ -349,6 +349,11 @@ pub struct SweepArgs {
     /// (default: held blocks may be evicted and prefill never waits for memory).
     #[arg(long)]
     hold_blocks: bool,
+    /// Take each request's cached prefix when its prefill starts, as an engine admits
+    /// a waiting sequence (default: when it is queued, so a router sees the evictions
+    /// of the requests queued ahead of a new one before they happen).
+    #[arg(long)]
+    hits_at_admission: bool,
     /// Write the Markdown page here (default: print it).
     #[arg(long)]
     doc: Option<PathBuf>,
@@ -670,6 +675,7 @@ fn run_sweep_cmd(a: SweepArgs) -> Result<()> {
         only: a.only.clone(),
         peer_pull_min_blocks: a.peer_pull_min_blocks,
         hold_blocks: a.hold_blocks,
+        hits_at_admission: a.hits_at_admission,
     };
     let wall = std::time::Instant::now();
     let rows = run_sweep(&cfg)?;
@@ -687,6 +693,11 @@ fn run_sweep_cmd(a: SweepArgs) -> Result<()> {
             .map(|n| format!(" --peer-pull-min-blocks {n}"))
             .unwrap_or_default()
             + if a.hold_blocks { " --hold-blocks" } else { "" }
+            + if a.hits_at_admission {
+                " --hits-at-admission"
+            } else {
+                ""
+            }
             + &a
                 .cost_model
                 .as_ref()

@@ -54,6 +54,11 @@ pub struct SimArgs {
     /// (default: held blocks may be evicted and prefill never waits for memory).
     #[arg(long)]
     hold_blocks: bool,
+    /// Take each request's cached prefix when its prefill starts, as an engine admits
+    /// a waiting sequence (default: when it is queued, so a router sees the evictions
+    /// of the requests queued ahead of a new one before they happen).
+    #[arg(long)]
+    hits_at_admission: bool,
     /// Policies, comma-separated or repeated: cache-aware, round-robin, least-loaded,
     /// consistent-hash, random, sglang-cache-aware, dynamo-kv-cost, sglang-spill,
     /// dynamo-lmetric, or `all`.
@@ -152,6 +157,7 @@ pub fn run(args: SimArgs) -> Result<()> {
         cfg.disk_blocks = args.disk_blocks;
         cfg.tier_scoring = args.tier_scoring;
         cfg.hold_blocks = args.hold_blocks;
+        cfg.hits_at_admission = args.hits_at_admission;
         cfg.router.cache_aware = cache_aware.clone();
         cfg.peer_pull_min_blocks = args
             .peer_pull_min_blocks

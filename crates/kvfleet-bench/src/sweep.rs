@@ -76,6 +76,9 @@ pub struct SweepConfig {
     /// Simulate with every request's blocks held as an engine holds them
     /// ([`SimConfig::hold_blocks`](crate::sim::SimConfig::hold_blocks)).
     pub hold_blocks: bool,
+    /// Simulate with each request's hits taken when its prefill starts
+    /// ([`SimConfig::hits_at_admission`](crate::sim::SimConfig::hits_at_admission)).
+    pub hits_at_admission: bool,
 }
 
 /// The generated family for a fleet of `workers`, each with its memory budget.
@@ -249,6 +252,7 @@ pub fn run_sweep(cfg: &SweepConfig) -> Result<Vec<MatrixRow>> {
             sc.peer_pull_min_blocks =
                 comparison_pull_min_blocks(*p, cfg.peer_pull_min_blocks, j.scaled.block_size());
             sc.hold_blocks = cfg.hold_blocks;
+            sc.hits_at_admission = cfg.hits_at_admission;
             let result = simulate(&j.scaled, &sc)?;
             Ok(MatrixRow {
                 trace: j.trace.clone(),

@@ -198,6 +198,7 @@ fn the_sweep_checks_cache_aware_against_the_best_other_policy() {
         only: vec!["fork".into(), "conversation".into()],
         peer_pull_min_blocks: Some(0),
         hold_blocks: false,
+        hits_at_admission: false,
     };
     let rows = run_sweep(&cfg).unwrap();
     assert_eq!(rows.len(), 2 * 3);
@@ -240,12 +241,43 @@ fn short_fork_children_do_not_wait_behind_their_siblings_overheads() {
         only: vec!["short".into()],
         peer_pull_min_blocks: None,
         hold_blocks: false,
+        hits_at_admission: false,
     };
     let rows = run_sweep(&cfg).unwrap();
     assert_eq!(rows.len(), 1);
     let r = &rows[0].result;
     assert_eq!(r.avoidable_waits, 0, "{r:?}");
     assert!(r.hit_ratio > 0.72, "hit ratio {}", r.hit_ratio);
+}
+
+/// Taking hits when a request's prefill starts changes only what a router sees while
+/// it waits: a worker's pool takes the same chains in the same order either way, so
+/// a router blind to the pools (consistent hashing) or keeping its own (SGLang's
+/// trees) gets the same hits and latencies.
+#[test]
+fn hits_at_admission_change_nothing_for_a_router_blind_to_the_pools() {
+    let t = small_conversation();
+    for policy in [
+        SimPolicy::Kvfleet(PolicyKind::ConsistentHash),
+        SimPolicy::SglangSpill,
+    ] {
+        let mut cfg = SimConfig::new(2, 200, policy);
+        let at_arrival = simulate(&t, &cfg).unwrap();
+        cfg.hits_at_admission = true;
+        let at_admission = simulate(&t, &cfg).unwrap();
+        assert!(
+            at_arrival.hit_blocks > 0 && at_arrival.prefill_tokens > 0,
+            "{policy:?}: {} hits of {}, {} rejected",
+            at_arrival.hit_blocks,
+            at_arrival.total_blocks,
+            at_arrival.rejected
+        );
+        assert_eq!(at_arrival.hit_blocks, at_admission.hit_blocks, "{policy:?}");
+        assert_eq!(
+            at_arrival.ttft_samples, at_admission.ttft_samples,
+            "{policy:?}"
+        );
+    }
 }
 
 /// A conversation trace whose live sessions outgrow a small device pool.

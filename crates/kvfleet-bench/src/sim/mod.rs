@@ -12,6 +12,23 @@
 //! sibling enqueued behind it reuses them too); then its whole chain becomes cached
 //! there. Hit ratios count blocks, as the [`crate::bounds`] do.
 //!
+//! # Hits at admission
+//!
+//! An engine allocates a waiting sequence's blocks when it admits it, not when it is
+//! queued. With [`SimConfig::hits_at_admission`] (`--hits-at-admission`) a request
+//! takes its hits, stores its chain and evicts what that evicts when its prefill
+//! starts (`Admitter`); while it waits, the router's backlog carries the prefill its
+//! expected hits leave (the pool's blocks and those of the chains queued ahead of
+//! it). A worker's pool takes the same chains in the same order either way, so a
+//! policy blind to the pools gets the same figures; what changes is what a router
+//! sees while requests queue. Taken at arrival (the default), the evictions of the
+//! requests queued ahead of a new one are already reported when it is routed, so the
+//! router knows which cached prefixes the queue will evict before an engine would
+//! evict them. On the sweep (seed 1, 84 groups, docs/policy-sweep.head.md,
+//! 2026-12-06) `cache-aware` met all three targets in 16 groups this way against 40,
+//! with 13,426 avoidable waits against 1: requests sent to a holder behind a queue
+//! whose admissions evict the prefix they came for.
+//!
 //! # Held blocks
 //!
 //! By default a worker's pool evicts its least recently used blocks whether or not a
@@ -137,6 +154,10 @@ pub struct SimWorker {
     /// The disk tier below the host (capacity 0: none).
     pub disk: LruBlockCache,
     queue: VecDeque<usize>,
+    /// The blocks of the queued requests' chains (with how many chains hold each):
+    /// not in the pool yet (a request takes its blocks when its prefill starts), but
+    /// a request queued behind them will find them computed.
+    queued_blocks: HashMap<BlockHash, u32>,
     prefilling: Option<usize>,
     /// The lane tokens of the prefill in progress.
     prefilling_tokens: usize,
@@ -172,6 +193,7 @@ impl SimWorker {
             host: LruBlockCache::new(host_blocks),
             disk: LruBlockCache::new(disk_blocks),
             queue: VecDeque::new(),
+            queued_blocks: HashMap::new(),
             prefilling: None,
             prefilling_tokens: 0,
             prefill_started: 0.0,
@@ -224,6 +246,40 @@ impl SimWorker {
             .flat_map(|(_, b)| b.iter().copied())
             .filter(|&h| !self.lru.contains(h))
             .collect()
+    }
+
+    /// The leading blocks of `chain` a request queued now would find when its prefill
+    /// starts, if nothing were evicted meanwhile: those in some tier of this worker or
+    /// in the chain of a request queued ahead of it.
+    fn expected_hits(&self, chain: &[BlockHash]) -> usize {
+        chain
+            .iter()
+            .take_while(|&h| {
+                self.lru.contains(*h)
+                    || self.host.contains(*h)
+                    || self.disk.contains(*h)
+                    || self.queued_blocks.contains_key(h)
+            })
+            .count()
+    }
+
+    fn enqueue(&mut self, i: usize, chain: &[BlockHash]) {
+        self.queue.push_back(i);
+        for &h in chain {
+            *self.queued_blocks.entry(h).or_default() += 1;
+        }
+    }
+
+    fn dequeue(&mut self, chain: &[BlockHash]) {
+        self.queue.pop_front();
+        for h in chain {
+            if let Some(n) = self.queued_blocks.get_mut(h) {
+                *n -= 1;
+                if *n == 0 {
+                    self.queued_blocks.remove(h);
+                }
+            }
+        }
     }
 
     fn mark_unready(&mut self, blocks: &[BlockHash]) {
@@ -463,6 +519,14 @@ pub struct SimConfig {
     /// sequences' blocks and its own fit the pool (default off: held blocks may be
     /// evicted, and a lane never waits for memory).
     pub hold_blocks: bool,
+    /// Whether a request takes its cached prefix when its prefill starts, as an
+    /// engine admits a waiting sequence, rather than when it is queued (default off).
+    /// Queued at arrival, a request's chain is stored at once: the blocks its
+    /// admission will evict are reported gone while it waits, so a router sees the
+    /// evictions of the requests queued ahead before they happen. Taken at
+    /// admission, a router routing behind a queue sees the pool as it is, prefixes
+    /// the queue will evict included.
+    pub hits_at_admission: bool,
 }
 
 /// The pull threshold of `policy` in a comparison of policies (the sweep, the
@@ -498,6 +562,7 @@ impl SimConfig {
             dynamo: DynamoConfig::default(),
             timeline_buckets: 20,
             hold_blocks: false,
+            hits_at_admission: false,
         }
     }
 }
@@ -632,23 +697,34 @@ struct ReqState {
     worker: usize,
     token: usize,
     sent_ms: f64,
+    /// Prompt tokens.
+    input_tokens: usize,
+    /// The leading blocks of its chain its worker held or had queued when it arrived
+    /// (the hits it expects; the real ones are taken when its prefill starts).
+    expected_hits: usize,
+    /// The pull its router planned: (source worker, one past the last block).
+    pull: Option<(usize, usize)>,
+    /// Uncached prompt tokens: expected from `expected_hits` while it is queued, real
+    /// once its prefill starts.
     uncached: usize,
     /// Time to load its host and disk hits, ms (part of its prefill).
     load_ms: f64,
     /// Backlog it adds to the worker: uncached tokens plus the load time in
-    /// prefill-token equivalents.
+    /// prefill-token equivalents (expected while queued, as `uncached`).
     lane_tokens: usize,
     /// A worker's prefill lane was idle when this request arrived.
     idle_elsewhere: bool,
     /// Time its lane spent, after it arrived, computing blocks of its prompt for
     /// requests ahead of it, ms.
     own_prefix_ms: f64,
-    /// The runs of blocks this request stored (parent, blocks), computed when its
-    /// prefill ends.
+    /// The runs of blocks this request stored (parent, blocks) when its prefill
+    /// started, computed when it ends.
     computing: Vec<(Option<BlockHash>, Vec<BlockHash>)>,
     /// Blocks it holds beyond its prompt's full blocks while it runs (its partial
     /// last block and its output).
     output_blocks: usize,
+    /// It has taken its hits and stored its chain (see [`SimConfig::hits_at_admission`]).
+    admitted: bool,
     done: bool,
 }
 
@@ -698,7 +774,6 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
     let bs = trace.block_size();
     let chains = chains(trace);
     let recs = &trace.records;
-    let mut router = make_router(cfg, bs)?;
     let mut workers: Vec<SimWorker> = (0..cfg.workers)
         .map(|_| SimWorker::new(cfg.cache_blocks, cfg.host_blocks, cfg.disk_blocks))
         .collect();
@@ -706,19 +781,21 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
     let mut parked: HashMap<usize, Vec<usize>> = HashMap::new();
     let mut st = vec![ReqState::default(); recs.len()];
 
-    let mut events = Events::default();
+    let mut adm = Admitter {
+        router: make_router(cfg, bs)?,
+        events: Events::default(),
+        tally: Tally::default(),
+        chains: &chains,
+        cfg,
+        block_size: bs,
+    };
     for (i, r) in recs.iter().enumerate() {
-        events.push(r.timestamp as f64, Ev::Arrive(i));
+        adm.events.push(r.timestamp as f64, Ev::Arrive(i));
     }
 
     let t0 = recs.first().map_or(0.0, |r| r.timestamp as f64);
     let mut ttft = Vec::with_capacity(recs.len());
     let mut itl = Vec::with_capacity(recs.len());
-    let (mut hit_blocks, mut total_blocks, mut cached_tokens, mut prompt_tokens) =
-        (0u64, 0u64, 0u64, 0u64);
-    let (mut host_hit_blocks, mut disk_hit_blocks, mut tier_load_ms) = (0u64, 0u64, 0.0f64);
-    let (mut peer_hit_blocks, mut peer_pulls) = (0u64, 0u64);
-    let mut arrivals: Vec<(f64, usize, usize)> = Vec::with_capacity(recs.len());
     let mut now = t0;
     // Requests served or refused.
     let mut finished = 0usize;
@@ -730,7 +807,7 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
     let pulls = cfg.peer_pull_min_blocks > 0;
     let hold = cfg.hold_blocks;
 
-    while let Some((t, ev)) = events.pop() {
+    while let Some((t, ev)) = adm.events.pop() {
         now = t;
         match ev {
             Ev::Arrive(i) => {
@@ -749,7 +826,7 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                     st[i].done = true;
                     finished += 1;
                     for k in parked.remove(&i).unwrap_or_default() {
-                        events.push(now, Ev::Arrive(k));
+                        adm.events.push(now, Ev::Arrive(k));
                     }
                     continue;
                 }
@@ -767,82 +844,67 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                 } else {
                     prefilling < workers.len()
                 };
-                let (w, token) = router.route(&req, &workers, now);
+                let (w, token) = adm.router.route(&req, &workers, now);
                 anyhow::ensure!(w < workers.len(), "router chose a worker out of range");
-                let pull = router.take_pull();
-                let tier_hits = workers[w].tiered_match(chain);
-                // What a pull really brings: the source's computed device and host
-                // blocks now, past those the chosen worker has.
-                let peer = pull.map_or(0, |(src, end)| {
-                    workers
-                        .get(src)
-                        .map_or(0, |s| s.pullable(chain, end))
-                        .saturating_sub(tier_hits.total())
-                });
+                let pull = adm.router.take_pull();
+                // Taken at admission, its hits are expected from the pool and the
+                // chains queued ahead; until then it adds the prefill they leave to
+                // the worker's backlog. Otherwise they are taken below, now.
+                let expected_hits = if cfg.hits_at_admission {
+                    workers[w].expected_hits(chain)
+                } else {
+                    workers[w].tiered_match(chain).total()
+                };
                 let own_prefix_ms = own_prefix_ahead(
                     &workers[w],
                     &st,
-                    &chain[..tier_hits.total()],
+                    &chains,
+                    &chain[..expected_hits],
                     now,
                     &cfg.cost,
                 );
+                // A planned pull is expected to bring what its source has computed now.
+                let expected_pulled = pull.map_or(0, |(src, end)| {
+                    workers.get(src).map_or(0, |s| s.pullable(chain, end))
+                });
                 let wk = &mut workers[w];
-                let hits = tier_hits.total() + peer;
-                let change = wk.admit(chain, tier_hits);
-                // Only a pull asks what is computed yet.
-                if pulls {
-                    for (_, run) in &change.stored {
-                        wk.mark_unready(run);
-                    }
-                }
-                let cached = (hits * bs).min(r.input_length.saturating_sub(1));
-                let uncached = r.input_length - cached;
-                let moved = moved_tokens(tier_hits, peer, bs, cached);
-                let load_ms = cfg.cost.host_load_ms(moved.host)
-                    + cfg.cost.disk_load_ms(moved.disk)
-                    + cfg.cost.peer_load_ms(moved.peer);
-                peer_hit_blocks += peer as u64;
-                peer_pulls += u64::from(peer > 0);
-                let lane_tokens =
-                    uncached + (load_ms * cfg.cost.prefill_tokens_per_s / 1000.0).ceil() as usize;
-                host_hit_blocks += tier_hits.host as u64;
-                disk_hit_blocks += tier_hits.disk as u64;
-                tier_load_ms += load_ms;
-                hit_blocks += hits as u64;
-                total_blocks += chain.len() as u64;
-                cached_tokens += cached as u64;
-                prompt_tokens += r.input_length as u64;
-                arrivals.push((now, hits, chain.len()));
-                wk.queue.push_back(i);
-                wk.queued_prefill_tokens += lane_tokens;
+                let uncached = r.input_length
+                    - (expected_hits.max(expected_pulled) * bs)
+                        .min(r.input_length.saturating_sub(1));
+                wk.enqueue(i, chain);
+                wk.queued_prefill_tokens += uncached;
                 wk.inflight += 1;
                 wk.active_blocks += chain.len();
-                wk.prefill_computed += uncached as u64;
                 wk.requests += 1;
                 st[i] = ReqState {
                     worker: w,
                     token,
                     sent_ms: now,
+                    input_tokens: r.input_length,
+                    expected_hits,
+                    pull,
                     uncached,
-                    load_ms,
-                    lane_tokens,
+                    load_ms: 0.0,
+                    lane_tokens: uncached,
                     idle_elsewhere,
                     own_prefix_ms,
-                    computing: change.stored.clone(),
+                    computing: Vec::new(),
                     output_blocks: kvfleet_core::blocks_needed(
                         r.input_length + r.output_length,
                         bs,
                     )
                     .saturating_sub(chain.len()),
+                    admitted: false,
                     done: false,
                 };
-                if wk.prefilling.is_none()
-                    && begin_prefill(wk, w, &st, &chains, &cfg.cost, now, hold, &mut events)
-                {
+                workers[w].report_ms = now;
+                if !cfg.hits_at_admission {
+                    adm.take_hits(&mut workers, w, &mut st, i);
+                }
+                if adm.begin(&mut workers, w, &mut st, now) {
                     prefilling += 1;
                 }
-                wk.report_ms = now;
-                router.on_enqueued(w, &change, &workers);
+                adm.router.on_load_changed(w, &workers);
             }
             Ev::PrefillDone(w) => {
                 let wk = &mut workers[w];
@@ -876,15 +938,18 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                 if steps > 0 {
                     itl.push(step);
                 }
-                events.push(now + step * steps as f64, Ev::DecodeDone(i));
-                if begin_prefill(wk, w, &st, &chains, &cfg.cost, now, hold, &mut events) {
+                adm.events
+                    .push(now + step * steps as f64, Ev::DecodeDone(i));
+                wk.report_ms = now;
+                // Its blocks are reported before the next request's admission
+                // evicts any of them.
+                if !computed.is_empty() {
+                    adm.router.on_computed(w, &computed, &gone, &workers);
+                }
+                if adm.begin(&mut workers, w, &mut st, now) {
                     prefilling += 1;
                 }
-                wk.report_ms = now;
-                if !computed.is_empty() {
-                    router.on_computed(w, &computed, &gone, &workers);
-                }
-                router.on_load_changed(w, &workers);
+                adm.router.on_load_changed(w, &workers);
             }
             Ev::DecodeDone(i) => {
                 let w = st[i].worker;
@@ -896,20 +961,18 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                 wk.in_use.release(&chains[i], st[i].output_blocks);
                 if hold {
                     let change = wk.release(&chains[i]);
+                    adm.router.on_enqueued(w, &change, &workers);
                     // A lane waiting for memory may start now.
-                    if wk.prefilling.is_none()
-                        && begin_prefill(wk, w, &st, &chains, &cfg.cost, now, hold, &mut events)
-                    {
+                    if adm.begin(&mut workers, w, &mut st, now) {
                         prefilling += 1;
                     }
-                    router.on_enqueued(w, &change, &workers);
                 }
                 st[i].done = true;
                 finished += 1;
-                router.on_finished(w, st[i].token, &workers, now);
+                adm.router.on_finished(w, st[i].token, &workers, now);
                 if let Some(kids) = parked.remove(&i) {
                     for k in kids {
-                        events.push(now, Ev::Arrive(k));
+                        adm.events.push(now, Ev::Arrive(k));
                     }
                 }
             }
@@ -920,9 +983,9 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                 }
                 wk.report_ms = now;
                 if wk.prefill_until > now + LOAD_POLL_MS {
-                    events.push(now + LOAD_POLL_MS, Ev::Poll(w, i));
+                    adm.events.push(now + LOAD_POLL_MS, Ev::Poll(w, i));
                 }
-                router.on_load_changed(w, &workers);
+                adm.router.on_load_changed(w, &workers);
             }
         }
     }
@@ -938,6 +1001,18 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
     let mean_work = prefill_tokens as f64 / cfg.workers as f64;
     let max_work = worker_prefill_tokens.iter().copied().max().unwrap_or(0) as f64;
     let ratio = |a: u64, b: u64| if b == 0 { 0.0 } else { a as f64 / b as f64 };
+    let Tally {
+        hit_blocks,
+        total_blocks,
+        cached_tokens,
+        prompt_tokens,
+        host_hit_blocks,
+        disk_hit_blocks,
+        tier_load_ms,
+        peer_hit_blocks,
+        peer_pulls,
+        arrivals,
+    } = adm.tally;
     let hit_timeline = timeline(&arrivals, t0, cfg.timeline_buckets);
     let ttft_p = Percentiles::of(&mut ttft);
     Ok(SimResult {
@@ -1043,33 +1118,138 @@ impl Events {
     }
 }
 
-/// Starts worker `w`'s next queued prefill at `now` (see [`start_prefill`]) and
-/// schedules its end and, while it runs, its load polls; returns whether one started.
-#[allow(clippy::too_many_arguments)]
-fn begin_prefill(
-    wk: &mut SimWorker,
-    w: usize,
-    st: &[ReqState],
-    chains: &[Vec<BlockHash>],
-    cost: &CostModel,
-    now: f64,
-    hold: bool,
-    events: &mut Events,
-) -> bool {
-    let Some(t) = start_prefill(wk, st, chains, cost, now, hold) else {
-        return false;
-    };
-    events.push(now + t, Ev::PrefillDone(w));
-    if let (Some(i), true) = (wk.prefilling, t > LOAD_POLL_MS) {
-        events.push(now + LOAD_POLL_MS, Ev::Poll(w, i));
+/// What the simulation counts over the requests it admits.
+#[derive(Default)]
+struct Tally {
+    hit_blocks: u64,
+    total_blocks: u64,
+    cached_tokens: u64,
+    prompt_tokens: u64,
+    host_hit_blocks: u64,
+    disk_hit_blocks: u64,
+    tier_load_ms: f64,
+    peer_hit_blocks: u64,
+    peer_pulls: u64,
+    /// (time sent, hit blocks, blocks) of each admitted request, for the timeline.
+    arrivals: Vec<(f64, usize, usize)>,
+}
+
+/// Admits queued requests to their worker's prefill lane, as an engine admits a
+/// waiting sequence: the request takes its cached prefix (and what it pulls) *now*,
+/// stores the rest of its chain, and its prefill starts. What it found evicted while
+/// it waited it computes again.
+struct Admitter<'a> {
+    router: Box<dyn SimRouter>,
+    events: Events,
+    tally: Tally,
+    chains: &'a [Vec<BlockHash>],
+    cfg: &'a SimConfig,
+    block_size: usize,
+}
+
+impl Admitter<'_> {
+    /// Starts worker `w`'s next queued prefill at `now`, if its lane is free (and,
+    /// holding blocks, they fit), and schedules its end and, while it runs, its load
+    /// polls; returns whether one started.
+    fn begin(
+        &mut self,
+        workers: &mut [SimWorker],
+        w: usize,
+        st: &mut [ReqState],
+        now: f64,
+    ) -> bool {
+        let Some(t) = self.admit(workers, w, st, now) else {
+            return false;
+        };
+        self.events.push(now + t, Ev::PrefillDone(w));
+        if let (Some(i), true) = (workers[w].prefilling, t > LOAD_POLL_MS) {
+            self.events.push(now + LOAD_POLL_MS, Ev::Poll(w, i));
+        }
+        true
     }
-    true
+
+    /// Starts `w`'s next queued request, taking its hits first unless it took them
+    /// when it arrived: its prefill's duration, ms.
+    fn admit(
+        &mut self,
+        workers: &mut [SimWorker],
+        w: usize,
+        st: &mut [ReqState],
+        now: f64,
+    ) -> Option<f64> {
+        let wk = &workers[w];
+        let &i = wk.queue.front()?;
+        let hold = self.cfg.hold_blocks;
+        if wk.prefilling.is_some() || (hold && !wk.fits(&self.chains[i], st[i].output_blocks)) {
+            return None;
+        }
+        if !st[i].admitted {
+            self.take_hits(workers, w, st, i);
+        }
+        start_prefill(&mut workers[w], st, self.chains, &self.cfg.cost, now, hold)
+    }
+
+    /// Request `i`, queued on `w`, takes its cached prefix and what it pulls, and
+    /// stores the rest of its chain there (to be computed by its prefill); its
+    /// evictions are reported to the router now.
+    fn take_hits(&mut self, workers: &mut [SimWorker], w: usize, st: &mut [ReqState], i: usize) {
+        let (cfg, bs) = (self.cfg, self.block_size);
+        let chain = &self.chains[i];
+        let tier_hits = workers[w].tiered_match(chain);
+        // What a pull really brings: the source's computed device and host blocks now,
+        // past those this worker has.
+        let peer = st[i].pull.map_or(0, |(src, end)| {
+            workers
+                .get(src)
+                .map_or(0, |s| s.pullable(chain, end))
+                .saturating_sub(tier_hits.total())
+        });
+        let wk = &mut workers[w];
+        let change = wk.admit(chain, tier_hits);
+        // Only a pull asks what is computed yet.
+        if cfg.peer_pull_min_blocks > 0 {
+            for (_, run) in &change.stored {
+                wk.mark_unready(run);
+            }
+        }
+        let r = &mut st[i];
+        let hits = tier_hits.total() + peer;
+        let cached = (hits * bs).min(r.input_tokens.saturating_sub(1));
+        let uncached = r.input_tokens - cached;
+        let moved = moved_tokens(tier_hits, peer, bs, cached);
+        let load_ms = cfg.cost.host_load_ms(moved.host)
+            + cfg.cost.disk_load_ms(moved.disk)
+            + cfg.cost.peer_load_ms(moved.peer);
+        let lane_tokens =
+            uncached + (load_ms * cfg.cost.prefill_tokens_per_s / 1000.0).ceil() as usize;
+        let tally = &mut self.tally;
+        tally.peer_hit_blocks += peer as u64;
+        tally.peer_pulls += u64::from(peer > 0);
+        tally.host_hit_blocks += tier_hits.host as u64;
+        tally.disk_hit_blocks += tier_hits.disk as u64;
+        tally.tier_load_ms += load_ms;
+        tally.hit_blocks += hits as u64;
+        tally.total_blocks += chain.len() as u64;
+        tally.cached_tokens += cached as u64;
+        tally.prompt_tokens += r.input_tokens as u64;
+        tally.arrivals.push((r.sent_ms, hits, chain.len()));
+        // The backlog carried its expected prefill until now.
+        wk.queued_prefill_tokens = wk.queued_prefill_tokens - r.lane_tokens + lane_tokens;
+        wk.prefill_computed += uncached as u64;
+        r.uncached = uncached;
+        r.load_ms = load_ms;
+        r.lane_tokens = lane_tokens;
+        r.computing = change.stored.clone();
+        r.admitted = true;
+        self.router.on_enqueued(w, &change, workers);
+    }
 }
 
 /// Times closer than this, in ms, are equal when judging a wait.
 const ROUNDING_MS: f64 = 1e-6;
 
-/// Starts the next queued prefill of `wk` at `now`: its duration, ms.
+/// Starts the next queued prefill of `wk` at `now` (its hits already taken): its
+/// duration, ms; `None` if, holding blocks, they do not fit yet.
 fn start_prefill(
     wk: &mut SimWorker,
     st: &[ReqState],
@@ -1082,7 +1262,7 @@ fn start_prefill(
     if hold && !wk.fits(&chains[i], st[i].output_blocks) {
         return None;
     }
-    wk.queue.pop_front();
+    wk.dequeue(&chains[i]);
     wk.prefilling = Some(i);
     wk.in_use.hold(&chains[i], st[i].output_blocks);
     if hold {
@@ -1101,11 +1281,12 @@ fn prefill_time(r: &ReqState, cost: &CostModel) -> f64 {
 }
 
 /// The time `wk`'s lane will spend, from `now`, on requests ahead of a new one that
-/// compute blocks of `reused` (the cached prefix the new request will read): those
+/// compute blocks of `reused` (the cached prefix the new request expects): those
 /// blocks are not ready before then wherever the request goes, unless recomputed.
 fn own_prefix_ahead(
     wk: &SimWorker,
     st: &[ReqState],
+    chains: &[Vec<BlockHash>],
     reused: &[BlockHash],
     now: f64,
     cost: &CostModel,
@@ -1117,10 +1298,17 @@ fn own_prefix_ahead(
     // Hashes are chained: a run that contains a block of `reused` contains the
     // prompt's whole prefix up to it, so its first block is in `reused` too.
     let computes_ours = |j: usize| {
-        st[j]
-            .computing
-            .iter()
-            .any(|(_, run)| run.first().is_some_and(|h| reused.contains(h)))
+        if st[j].admitted {
+            st[j]
+                .computing
+                .iter()
+                .any(|(_, run)| run.first().is_some_and(|h| reused.contains(h)))
+        } else {
+            // Not admitted yet: it will compute its chain past the hits it expects.
+            chains[j]
+                .get(st[j].expected_hits)
+                .is_some_and(|h| reused.contains(h))
+        }
     };
     let running = wk
         .prefilling
@@ -1164,6 +1352,23 @@ mod tests {
 
     fn h(v: &[u64]) -> Vec<BlockHash> {
         v.iter().map(|&x| BlockHash(x)).collect()
+    }
+
+    #[test]
+    fn a_queued_chain_leaves_the_pool_alone_but_counts_for_the_requests_behind_it() {
+        let mut w = SimWorker::new(4, 0, 0);
+        w.lru.insert_chain(&h(&[1, 2]));
+        // Queued: nothing is stored or evicted yet...
+        w.enqueue(0, &h(&[1, 2, 3, 4]));
+        assert!(!w.lru.contains(BlockHash(3)));
+        assert_eq!(w.tiered_match(&h(&[1, 2, 3, 4, 5])).total(), 2);
+        // ...but a request queued behind it expects its blocks.
+        assert_eq!(w.expected_hits(&h(&[1, 2, 3, 4, 5])), 4);
+        assert_eq!(w.expected_hits(&h(&[1, 9])), 1);
+        // Admitted, it no longer counts twice: its chain is in the pool.
+        w.dequeue(&h(&[1, 2, 3, 4]));
+        assert!(w.queued_blocks.is_empty() && w.queue.is_empty());
+        assert_eq!(w.expected_hits(&h(&[1, 2, 3, 4, 5])), 2);
     }
 
     #[test]
