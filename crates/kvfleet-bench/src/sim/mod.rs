@@ -1149,8 +1149,9 @@ struct Admitter<'a> {
 
 impl Admitter<'_> {
     /// Starts worker `w`'s next queued prefill at `now`, if its lane is free (and,
-    /// holding blocks, they fit), and schedules its end and, while it runs, its load
-    /// polls; returns whether one started.
+    /// holding blocks, they fit), taking the request's hits first unless it took them
+    /// when it arrived; schedules its end and, while it runs, its load polls. Returns
+    /// whether one started.
     fn begin(
         &mut self,
         workers: &mut [SimWorker],
@@ -1158,35 +1159,26 @@ impl Admitter<'_> {
         st: &mut [ReqState],
         now: f64,
     ) -> bool {
-        let Some(t) = self.admit(workers, w, st, now) else {
+        let wk = &workers[w];
+        let Some(&i) = wk.queue.front() else {
             return false;
         };
-        self.events.push(now + t, Ev::PrefillDone(w));
-        if let (Some(i), true) = (workers[w].prefilling, t > LOAD_POLL_MS) {
-            self.events.push(now + LOAD_POLL_MS, Ev::Poll(w, i));
-        }
-        true
-    }
-
-    /// Starts `w`'s next queued request, taking its hits first unless it took them
-    /// when it arrived: its prefill's duration, ms.
-    fn admit(
-        &mut self,
-        workers: &mut [SimWorker],
-        w: usize,
-        st: &mut [ReqState],
-        now: f64,
-    ) -> Option<f64> {
-        let wk = &workers[w];
-        let &i = wk.queue.front()?;
         let hold = self.cfg.hold_blocks;
         if wk.prefilling.is_some() || (hold && !wk.fits(&self.chains[i], st[i].output_blocks)) {
-            return None;
+            return false;
         }
         if !st[i].admitted {
             self.take_hits(workers, w, st, i);
         }
-        start_prefill(&mut workers[w], st, self.chains, &self.cfg.cost, now, hold)
+        let Some(t) = start_prefill(&mut workers[w], st, self.chains, &self.cfg.cost, now, hold)
+        else {
+            return false;
+        };
+        self.events.push(now + t, Ev::PrefillDone(w));
+        if t > LOAD_POLL_MS {
+            self.events.push(now + LOAD_POLL_MS, Ev::Poll(w, i));
+        }
+        true
     }
 
     /// Request `i`, queued on `w`, takes its cached prefix and what it pulls, and
