@@ -4,13 +4,15 @@
 # prefix cache and KV events; a cost model instead of the model's compute) and one
 # `kvfleet router`, replays a generated fork fan-out trace through HTTP with
 # `kvfleet bench replay`, runs `kvfleet sim` (policy cache-aware) on the same trace
-# with the same workers, blocks per worker and block size, prints both hit ratios, and
-# stops every process it started.
+# with the same workers, blocks per worker and block size (hits taken at queueing, the
+# default, and at admission, `--hits-at-admission`), prints the hit ratios, and stops
+# every process it started.
 #
 #   bash scripts/bench_engine_sim.sh            # 64 workers × 256 blocks of 16 tokens
 #   WORKERS=16 BLOCKS=512 SESSIONS=32 bash scripts/bench_engine_sim.sh
 #
-# Env: WORKERS, BLOCKS (KV blocks per worker), SESSIONS (trace sessions), BIN (a built
+# Env: WORKERS, BLOCKS (KV blocks per worker), SESSIONS (trace sessions), SESSION_RATE
+# (sessions started per second; higher queues more), BIN (a built
 # kvfleet; default target/debug/kvfleet, built if missing), OUT (results directory),
 # COST_MODEL (cost model file for the workers and the simulator).
 set -euo pipefail
@@ -19,6 +21,7 @@ cd "$(dirname "$0")/.."
 WORKERS=${WORKERS:-64}
 BLOCKS=${BLOCKS:-256}
 SESSIONS=${SESSIONS:-48}
+SESSION_RATE=${SESSION_RATE:-4}
 BLOCK_SIZE=16
 COST_MODEL=${COST_MODEL:-crates/kvfleet-bench/cost-models/h200-llama8b.json}
 BIN=${BIN:-target/debug/kvfleet}
@@ -48,8 +51,8 @@ addr_of() {
 
 "$BIN" bench gen --out "$OUT/trace.jsonl" --sessions "$SESSIONS" --system-tokens 1024 \
   --tools-tokens 1024 --history-tokens 1024 --turn-tokens 256 --parent-turns 2 \
-  --child-turns 1 --fork-k 4 --output-tokens 4 --session-rate 4 --turn-gap-ms 200 \
-  > "$OUT/gen.log"
+  --child-turns 1 --fork-k 4 --output-tokens 4 --session-rate "$SESSION_RATE" \
+  --turn-gap-ms 200 > "$OUT/gen.log"
 
 for i in $(seq 0 $((WORKERS - 1))); do
   RUST_LOG=warn "$BIN" worker --grpc 127.0.0.1:0 --worker-id "sim$i" --model tiny \
@@ -75,6 +78,11 @@ echo "router $URL in front of $WORKERS sim workers ($BLOCKS blocks of $BLOCK_SIZ
   --tokens-per-id "$BLOCK_SIZE" --policy cache-aware --cost-model "$COST_MODEL" \
   --peer-pull-min-blocks 0 \
   --json > "$OUT/sim.json"
+# The same with hits taken when a prefill starts, as the engine admits a sequence.
+"$BIN" sim --trace "$OUT/trace.jsonl" --workers "$WORKERS" --cache-blocks "$BLOCKS" \
+  --tokens-per-id "$BLOCK_SIZE" --policy cache-aware --cost-model "$COST_MODEL" \
+  --peer-pull-min-blocks 0 --hits-at-admission \
+  --json > "$OUT/sim-admission.json"
 
 python3 - "$OUT" <<'PY'
 import json, sys
@@ -91,9 +99,13 @@ print(f"kvfleet sim (cache-aware):          hit ratio {x['hit_ratio']:.4f} "
       f"{x['prompt_tokens']} = {x['cached_token_ratio']:.4f}; pooled {b['pooled']:.4f}, "
       f"ceiling {b['ceiling']:.4f}; TTFT p50 / p99 {x['ttft_ms']['p50']:.0f} / "
       f"{x['ttft_ms']['p99']:.0f} ms; {x['rejected']} refused (prompt larger than a pool)")
-# Side by side: the simulator's figures over the live fleet's.
-print(f"sim / replay: cached-token share {x['cached_token_ratio'] / max(r['cached_token_ratio'], 1e-9):.3f}, "
-      f"TTFT p50 {x['ttft_ms']['p50'] / max(r['ttft_ms']['p50'], 1e-9):.3f}, "
-      f"TTFT p99 {x['ttft_ms']['p99'] / max(r['ttft_ms']['p99'], 1e-9):.3f}")
+# Side by side: the simulator's figures over the live fleet's, with hits taken when
+# a request is queued (the default) and when its prefill starts (--hits-at-admission).
+for name, path in [("sim", "sim.json"), ("sim --hits-at-admission", "sim-admission.json")]:
+    x = json.load(open(f"{out}/{path}"))["results"][0]
+    print(f"{name} / replay: cached-token share "
+          f"{x['cached_token_ratio'] / max(r['cached_token_ratio'], 1e-9):.3f}, "
+          f"TTFT p50 {x['ttft_ms']['p50'] / max(r['ttft_ms']['p50'], 1e-9):.3f}, "
+          f"TTFT p99 {x['ttft_ms']['p99'] / max(r['ttft_ms']['p99'], 1e-9):.3f}")
 PY
 echo "results in $OUT"
