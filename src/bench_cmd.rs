@@ -343,17 +343,8 @@ pub struct SweepArgs {
     /// the trace's blocks); the baselines never pull.
     #[arg(long)]
     peer_pull_min_blocks: Option<usize>,
-    /// Hold every request's blocks as an engine does: never evicted from the start of
-    /// its prefill to its last token (a queued request holds none), and a worker's
-    /// prefill starts only once the running sequences' blocks and its own fit the pool
-    /// (default: held blocks may be evicted and prefill never waits for memory).
-    #[arg(long)]
-    hold_blocks: bool,
-    /// Take each request's cached prefix when its prefill starts, as an engine admits
-    /// a waiting sequence (default: when it is queued, so a router sees the evictions
-    /// of the requests queued ahead of a new one before they happen).
-    #[arg(long)]
-    hits_at_admission: bool,
+    #[command(flatten)]
+    pool: crate::sim_cmd::PoolModelArgs,
     /// Write the Markdown page here (default: print it).
     #[arg(long)]
     doc: Option<PathBuf>,
@@ -674,8 +665,8 @@ fn run_sweep_cmd(a: SweepArgs) -> Result<()> {
         mooncake,
         only: a.only.clone(),
         peer_pull_min_blocks: a.peer_pull_min_blocks,
-        hold_blocks: a.hold_blocks,
-        hits_at_admission: a.hits_at_admission,
+        hold_blocks: a.pool.hold_blocks,
+        hits_at_admission: a.pool.hits_at_admission,
     };
     let wall = std::time::Instant::now();
     let rows = run_sweep(&cfg)?;
@@ -692,12 +683,7 @@ fn run_sweep_cmd(a: SweepArgs) -> Result<()> {
         a.peer_pull_min_blocks
             .map(|n| format!(" --peer-pull-min-blocks {n}"))
             .unwrap_or_default()
-            + if a.hold_blocks { " --hold-blocks" } else { "" }
-            + if a.hits_at_admission {
-                " --hits-at-admission"
-            } else {
-                ""
-            }
+            + &a.pool.flags()
             + &a
                 .cost_model
                 .as_ref()

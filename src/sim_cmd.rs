@@ -48,17 +48,8 @@ pub struct SimArgs {
     /// router --cache-aware-config` takes them.
     #[arg(long, value_parser = crate::cache_aware_args::parse_cache_aware_config)]
     cache_aware_config: Option<crate::cache_aware_args::CacheAwareOverrides>,
-    /// Hold every request's blocks as an engine does: never evicted from the start of
-    /// its prefill to its last token (a queued request holds none), and a worker's
-    /// prefill starts only once the running sequences' blocks and its own fit the pool
-    /// (default: held blocks may be evicted and prefill never waits for memory).
-    #[arg(long)]
-    hold_blocks: bool,
-    /// Take each request's cached prefix when its prefill starts, as an engine admits
-    /// a waiting sequence (default: when it is queued, so a router sees the evictions
-    /// of the requests queued ahead of a new one before they happen).
-    #[arg(long)]
-    hits_at_admission: bool,
+    #[command(flatten)]
+    pool: PoolModelArgs,
     /// Policies, comma-separated or repeated: cache-aware, round-robin, least-loaded,
     /// consistent-hash, random, sglang-cache-aware, dynamo-kv-cost, sglang-spill,
     /// dynamo-lmetric, or `all`.
@@ -112,6 +103,37 @@ pub fn parse_policies(list: &[String]) -> Result<Vec<SimPolicy>> {
     Ok(out)
 }
 
+/// How a simulated worker's pool treats a request's blocks (`kvfleet sim` and `kvfleet
+/// bench sweep` share these flags).
+#[derive(Args, Debug, Clone, Copy)]
+pub struct PoolModelArgs {
+    /// Hold every request's blocks as an engine does: never evicted from the start of
+    /// its prefill to its last token (a queued request holds none), and a worker's
+    /// prefill starts only once the running sequences' blocks and its own fit the pool
+    /// (default: held blocks may be evicted and prefill never waits for memory).
+    #[arg(long)]
+    pub hold_blocks: bool,
+    /// Take each request's cached prefix when its prefill starts, as an engine admits
+    /// a waiting sequence (default: when it is queued, so a router sees the evictions
+    /// of the requests queued ahead of a new one before they happen).
+    #[arg(long)]
+    pub hits_at_admission: bool,
+}
+
+impl PoolModelArgs {
+    /// The flags as given, for a page's "Run:" line (empty for the defaults).
+    pub fn flags(&self) -> String {
+        let mut s = String::new();
+        if self.hold_blocks {
+            s.push_str(" --hold-blocks");
+        }
+        if self.hits_at_admission {
+            s.push_str(" --hits-at-admission");
+        }
+        s
+    }
+}
+
 /// Runs `kvfleet sim`.
 pub fn run(args: SimArgs) -> Result<()> {
     anyhow::ensure!(
@@ -156,8 +178,8 @@ pub fn run(args: SimArgs) -> Result<()> {
         cfg.host_blocks = args.host_blocks;
         cfg.disk_blocks = args.disk_blocks;
         cfg.tier_scoring = args.tier_scoring;
-        cfg.hold_blocks = args.hold_blocks;
-        cfg.hits_at_admission = args.hits_at_admission;
+        cfg.hold_blocks = args.pool.hold_blocks;
+        cfg.hits_at_admission = args.pool.hits_at_admission;
         cfg.router.cache_aware = cache_aware.clone();
         cfg.peer_pull_min_blocks = args
             .peer_pull_min_blocks

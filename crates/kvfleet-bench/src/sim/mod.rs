@@ -263,15 +263,22 @@ impl SimWorker {
             .count()
     }
 
-    fn enqueue(&mut self, i: usize, chain: &[BlockHash]) {
+    /// Queues request `i`; its chain counts for [`Self::expected_hits`] only if
+    /// `expected` (hits taken at admission: otherwise the chain is already stored).
+    fn enqueue(&mut self, i: usize, chain: &[BlockHash], expected: bool) {
         self.queue.push_back(i);
-        for &h in chain {
-            *self.queued_blocks.entry(h).or_default() += 1;
+        if expected {
+            for &h in chain {
+                *self.queued_blocks.entry(h).or_default() += 1;
+            }
         }
     }
 
     fn dequeue(&mut self, chain: &[BlockHash]) {
         self.queue.pop_front();
+        if self.queued_blocks.is_empty() {
+            return;
+        }
         for h in chain {
             if let Some(n) = self.queued_blocks.get_mut(h) {
                 *n -= 1;
@@ -850,11 +857,9 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                 // Taken at admission, its hits are expected from the pool and the
                 // chains queued ahead; until then it adds the prefill they leave to
                 // the worker's backlog. Otherwise they are taken below, now.
-                let expected_hits = if cfg.hits_at_admission {
-                    workers[w].expected_hits(chain)
-                } else {
-                    workers[w].tiered_match(chain).total()
-                };
+                let arrival_hits = (!cfg.hits_at_admission).then(|| workers[w].tiered_match(chain));
+                let expected_hits =
+                    arrival_hits.map_or_else(|| workers[w].expected_hits(chain), |h| h.total());
                 let own_prefix_ms = own_prefix_ahead(
                     &workers[w],
                     &st,
@@ -864,14 +869,16 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                     &cfg.cost,
                 );
                 // A planned pull is expected to bring what its source has computed now.
-                let expected_pulled = pull.map_or(0, |(src, end)| {
-                    workers.get(src).map_or(0, |s| s.pullable(chain, end))
-                });
+                let expected_pulled = match (arrival_hits, pull) {
+                    (None, Some((src, end))) => {
+                        workers.get(src).map_or(0, |s| s.pullable(chain, end))
+                    }
+                    _ => 0,
+                };
                 let wk = &mut workers[w];
-                let uncached = r.input_length
-                    - (expected_hits.max(expected_pulled) * bs)
-                        .min(r.input_length.saturating_sub(1));
-                wk.enqueue(i, chain);
+                let uncached =
+                    uncached_tokens(r.input_length, expected_hits.max(expected_pulled), bs);
+                wk.enqueue(i, chain, cfg.hits_at_admission);
                 wk.queued_prefill_tokens += uncached;
                 wk.inflight += 1;
                 wk.active_blocks += chain.len();
@@ -898,8 +905,8 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                     done: false,
                 };
                 workers[w].report_ms = now;
-                if !cfg.hits_at_admission {
-                    adm.take_hits(&mut workers, w, &mut st, i);
+                if let Some(hits) = arrival_hits {
+                    adm.take_hits(&mut workers, w, &mut st, i, hits);
                 }
                 if adm.begin(&mut workers, w, &mut st, now) {
                     prefilling += 1;
@@ -1168,7 +1175,8 @@ impl Admitter<'_> {
             return false;
         }
         if !st[i].admitted {
-            self.take_hits(workers, w, st, i);
+            let hits = wk.tiered_match(&self.chains[i]);
+            self.take_hits(workers, w, st, i, hits);
         }
         let Some(t) = start_prefill(&mut workers[w], st, self.chains, &self.cfg.cost, now, hold)
         else {
@@ -1181,13 +1189,20 @@ impl Admitter<'_> {
         true
     }
 
-    /// Request `i`, queued on `w`, takes its cached prefix and what it pulls, and
-    /// stores the rest of its chain there (to be computed by its prefill); its
-    /// evictions are reported to the router now.
-    fn take_hits(&mut self, workers: &mut [SimWorker], w: usize, st: &mut [ReqState], i: usize) {
+    /// Request `i`, queued on `w`, takes its cached prefix (`tier_hits`, `w`'s
+    /// [`SimWorker::tiered_match`] of its chain now) and what it pulls, and stores the
+    /// rest of its chain there (to be computed by its prefill); its evictions are
+    /// reported to the router now.
+    fn take_hits(
+        &mut self,
+        workers: &mut [SimWorker],
+        w: usize,
+        st: &mut [ReqState],
+        i: usize,
+        tier_hits: TierHits,
+    ) {
         let (cfg, bs) = (self.cfg, self.block_size);
         let chain = &self.chains[i];
-        let tier_hits = workers[w].tiered_match(chain);
         // What a pull really brings: the source's computed device and host blocks now,
         // past those this worker has.
         let peer = st[i].pull.map_or(0, |(src, end)| {
@@ -1206,8 +1221,8 @@ impl Admitter<'_> {
         }
         let r = &mut st[i];
         let hits = tier_hits.total() + peer;
-        let cached = (hits * bs).min(r.input_tokens.saturating_sub(1));
-        let uncached = r.input_tokens - cached;
+        let uncached = uncached_tokens(r.input_tokens, hits, bs);
+        let cached = r.input_tokens - uncached;
         let moved = moved_tokens(tier_hits, peer, bs, cached);
         let load_ms = cfg.cost.host_load_ms(moved.host)
             + cfg.cost.disk_load_ms(moved.disk)
@@ -1265,6 +1280,12 @@ fn start_prefill(
     wk.prefill_started = now;
     wk.prefill_until = now + t;
     Some(t)
+}
+
+/// The prompt tokens of an `input`-token request with `hits` cached blocks of `bs`
+/// tokens still to compute: at least its last one, whose logits it needs.
+fn uncached_tokens(input: usize, hits: usize, bs: usize) -> usize {
+    input - (hits * bs).min(input.saturating_sub(1))
 }
 
 /// A request's time on its prefill lane, ms.
@@ -1351,7 +1372,7 @@ mod tests {
         let mut w = SimWorker::new(4, 0, 0);
         w.lru.insert_chain(&h(&[1, 2]));
         // Queued: nothing is stored or evicted yet...
-        w.enqueue(0, &h(&[1, 2, 3, 4]));
+        w.enqueue(0, &h(&[1, 2, 3, 4]), true);
         assert!(!w.lru.contains(BlockHash(3)));
         assert_eq!(w.tiered_match(&h(&[1, 2, 3, 4, 5])).total(), 2);
         // ...but a request queued behind it expects its blocks.
