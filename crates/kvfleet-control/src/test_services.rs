@@ -20,6 +20,37 @@ pub fn free_port() -> u16 {
         .unwrap_or_else(|e| panic!("no free port: {e}"))
 }
 
+/// A free loopback port that a server killed and restarted can bind again: it lies
+/// below the kernel's ephemeral range (`/proc/sys/net/ipv4/ip_local_port_range`).
+/// [`free_port`]'s ports come from that range, where any outgoing connection may take
+/// a port as its source while its server is down; with many processes connecting,
+/// a restarted etcd then failed to bind its own port.
+pub fn restartable_port() -> u16 {
+    use std::hash::BuildHasher;
+    const FLOOR: u16 = 10_000;
+    let low = ephemeral_low();
+    if low <= FLOOR + 1_000 {
+        return free_port();
+    }
+    let seed = std::collections::hash_map::RandomState::new();
+    for attempt in 0u32..10_000 {
+        let r = seed.hash_one((std::process::id(), attempt));
+        let port = FLOOR + (r % u64::from(low - FLOOR)) as u16;
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port below the ephemeral range ({FLOOR}..{low})")
+}
+
+/// The first port of the kernel's ephemeral range (Linux's default where unreadable).
+fn ephemeral_low() -> u16 {
+    std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse().ok())
+        .unwrap_or(32_768)
+}
+
 fn on_path(name: &str) -> Option<PathBuf> {
     let path = std::env::var_os("PATH")?;
     std::env::split_paths(&path)
@@ -66,15 +97,22 @@ pub fn tansu_bin() -> PathBuf {
     missing("tansu", "KVFLEET_TANSU_BIN")
 }
 
-fn wait_until(what: &str, limit: Duration, mut ready: impl FnMut() -> bool) {
+fn wait_until(what: &str, limit: Duration, ready: impl FnMut() -> bool) {
+    if !ready_within(limit, ready) {
+        panic!("{what} did not become ready within {limit:?}");
+    }
+}
+
+/// Polls `ready` every 50 ms until it holds (true) or `limit` passes (false).
+fn ready_within(limit: Duration, mut ready: impl FnMut() -> bool) -> bool {
     let t = Instant::now();
     while t.elapsed() < limit {
         if ready() {
-            return;
+            return true;
         }
         std::thread::sleep(Duration::from_millis(50));
     }
-    panic!("{what} did not become ready within {limit:?}");
+    false
 }
 
 fn http_get(port: u16, path: &str) -> Option<String> {
@@ -106,8 +144,8 @@ impl EtcdServer {
         let mut s = EtcdServer {
             child: None,
             dir,
-            client_port: free_port(),
-            peer_port: free_port(),
+            client_port: restartable_port(),
+            peer_port: restartable_port(),
         };
         s.spawn();
         s
@@ -135,9 +173,17 @@ impl EtcdServer {
             .unwrap_or_else(|e| panic!("starting etcd ({:?}): {e}", etcd_bin()));
         self.child = Some(child);
         let port = self.client_port;
-        wait_until("etcd", Duration::from_secs(30), || {
+        let healthy = ready_within(Duration::from_secs(30), || {
             http_get(port, "/health").is_some_and(|b| b.contains("\"health\":\"true\""))
         });
+        if !healthy {
+            let log = std::fs::read_to_string(self.dir.path().join("etcd.log")).unwrap_or_default();
+            let tail: Vec<&str> = log.lines().rev().take(20).collect();
+            panic!(
+                "etcd on port {port} did not become ready within 30 s; its log ends:\n{}",
+                tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+            );
+        }
     }
 
     /// `http://127.0.0.1:<client port>`.
@@ -311,5 +357,24 @@ impl Drop for TcpProxy {
     fn drop(&mut self) {
         self.cut();
         self.accept.abort();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A port in the ephemeral range may be taken by any outgoing connection while
+    /// its server is down, and the restarted server then cannot bind it.
+    #[test]
+    fn etcd_listens_on_ports_no_outgoing_connection_can_take() {
+        let low = ephemeral_low();
+        let etcd = EtcdServer::start();
+        assert!(
+            etcd.client_port < low && etcd.peer_port < low,
+            "ports {} and {} are in the ephemeral range from {low}",
+            etcd.client_port,
+            etcd.peer_port
+        );
     }
 }
