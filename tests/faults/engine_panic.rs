@@ -29,6 +29,7 @@ fn send(http: &reqwest::blocking::Client, router: &str, i: u32) -> (u16, Option<
 
 #[test]
 fn a_panicked_engine_takes_its_worker_out_of_routing_and_the_process_exits_non_zero() {
+    let _serial = crate::one_at_a_time();
     let etcd = EtcdServer::start();
     let url = etcd.url();
     let ttl = LEASE_TTL_S.to_string();

@@ -45,6 +45,7 @@ fn wait_for(what: &str, mut ok: impl FnMut() -> bool) -> Duration {
 
 #[test]
 fn the_router_serves_on_known_membership_while_etcd_is_down() {
+    let _serial = crate::one_at_a_time();
     let mut etcd = EtcdServer::start();
     let url = etcd.url();
     let _w = start(

@@ -105,6 +105,7 @@ fn wait_for(what: &str, limit: Duration, mut ok: impl FnMut() -> bool) -> Durati
 
 #[test]
 fn routers_serve_through_a_kafka_outage_and_catch_up_after_it() {
+    let _serial = crate::one_at_a_time();
     // The proxy's tasks run on this runtime's threads; the test itself blocks.
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
