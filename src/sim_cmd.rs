@@ -114,8 +114,9 @@ pub struct PoolModelArgs {
     #[arg(long)]
     pub hold_blocks: bool,
     /// Take each request's cached prefix when its prefill starts, as an engine admits
-    /// a waiting sequence (default: when it is queued, so a router sees the evictions
-    /// of the requests queued ahead of a new one before they happen).
+    /// a waiting sequence, touching that prefix when it is queued, as the engine does
+    /// (default: when it is queued, so a router sees the evictions of the requests
+    /// queued ahead of a new one before they happen).
     #[arg(long)]
     pub hits_at_admission: bool,
 }

@@ -152,6 +152,20 @@ impl BlockPool {
         Some(id)
     }
 
+    /// Makes the idle block cached under `hash` the most recently used, so that it is
+    /// evicted last; a block in use cannot be evicted and is left as it is. Returns
+    /// whether `hash` is cached.
+    pub fn touch(&mut self, hash: BlockHash) -> bool {
+        let Some(&id) = self.by_hash.get(&hash) else {
+            return false;
+        };
+        if self.blocks[id as usize].in_free_list {
+            self.unlink(id);
+            self.push_mru(id);
+        }
+        true
+    }
+
     /// The block cached under `hash`, without taking a reference.
     pub fn lookup(&self, hash: BlockHash) -> Option<BlockId> {
         self.by_hash.get(&hash).copied()
@@ -565,6 +579,23 @@ mod tests {
         assert_eq!(p.allocate(), Some(ids[2]), "the suffix goes first");
         assert_eq!(p.allocate(), Some(ids[1]));
         assert_eq!(p.lookup(h(10)), Some(ids[0]), "the root outlives them");
+        p.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn a_touched_idle_block_is_evicted_last() {
+        let mut p = BlockPool::new(2);
+        let ids: Vec<_> = (0..2).map(|_| p.allocate().unwrap()).collect();
+        for (i, id) in ids.iter().enumerate() {
+            assert!(p.publish_in_flight(*id, h(20 + i as u64), None, 1));
+            p.mark_ready(*id);
+            p.release(*id, 1);
+        }
+        // h(20) was released first, so it would go first; touched, it goes last.
+        assert!(p.touch(h(20)));
+        assert!(!p.touch(h(99)), "not cached");
+        assert_eq!(p.allocate(), Some(ids[1]));
+        assert_eq!(p.lookup(h(20)), Some(ids[0]));
         p.check_invariants().unwrap();
     }
 

@@ -12,7 +12,9 @@
 //! Prefix reuse happens at admission (the longest run of cached blocks) and at every
 //! block allocation (a block some other sequence published in the meantime). A block
 //! that another sequence is computing right now is taken by reference, and this
-//! sequence waits for it instead of computing it again.
+//! sequence waits for it instead of computing it again. A waiting sequence holds no
+//! block, but its cached prefix is made the most recently used when it is queued, so
+//! the admissions ahead of it evict other blocks first.
 
 use crate::block_pool::BlockPool;
 use crate::sequence::{RequestId, SeqStatus, Sequence};
@@ -85,11 +87,32 @@ impl Scheduler {
         }
     }
 
-    /// Queues a sequence (in arrival order).
+    /// Queues a sequence (in arrival order), and makes the cached blocks of its prompt
+    /// the most recently used (see [`Self::touch_prefix`]).
     pub fn enqueue(&mut self, seq: Sequence) {
         let id = seq.id;
+        self.touch_prefix(&seq);
         self.seqs.insert(id, seq);
         self.insert_waiting(id);
+    }
+
+    /// Touches the cached leading blocks of `seq`'s prompt, deepest first so that its
+    /// root is the most recent. A request waits with no reference on its cached prefix
+    /// until it is admitted; without this, the admissions queued ahead of it evict that
+    /// prefix first when it is the least recent, and the request recomputes it although
+    /// it was cached when it arrived (and when the router chose this worker for it).
+    /// SGLang's scheduler refreshes waiting requests' prefixes the same way (its radix
+    /// cache's prefix match updates their access times).
+    fn touch_prefix(&mut self, seq: &Sequence) {
+        let bs = self.config.block_size.max(1);
+        let max_blocks = (seq.tokens.len().saturating_sub(1) / bs).min(seq.hashes.len());
+        let cached = seq.hashes[..max_blocks]
+            .iter()
+            .take_while(|&&h| self.pool.lookup(h).is_some())
+            .count();
+        for &h in seq.hashes[..cached].iter().rev() {
+            self.pool.touch(h);
+        }
     }
 
     /// Puts a known sequence in the waiting queue at its arrival position.

@@ -621,3 +621,38 @@ fn pins_past_the_pool_cap_are_refused_and_served() {
     });
     assert!(e.add_request(bad).is_err());
 }
+
+#[test]
+fn a_waiting_request_keeps_its_cached_prefix_from_the_admissions_ahead_of_it() {
+    let m = model();
+    // 16 blocks, one sequence at a time: the second request waits behind the first.
+    let mut e = engine_with(&m, 16, 512, 1);
+    // Two 4-block prefixes cached, `older` the least recently used.
+    let older = prompt(1, 4 * BS + 3);
+    let newer = prompt(2, 4 * BS + 3);
+    assert_eq!(run_pinned(&mut e, 1, older.clone(), None).0, 0);
+    assert_eq!(run_pinned(&mut e, 2, newer.clone(), None).0, 0);
+    // A stranger needing 12 blocks arrives first, then a request reusing `older`. The
+    // stranger's admission must evict four cached blocks: `newer`'s, since the waiting
+    // request made `older` the most recent when it arrived.
+    e.add_request(Request::new(3, prompt(3, 11 * BS + 3), greedy(1)))
+        .expect("add");
+    let mut reuse = older.clone();
+    reuse.extend(prompt(4, 5));
+    e.add_request(Request::new(4, reuse, greedy(1)))
+        .expect("add");
+    let mut cached = std::collections::BTreeMap::new();
+    while e.has_unfinished() {
+        for o in e.step().expect("step") {
+            cached.insert(o.id, o.cached_tokens);
+        }
+    }
+    assert_eq!(cached.get(&3), Some(&0));
+    assert_eq!(
+        cached.get(&4),
+        Some(&(4 * BS)),
+        "its prefix survived the stranger"
+    );
+    assert_eq!(run_pinned(&mut e, 5, newer, None).0, 0, "evicted instead");
+    e.check_invariants().expect("invariants");
+}

@@ -19,15 +19,19 @@
 //! takes its hits, stores its chain and evicts what that evicts when its prefill
 //! starts (`Admitter`); while it waits, the router's backlog carries the prefill its
 //! expected hits leave (the pool's blocks and those of the chains queued ahead of
-//! it). A worker's pool takes the same chains in the same order either way, so a
-//! policy blind to the pools gets the same figures; what changes is what a router
-//! sees while requests queue. Taken at arrival (the default), the evictions of the
+//! it), and its cached prefix is made the most recently used when it is queued, as
+//! the engine's scheduler does (`Scheduler::enqueue`). A worker's pool takes the same
+//! chains in the same order either way; what changes is what a router sees while
+//! requests queue, and which blocks are least recent when the queue's admissions
+//! evict. Taken at arrival (the default), the evictions of the
 //! requests queued ahead of a new one are already reported when it is routed, so the
 //! router knows which cached prefixes the queue will evict before an engine would
 //! evict them. On the sweep (seed 1, 84 groups, docs/policy-sweep.head.md,
 //! 2026-12-06) `cache-aware` met all three targets in 16 groups this way against 40,
 //! with 13,426 avoidable waits against 1: requests sent to a holder behind a queue
-//! whose admissions evict the prefix they came for.
+//! whose admissions evict the prefix they came for. Since the engine touches a
+//! waiting request's prefix (2026-12-06, later), the same sweep meets 18 with 3,566
+//! waits, and every policy's hits rise.
 //!
 //! # Held blocks
 //!
@@ -263,13 +267,19 @@ impl SimWorker {
             .count()
     }
 
-    /// Queues request `i`; its chain counts for [`Self::expected_hits`] only if
-    /// `expected` (hits taken at admission: otherwise the chain is already stored).
+    /// Queues request `i`. If `expected` (hits taken at admission: otherwise the chain
+    /// is already stored), its chain counts for [`Self::expected_hits`], and its cached
+    /// prefix becomes the most recently used, as the engine's scheduler touches a
+    /// waiting request's prefix (`Scheduler::enqueue`).
     fn enqueue(&mut self, i: usize, chain: &[BlockHash], expected: bool) {
         self.queue.push_back(i);
         if expected {
             for &h in chain {
                 *self.queued_blocks.entry(h).or_default() += 1;
+            }
+            let cached = self.lru.match_prefix(chain);
+            for &h in chain[..cached].iter().rev() {
+                self.lru.touch(h);
             }
         }
     }
@@ -528,6 +538,8 @@ pub struct SimConfig {
     pub hold_blocks: bool,
     /// Whether a request takes its cached prefix when its prefill starts, as an
     /// engine admits a waiting sequence, rather than when it is queued (default off).
+    /// Its cached prefix is then touched (made the most recently used) when it is
+    /// queued, as the engine's scheduler touches it.
     /// Queued at arrival, a request's chain is stored at once: the blocks its
     /// admission will evict are reported gone while it waits, so a router sees the
     /// evictions of the requests queued ahead before they happen. Taken at
