@@ -141,11 +141,16 @@ impl EtcdServer {
     /// Starts etcd on free ports with a fresh data directory.
     pub fn start() -> Self {
         let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
+        let client_port = restartable_port();
+        // Each pick is released before the next: never hand etcd one port twice.
+        let peer_port = std::iter::repeat_with(restartable_port)
+            .find(|&p| p != client_port)
+            .unwrap_or_else(|| panic!("no second free port"));
         let mut s = EtcdServer {
             child: None,
             dir,
-            client_port: restartable_port(),
-            peer_port: restartable_port(),
+            client_port,
+            peer_port,
         };
         s.spawn();
         s
