@@ -143,9 +143,12 @@ impl EtcdServer {
         let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
         let client_port = restartable_port();
         // Each pick is released before the next: never hand etcd one port twice.
-        let peer_port = std::iter::repeat_with(restartable_port)
-            .find(|&p| p != client_port)
-            .unwrap_or_else(|| panic!("no second free port"));
+        let peer_port = loop {
+            let p = restartable_port();
+            if p != client_port {
+                break p;
+            }
+        };
         let mut s = EtcdServer {
             child: None,
             dir,

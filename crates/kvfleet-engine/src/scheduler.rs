@@ -104,8 +104,7 @@ impl Scheduler {
     /// SGLang's scheduler refreshes waiting requests' prefixes the same way (its radix
     /// cache's prefix match updates their access times).
     fn touch_prefix(&mut self, seq: &Sequence) {
-        let bs = self.config.block_size.max(1);
-        let max_blocks = (seq.tokens.len().saturating_sub(1) / bs).min(seq.hashes.len());
+        let max_blocks = seq.reusable_blocks(self.config.block_size);
         let cached = seq.hashes[..max_blocks]
             .iter()
             .take_while(|&&h| self.pool.lookup(h).is_some())
@@ -325,7 +324,7 @@ impl Scheduler {
         if !seq.block_table.is_empty() {
             return;
         }
-        let max_blocks = (seq.tokens.len().saturating_sub(1) / bs).min(seq.hashes.len());
+        let max_blocks = seq.reusable_blocks(bs);
         for i in 0..max_blocks {
             match self.pool.acquire(seq.hashes[i]) {
                 Some(b) => seq.block_table.push(b),

@@ -106,6 +106,12 @@ impl Sequence {
         (text, check.stopped)
     }
 
+    /// Leading full blocks (of `block_size` tokens) that may be taken from the cache:
+    /// every one before the block holding the last token, whose logits must be computed.
+    pub fn reusable_blocks(&self, block_size: usize) -> usize {
+        (self.tokens.len().saturating_sub(1) / block_size.max(1)).min(self.hashes.len())
+    }
+
     /// Number of generated tokens.
     pub fn num_generated(&self) -> usize {
         self.tokens.len() - self.prompt_len

@@ -30,7 +30,7 @@
 //! 2026-12-06) `cache-aware` met all three targets in 16 groups this way against 40,
 //! with 13,426 avoidable waits against 1: requests sent to a holder behind a queue
 //! whose admissions evict the prefix they came for. Since the engine touches a
-//! waiting request's prefix (2026-12-06, later), the same sweep meets 18 with 3,566
+//! waiting request's prefix (same page, "2026-12-06, last"), the same sweep meets 18 with 3,566
 //! waits, and every policy's hits rise.
 //!
 //! # Held blocks

@@ -307,7 +307,7 @@ impl Engine {
                 continue;
             }
             seq.tier_staged = true;
-            let max_blocks = (seq.tokens.len().saturating_sub(1) / bs).min(seq.hashes.len());
+            let max_blocks = seq.reusable_blocks(bs);
             let hashes: Vec<BlockHash> = seq.hashes[..max_blocks].to_vec();
             let mut i = 0;
             while i < hashes.len() && self.scheduler.pool.lookup(hashes[i]).is_some() {
