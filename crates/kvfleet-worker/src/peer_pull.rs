@@ -14,12 +14,19 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tonic::transport::{Channel, ClientTlsConfig, Endpoint};
+use tonic::{Status, Streaming};
 use xxhash_rust::xxh3::xxh3_64;
 
 /// Connecting to a peer.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// The whole pull, whatever its size: past it the request recomputes the rest.
 const PULL_TIMEOUT: Duration = Duration::from_secs(10);
+/// From asking a peer to its first block (connecting included). A live holder serves
+/// from its ready blocks off its engine thread, so it answers in milliseconds; one
+/// that has not answered by now is hung, and the request, not yet acknowledged to
+/// its router, would otherwise wait for it to the end of [`PULL_TIMEOUT`] and miss
+/// its first-token deadline on a healthy worker.
+const PULL_START_TIMEOUT: Duration = Duration::from_millis(500);
 /// Peers whose channel is kept (a fleet rarely has more; past it the cache restarts).
 const MAX_PEERS: usize = 256;
 /// Most blocks one pull asks for.
@@ -102,32 +109,32 @@ impl PeerPuller {
 
     async fn pull_inner(&self, endpoint: &str, hashes: &[u64], format: &str, bytes: u64) -> Pulled {
         let mut blocks = Vec::new();
-        let mut client = match self.client(endpoint).await {
-            Ok(c) => c,
-            Err(e) => {
+        let started = tokio::time::timeout(
+            PULL_START_TIMEOUT,
+            self.start_fetch(endpoint, hashes, format, bytes),
+        )
+        .await;
+        let (mut stream, mut next) = match started {
+            Ok(Ok(s)) => s,
+            Ok(Err(error)) => {
                 return Pulled {
                     blocks,
-                    error: Some(e),
+                    error: Some(error),
                 }
             }
-        };
-        let req = pb::FetchBlocksRequest {
-            block_hashes: hashes.to_vec(),
-            block_format: format.to_string(),
-            block_bytes: bytes,
-        };
-        let mut stream = match client.fetch_blocks(req).await {
-            Ok(s) => s.into_inner(),
-            Err(s) => {
+            Err(_) => {
+                // Hung (stopped, or its runtime wedged): its channel is not reused.
                 self.forget(endpoint);
                 return Pulled {
                     blocks,
-                    error: Some(format!("FetchBlocks: {}", s.message())),
+                    error: Some(format!(
+                        "peer {endpoint} sent nothing within {PULL_START_TIMEOUT:?}"
+                    )),
                 };
             }
         };
         loop {
-            match stream.message().await {
+            match next {
                 Ok(Some(b)) => {
                     let i = blocks.len();
                     let ok = hashes.get(i) == Some(&b.hash)
@@ -162,7 +169,40 @@ impl PeerPuller {
                     };
                 }
             }
+            next = stream.message().await;
         }
+    }
+
+    /// Connects (or reuses the channel), asks for the blocks and waits for the first
+    /// answer: the stream and that answer.
+    async fn start_fetch(
+        &self,
+        endpoint: &str,
+        hashes: &[u64],
+        format: &str,
+        bytes: u64,
+    ) -> Result<
+        (
+            Streaming<pb::KvBlockData>,
+            Result<Option<pb::KvBlockData>, Status>,
+        ),
+        String,
+    > {
+        let mut client = self.client(endpoint).await?;
+        let req = pb::FetchBlocksRequest {
+            block_hashes: hashes.to_vec(),
+            block_format: format.to_string(),
+            block_bytes: bytes,
+        };
+        let mut stream = match client.fetch_blocks(req).await {
+            Ok(s) => s.into_inner(),
+            Err(s) => {
+                self.forget(endpoint);
+                return Err(format!("FetchBlocks: {}", s.message()));
+            }
+        };
+        let first = stream.message().await;
+        Ok((stream, first))
     }
 
     async fn client(&self, endpoint: &str) -> Result<WorkerClient<Channel>, String> {

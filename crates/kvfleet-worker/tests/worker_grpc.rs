@@ -664,3 +664,44 @@ async fn an_accepted_request_is_acknowledged_at_once_with_its_queue_position() {
     }
     handle.shutdown().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pull_from_a_hung_peer_is_given_up_at_once_and_the_prompt_computed() {
+    // A peer whose kernel completes the TCP handshake but which never answers, as a
+    // SIGSTOPped worker does. The router's first-token deadline runs while the worker
+    // pulls (it acknowledges the request only after), so waiting out the whole pull
+    // deadline made a healthy worker miss it: the request was retried elsewhere, or
+    // lost when there was nowhere else to go.
+    let hung = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let peer = format!("http://{}", hung.local_addr().expect("addr"));
+    let (handle, mut client) = worker("w-pull", |_| {}).await;
+    let tokens = prompt(7, 40);
+    let mut req = request("pulls", tokens.clone(), 4);
+    req.report_acceptance = true;
+    req.pull = Some(pb::PeerPull {
+        peer_endpoint: peer,
+        first_block: 0,
+        end_block: 2,
+    });
+    let asked = Instant::now();
+    let answered = tokio::time::timeout(Duration::from_secs(8), client.generate(req))
+        .await
+        .expect("answered before the whole pull's deadline (10 s)");
+    let waited = asked.elapsed();
+    let msgs = collect(answered.expect("accepted").into_inner()).await;
+    assert!(
+        waited < Duration::from_secs(3),
+        "acknowledged after {waited:?}"
+    );
+    assert!(msgs[0].accepted.is_some(), "{:?}", msgs[0]);
+    let u = last_usage(&msgs);
+    assert_eq!((u.cached_tokens, u.peer_cached_tokens), (0, 0), "{u:?}");
+    let pulled: Vec<u32> = msgs.iter().flat_map(|m| m.token_ids.clone()).collect();
+    // The same tokens as the prompt computed with no hint (now from the cache).
+    let again = generate(&mut client, request("again", tokens, 4)).await;
+    let plain: Vec<u32> = again.iter().flat_map(|m| m.token_ids.clone()).collect();
+    assert_eq!((pulled.len(), &pulled), (4, &plain));
+    assert_eq!(load(&mut client).await.peer_pulled_blocks, 0);
+    drop(hung);
+    handle.shutdown().await.unwrap();
+}
