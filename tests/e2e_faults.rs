@@ -95,8 +95,20 @@ fn body(i: u32, max_tokens: u32, stream: bool) -> serde_json::Value {
 /// neighbour's processes starting on a 2-core runner cannot make a healthy worker miss
 /// a deadline. (A hung-worker run lost a request with a 503 that way, 1 run in 5 with
 /// all eight at once on two cores.)
+///
+/// It also makes every panic of these tests print where CI's log keeps it (see
+/// [`uncaptured`]).
 pub fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
     static LOCK: Mutex<()> = Mutex::new(());
+    static HOOK: std::sync::Once = std::sync::Once::new();
+    HOOK.call_once(|| {
+        let captured = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            let thread = std::thread::current();
+            uncaptured(&format!("{} {info}", thread.name().unwrap_or("a thread")));
+            captured(info);
+        }));
+    });
     // A test that failed holding it leaves it poisoned; the next still runs.
     LOCK.lock().unwrap_or_else(|p| p.into_inner())
 }
@@ -129,12 +141,55 @@ fn send_tokens(
             let body = r.text().unwrap_or_default();
             if status != 200 {
                 // Which deadline or worker failed it, should a test then fail.
-                eprintln!("request {i}: {status} {body}");
+                uncaptured(&format!("request {i}: {status} {body}"));
             }
             (status, worker)
         }
-        Err(_) => (0, None),
+        Err(e) => {
+            uncaptured(&format!("request {i}: no answer: {e}"));
+            (0, None)
+        }
     }
+}
+
+/// Writes to the process's real stderr, which the test harness does not capture: it
+/// lands next to the test's `FAILED` line in CI's log, where a captured message of a
+/// failed test (printed at the very end) can be cut from the excerpt CI keeps.
+fn uncaptured(msg: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "e2e_faults: {msg}");
+}
+
+/// Fails the test with `what` and the `context` that explains it.
+fn fail(what: &str, context: &str) -> ! {
+    panic!("{what}\n{context}");
+}
+
+/// The outcomes of `log` in 250 ms windows from `t0` (negative: before it), each with
+/// its count per status and worker.
+fn timeline(log: &[Outcome], t0: Instant) -> String {
+    use std::collections::BTreeMap;
+    const WINDOW_MS: i64 = 250;
+    let mut windows: BTreeMap<i64, BTreeMap<String, usize>> = BTreeMap::new();
+    for (t, s, w) in log {
+        let ms = if *t >= t0 {
+            (*t - t0).as_millis() as i64
+        } else {
+            -((t0 - *t).as_millis() as i64)
+        };
+        let key = format!("{s} from {}", w.as_deref().unwrap_or("-"));
+        *windows
+            .entry(ms.div_euclid(WINDOW_MS) * WINDOW_MS)
+            .or_default()
+            .entry(key)
+            .or_default() += 1;
+    }
+    let mut out = String::new();
+    for (start, counts) in windows {
+        let counts: Vec<String> = counts.iter().map(|(k, n)| format!("{n} x {k}")).collect();
+        out.push_str(&format!("  {start:>6} ms: {}\n", counts.join(", ")));
+    }
+    out
 }
 
 /// The value of metric line `name{labels}` in a Prometheus exposition.
@@ -279,8 +334,17 @@ fn a_hung_worker_trips_its_breaker_and_traffic_moves_away_then_returns() {
     signal(&w0, "STOP");
     let stopped_at = Instant::now();
     let deadline = stopped_at + Duration::from_secs(30);
+    // On a failure, the traffic around it, in ms from the SIGSTOP.
+    let context = |log: &Arc<Mutex<Vec<Outcome>>>, notes: &str| {
+        format!(
+            "{notes}\ntraffic (ms from SIGSTOP):\n{}",
+            timeline(&log.lock().expect("log"), stopped_at)
+        )
+    };
     while circuit(&http) != Some(1.0) {
-        assert!(Instant::now() < deadline, "w0's breaker never opened");
+        if Instant::now() >= deadline {
+            fail("w0's breaker never opened", &context(&log, ""));
+        }
         std::thread::sleep(Duration::from_millis(50));
     }
     let detect = stopped_at.elapsed();
@@ -288,6 +352,12 @@ fn a_hung_worker_trips_its_breaker_and_traffic_moves_away_then_returns() {
     let open_until = Instant::now();
     signal(&w0, "CONT");
     let resumed_at = Instant::now();
+    let ms = |t: Instant| (t - stopped_at).as_secs_f64() * 1e3;
+    let notes = format!(
+        "breaker seen open at {:.0} ms, SIGCONT at {:.0} ms",
+        detect.as_secs_f64() * 1e3,
+        ms(resumed_at)
+    );
     let deadline = resumed_at + Duration::from_secs(30);
     let recovered = loop {
         let back = log
@@ -299,17 +369,28 @@ fn a_hung_worker_trips_its_breaker_and_traffic_moves_away_then_returns() {
         if let Some(t) = back {
             break t - resumed_at;
         }
-        assert!(Instant::now() < deadline, "traffic never returned to w0");
+        if Instant::now() >= deadline {
+            fail("traffic never returned to w0", &context(&log, &notes));
+        }
         std::thread::sleep(Duration::from_millis(50));
     };
     std::thread::sleep(Duration::from_millis(300));
     stop.store(true, Ordering::SeqCst);
     traffic.join().expect("traffic thread");
-    assert_eq!(circuit(&http), Some(0.0), "w0's breaker closed again");
+    let end_state = circuit(&http);
+    if end_state != Some(0.0) {
+        fail(
+            &format!("w0's breaker did not close again: state {end_state:?}"),
+            &context(&log, &notes),
+        );
+    }
+    let context = context(&log, &notes);
 
     let log = log.lock().expect("log");
     let lost: Vec<_> = log.iter().filter(|(_, s, _)| *s != 200).collect();
-    assert!(lost.is_empty(), "requests lost: {lost:?}");
+    if !lost.is_empty() {
+        fail(&format!("requests lost: {lost:?}"), &context);
+    }
     // Once the breaker was open, nothing went to w0 until it resumed.
     let opened_at = stopped_at + detect;
     let on_w0_while_open = log
@@ -317,15 +398,19 @@ fn a_hung_worker_trips_its_breaker_and_traffic_moves_away_then_returns() {
         .filter(|(t, ..)| *t > opened_at + Duration::from_millis(1600) && *t < open_until)
         .filter(|(.., w)| w.as_deref() == Some("w0"))
         .count();
-    assert_eq!(
-        on_w0_while_open, 0,
-        "traffic moved away from the open worker"
-    );
+    if on_w0_while_open != 0 {
+        fail(
+            &format!("{on_w0_while_open} requests served by w0 while its breaker was open"),
+            &context,
+        );
+    }
     let served_while_open = log
         .iter()
         .filter(|(t, ..)| *t > opened_at && *t < open_until)
         .count();
-    assert!(served_while_open > 0, "w1 kept serving while w0 hung");
+    if served_while_open == 0 {
+        fail("w1 served nothing while w0 hung", &context);
+    }
     let text = http
         .get(format!("{url}/metrics"))
         .send()
