@@ -251,14 +251,15 @@ fn short_fork_children_do_not_wait_behind_their_siblings_overheads() {
 }
 
 /// Taking hits when a request's prefill starts changes what a router sees while it
-/// waits, and the pool's recency: a waiting request's cached prefix is touched when it
-/// is queued, as the engine's scheduler touches it. A router blind to the pools
-/// (consistent hashing) or keeping its own (SGLang's trees) routes every request to
-/// the same worker in both orders; the pools take the same chains in the same order,
-/// so the touches are the only difference, and on this trace, whose sessions outgrow
-/// the pools, they keep prefixes that the queued admissions ahead evicted before.
+/// waits, and the pool's recency: a waiting request holds (up to half the pool) or
+/// touches its cached prefix when it is queued, as the engine's scheduler does. A
+/// router blind to the pools (consistent hashing) or keeping its own (SGLang's trees)
+/// routes every request to the same worker in both orders; the pools take the same
+/// chains in the same order, so the holds and touches are the only difference, and on
+/// this trace, whose sessions outgrow the pools, they keep prefixes that the queued
+/// admissions ahead evicted before.
 #[test]
-fn hits_at_admission_route_a_pool_blind_router_alike_and_touched_prefixes_add_hits() {
+fn hits_at_admission_route_a_pool_blind_router_alike_and_held_prefixes_add_hits() {
     let t = small_conversation();
     for policy in [
         SimPolicy::Kvfleet(PolicyKind::ConsistentHash),

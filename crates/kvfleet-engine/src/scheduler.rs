@@ -12,9 +12,14 @@
 //! Prefix reuse happens at admission (the longest run of cached blocks) and at every
 //! block allocation (a block some other sequence published in the meantime). A block
 //! that another sequence is computing right now is taken by reference, and this
-//! sequence waits for it instead of computing it again. A waiting sequence holds no
-//! block, but its cached prefix is made the most recently used when it is queued, so
-//! the admissions ahead of it evict other blocks first.
+//! sequence waits for it instead of computing it again.
+//!
+//! A sequence queued behind others holds its cached prefix (a reference on each ready
+//! block, up to half the pool over all waiting sequences) until it is admitted, and
+//! the rest of it is made the most recently used, so the admissions ahead of it evict
+//! other blocks first. A hold only ever yields: when a running or admitted sequence
+//! finds no free block, the youngest waiting sequence's hold is released before
+//! anything is preempted or the queue stops.
 
 use crate::block_pool::BlockPool;
 use crate::sequence::{RequestId, SeqStatus, Sequence};
@@ -87,31 +92,75 @@ impl Scheduler {
         }
     }
 
-    /// Queues a sequence (in arrival order), and makes the cached blocks of its prompt
-    /// the most recently used (see [`Self::touch_prefix`]).
-    pub fn enqueue(&mut self, seq: Sequence) {
+    /// Queues a sequence (in arrival order); it holds, or touches, the cached blocks
+    /// of its prompt (see [`Self::hold_prefix`]).
+    pub fn enqueue(&mut self, mut seq: Sequence) {
         let id = seq.id;
-        self.touch_prefix(&seq);
+        self.hold_prefix(&mut seq);
         self.seqs.insert(id, seq);
         self.insert_waiting(id);
     }
 
-    /// Touches the cached leading blocks of `seq`'s prompt, deepest first so that its
-    /// root is the most recent. A request waits with no reference on its cached prefix
-    /// until it is admitted; without this, the admissions queued ahead of it evict that
-    /// prefix first when it is the least recent, and the request recomputes it although
-    /// it was cached when it arrived (and when the router chose this worker for it).
-    /// SGLang's scheduler refreshes waiting requests' prefixes the same way (its radix
-    /// cache's prefix match updates their access times).
-    fn touch_prefix(&mut self, seq: &Sequence) {
+    /// Keeps the cached leading blocks of `seq`'s prompt for it until it is admitted:
+    /// it takes a reference on each ready one while the waiting sequences hold at most
+    /// half the pool ([`Sequence::staged`], released at admission), and touches the
+    /// rest, deepest first so that its root is the most recent.
+    ///
+    /// Without it, the admissions queued ahead of a request evict its prefix when that
+    /// is the least recent, and the request recomputes a prefix that was cached when it
+    /// arrived (and when the router chose this worker for it). A touch alone is undone
+    /// by the requests ahead that finish meanwhile: their released blocks become more
+    /// recent than it. SGLang's scheduler keeps waiting requests' prefixes the same way
+    /// (its radix cache's prefix match updates their access times).
+    fn hold_prefix(&mut self, seq: &mut Sequence) {
         let max_blocks = seq.reusable_blocks(self.config.block_size);
         let cached = seq.hashes[..max_blocks]
             .iter()
             .take_while(|&&h| self.pool.lookup(h).is_some())
             .count();
-        for &h in seq.hashes[..cached].iter().rev() {
+        let mut room = (self.pool.num_blocks() / 2).saturating_sub(self.held_by_waiting());
+        for &h in &seq.hashes[..cached] {
+            let ready = self.pool.lookup(h).is_some_and(|b| self.pool.is_ready(b));
+            if room == 0 || !ready {
+                break;
+            }
+            if let Some(b) = self.pool.acquire(h) {
+                seq.staged.push(b);
+                room -= 1;
+            }
+        }
+        for &h in seq.hashes[seq.staged.len()..cached].iter().rev() {
             self.pool.touch(h);
         }
+    }
+
+    /// Blocks the waiting sequences hold until their admission.
+    fn held_by_waiting(&self) -> usize {
+        self.waiting
+            .iter()
+            .filter_map(|id| self.seqs.get(id))
+            .map(|s| s.staged.len())
+            .sum()
+    }
+
+    /// Releases the blocks held by the youngest waiting sequence that holds any (never
+    /// `except`), for a sequence that found no free block. Returns whether it released
+    /// some.
+    fn release_youngest_hold(&mut self, except: Option<RequestId>) -> bool {
+        let Some(&id) = self.waiting.iter().rev().find(|&&w| {
+            Some(w) != except && self.seqs.get(&w).is_some_and(|s| !s.staged.is_empty())
+        }) else {
+            return false;
+        };
+        let Some(seq) = self.seqs.get_mut(&id) else {
+            return false;
+        };
+        for b in seq.staged.drain(..).rev() {
+            self.pool.release(b, id);
+        }
+        // What it held may have been promoted from a lower tier: it looks again.
+        seq.tier_staged = false;
+        true
     }
 
     /// Puts a known sequence in the waiting queue at its arrival position.
@@ -179,6 +228,10 @@ impl Scheduler {
                         break;
                     }
                     Grow::NoBlocks => {
+                        // A waiting sequence's hold yields first.
+                        if self.release_youngest_hold(None) {
+                            continue;
+                        }
                         // Evict the newest running sequence; it may be this one.
                         let Some(victim) = self.running.last().copied() else {
                             break;
@@ -215,7 +268,12 @@ impl Scheduler {
             let id = self.waiting[pos];
             self.admit_prefix(id);
             let cap = budget.min(self.config.max_prefill_chunk);
-            match self.grow(id, cap) {
+            let mut grown = self.grow(id, cap);
+            // The holds of those behind it yield to the sequence being admitted.
+            while matches!(grown, Grow::NoBlocks) && self.release_youngest_hold(Some(id)) {
+                grown = self.grow(id, cap);
+            }
+            match grown {
                 Grow::Ok(n) => {
                     self.waiting.remove(pos);
                     if let Some(s) = self.seqs.get_mut(&id) {

@@ -656,3 +656,80 @@ fn a_waiting_request_keeps_its_cached_prefix_from_the_admissions_ahead_of_it() {
     assert_eq!(run_pinned(&mut e, 5, newer, None).0, 0, "evicted instead");
     e.check_invariants().expect("invariants");
 }
+
+/// Runs every queued request to the end: each one's cached prompt tokens.
+fn cached_by_request(e: &mut Engine) -> std::collections::BTreeMap<u64, usize> {
+    let mut cached = std::collections::BTreeMap::new();
+    while e.has_unfinished() {
+        for o in e.step().expect("step") {
+            cached.insert(o.id, o.cached_tokens);
+        }
+    }
+    cached
+}
+
+#[test]
+fn a_waiting_request_holds_its_cached_prefix_while_the_requests_ahead_finish() {
+    let m = model();
+    // 16 blocks, one sequence at a time.
+    let mut e = engine_with(&m, 16, 512, 1);
+    let older = prompt(1, 4 * BS + 3);
+    assert_eq!(run_pinned(&mut e, 1, older.clone(), None).0, 0);
+    // Two strangers of 8 blocks each queue ahead of a request reusing `older`. The
+    // first one's finished blocks become more recent than `older` (touched when the
+    // request arrived), so without a hold the second one's admission evicts it.
+    e.add_request(Request::new(2, prompt(2, 7 * BS + 3), greedy(1)))
+        .expect("add");
+    e.add_request(Request::new(3, prompt(3, 7 * BS + 3), greedy(1)))
+        .expect("add");
+    let mut reuse = older.clone();
+    reuse.extend(prompt(4, 5));
+    e.add_request(Request::new(4, reuse, greedy(1)))
+        .expect("add");
+    let cached = cached_by_request(&mut e);
+    assert_eq!((cached.get(&2), cached.get(&3)), (Some(&0), Some(&0)));
+    assert_eq!(
+        cached.get(&4),
+        Some(&(4 * BS)),
+        "its prefix was held while it waited"
+    );
+    e.check_invariants().expect("invariants");
+}
+
+#[test]
+fn held_prefixes_give_way_to_the_request_at_the_head_of_the_queue() {
+    let m = model();
+    let mut e = engine_with(&m, 16, 512, 1);
+    let older = prompt(1, 4 * BS + 3);
+    assert_eq!(run_pinned(&mut e, 1, older.clone(), None).0, 0);
+    // The head needs 15 of the 16 blocks, and the request behind it holds 4: the hold
+    // is dropped so the head runs (a hold never stalls the queue or preempts).
+    e.add_request(Request::new(2, prompt(2, 14 * BS + 3), greedy(2)))
+        .expect("add");
+    let mut reuse = older.clone();
+    reuse.extend(prompt(4, 5));
+    e.add_request(Request::new(3, reuse, greedy(1)))
+        .expect("add");
+    let mut steps = 0;
+    let mut finished = Vec::new();
+    let mut head_tokens = 0;
+    while e.has_unfinished() {
+        steps += 1;
+        assert!(steps < 100, "the queue stalled");
+        for o in e.step().expect("step") {
+            if o.id == 2 && o.token.is_some() {
+                head_tokens += 1;
+            }
+            if o.finish.is_some() {
+                finished.push(o.id);
+            }
+        }
+    }
+    assert_eq!(finished, vec![2, 3]);
+    assert_eq!(
+        head_tokens, 2,
+        "the head ran whole, not cut short for want of blocks"
+    );
+    assert_eq!(e.stats().preemptions, 0, "nothing was preempted");
+    e.check_invariants().expect("invariants");
+}

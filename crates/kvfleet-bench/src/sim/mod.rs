@@ -19,8 +19,10 @@
 //! takes its hits, stores its chain and evicts what that evicts when its prefill
 //! starts (`Admitter`); while it waits, the router's backlog carries the prefill its
 //! expected hits leave (the pool's blocks and those of the chains queued ahead of
-//! it), and its cached prefix is made the most recently used when it is queued, as
-//! the engine's scheduler does (`Scheduler::enqueue`). A worker's pool takes the same
+//! it), and it keeps its cached prefix as the engine's scheduler keeps a waiting
+//! sequence's (`Scheduler::enqueue`): it holds the leading blocks while the queued
+//! requests hold at most half the pool, and the rest is made the most recently used.
+//! A worker's pool takes the same
 //! chains in the same order either way; what changes is what a router sees while
 //! requests queue, and which blocks are least recent when the queue's admissions
 //! evict. Taken at arrival (the default), the evictions of the
@@ -30,8 +32,9 @@
 //! 2026-12-06) `cache-aware` met all three targets in 16 groups this way against 40,
 //! with 13,426 avoidable waits against 1: requests sent to a holder behind a queue
 //! whose admissions evict the prefix they came for. Since the engine touches a
-//! waiting request's prefix (same page, "2026-12-06, last"), the same sweep meets 18 with 3,566
-//! waits, and every policy's hits rise.
+//! waiting request's prefix (same page, "2026-12-06, last"), the same sweep meets 18
+//! with 3,566 waits, and every policy's hits rise; since it holds it ("2026-12-06, a
+//! held prefix"), 20 with 1,424.
 //!
 //! # Held blocks
 //!
@@ -178,6 +181,11 @@ pub struct SimWorker {
     pub active_blocks: usize,
     /// Blocks the running sequences hold, as the engine's pool counts them.
     in_use: BlocksInUse,
+    /// Queued requests holding the leading blocks of their chain in the pool (how
+    /// many), as the engine's waiting sequences hold their cached prefix.
+    held: HashMap<usize, usize>,
+    /// Their sum: at most half the pool.
+    held_total: usize,
     /// Requests in flight.
     pub inflight: usize,
     /// Prompt tokens computed so far.
@@ -207,6 +215,8 @@ impl SimWorker {
             decoding: 0,
             active_blocks: 0,
             in_use: BlocksInUse::default(),
+            held: HashMap::new(),
+            held_total: 0,
             inflight: 0,
             prefill_computed: 0,
             requests: 0,
@@ -268,9 +278,11 @@ impl SimWorker {
     }
 
     /// Queues request `i`. If `expected` (hits taken at admission: otherwise the chain
-    /// is already stored), its chain counts for [`Self::expected_hits`], and its cached
-    /// prefix becomes the most recently used, as the engine's scheduler touches a
-    /// waiting request's prefix (`Scheduler::enqueue`).
+    /// is already stored), its chain counts for [`Self::expected_hits`], and it keeps
+    /// its cached prefix until it is admitted as the engine's scheduler keeps a waiting
+    /// request's (`Scheduler::enqueue`): it holds the leading blocks while the queued
+    /// requests hold at most half the pool, and the rest becomes the most recently
+    /// used.
     fn enqueue(&mut self, i: usize, chain: &[BlockHash], expected: bool) {
         self.queue.push_back(i);
         if expected {
@@ -278,10 +290,32 @@ impl SimWorker {
                 *self.queued_blocks.entry(h).or_default() += 1;
             }
             let cached = self.lru.match_prefix(chain);
+            let held = cached.min((self.lru.capacity() / 2).saturating_sub(self.held_total));
+            if held > 0 {
+                self.lru.pin_chain(&chain[..held]);
+                self.held.insert(i, held);
+                self.held_total += held;
+            }
+            // Pinned blocks are out of the eviction order: the touch moves the rest.
             for &h in chain[..cached].iter().rev() {
                 self.lru.touch(h);
             }
         }
+    }
+
+    /// Request `i`, admitted, lets go of the blocks it held while queued (it takes them
+    /// at once as its hits); what a pool grown past its capacity evicts is returned.
+    fn release_held(&mut self, i: usize, chain: &[BlockHash]) -> ChainChange {
+        let Some(n) = self.held.remove(&i) else {
+            return ChainChange::default();
+        };
+        self.held_total -= n;
+        let mut change = ChainChange {
+            removed: self.lru.unpin_chain(&chain[..n]),
+            ..ChainChange::default()
+        };
+        self.demote_removed(&mut change);
+        change
     }
 
     fn dequeue(&mut self, chain: &[BlockHash]) {
@@ -1187,7 +1221,11 @@ impl Admitter<'_> {
             return false;
         }
         if !st[i].admitted {
-            let hits = wk.tiered_match(&self.chains[i]);
+            let released = workers[w].release_held(i, &self.chains[i]);
+            if !released.removed.is_empty() {
+                self.router.on_enqueued(w, &released, workers);
+            }
+            let hits = workers[w].tiered_match(&self.chains[i]);
             self.take_hits(workers, w, st, i, hits);
         }
         let Some(t) = start_prefill(&mut workers[w], st, self.chains, &self.cfg.cost, now, hold)
@@ -1394,6 +1432,28 @@ mod tests {
         w.dequeue(&h(&[1, 2, 3, 4]));
         assert!(w.queued_blocks.is_empty() && w.queue.is_empty());
         assert_eq!(w.expected_hits(&h(&[1, 2, 3, 4, 5])), 2);
+    }
+
+    #[test]
+    fn a_queued_request_holds_its_prefix_up_to_half_the_pool_and_lets_go_when_admitted() {
+        let mut w = SimWorker::new(8, 0, 0);
+        w.lru.insert_chain(&h(&[1, 2, 3, 4, 5]));
+        // Five blocks cached; queued requests may hold four (half the pool).
+        w.enqueue(0, &h(&[1, 2, 3, 9]), true);
+        w.enqueue(1, &h(&[1, 2, 3, 4, 5, 9]), true);
+        assert_eq!((w.held.get(&0), w.held.get(&1)), (Some(&3), Some(&1)));
+        // Strangers fill the pool: the held blocks stay, `4` and `5` (touched) go last.
+        w.lru.insert_chain(&h(&[20, 21, 22]));
+        assert!(w.lru.contains(BlockHash(4)) && w.lru.contains(BlockHash(5)));
+        w.lru.insert_chain(&h(&[30, 31, 32, 33, 34]));
+        assert_eq!(w.lru.match_prefix(&h(&[1, 2, 3, 4, 5])), 3);
+        // Admitted, each lets go of its hold.
+        w.release_held(0, &h(&[1, 2, 3, 9]));
+        w.release_held(1, &h(&[1, 2, 3, 4, 5, 9]));
+        assert!(w.held.is_empty());
+        assert_eq!(w.held_total, 0);
+        w.lru.insert_chain(&h(&[40, 41, 42, 43, 44, 45, 46, 47]));
+        assert!(!w.lru.contains(BlockHash(1)), "evictable again");
     }
 
     #[test]
