@@ -303,6 +303,31 @@ impl SimWorker {
         }
     }
 
+    /// Request `i`, about to store `chains[i]`, makes room as the engine's scheduler
+    /// does for a sequence that finds no free block: the youngest queued requests
+    /// release their holds while its new blocks would not fit beside the held ones
+    /// (and, `holding`, the running sequences' blocks). Returns what that evicted.
+    fn yield_holds(&mut self, i: usize, chains: &[Vec<BlockHash>], holding: bool) -> ChainChange {
+        let chain = &chains[i][..chains[i].len().min(self.lru.capacity())];
+        let new = chain.iter().filter(|&&h| !self.lru.contains(h)).count();
+        let running = if holding { self.in_use.len() } else { 0 };
+        let mut change = ChainChange::default();
+        while new + self.held_total + running > self.lru.capacity() {
+            let Some(&j) = self
+                .queue
+                .iter()
+                .rev()
+                .find(|&&j| j != i && self.held.contains_key(&j))
+            else {
+                break;
+            };
+            let released = self.release_held(j, &chains[j]);
+            change.removed.extend(released.removed);
+            change.lower.extend(released.lower);
+        }
+        change
+    }
+
     /// Request `i`, admitted, lets go of the blocks it held while queued (it takes them
     /// at once as its hits); what a pool grown past its capacity evicts is returned.
     fn release_held(&mut self, i: usize, chain: &[BlockHash]) -> ChainChange {
@@ -1221,7 +1246,10 @@ impl Admitter<'_> {
             return false;
         }
         if !st[i].admitted {
-            let released = workers[w].release_held(i, &self.chains[i]);
+            let mut released = workers[w].release_held(i, &self.chains[i]);
+            let yielded = workers[w].yield_holds(i, self.chains, hold);
+            released.removed.extend(yielded.removed);
+            released.lower.extend(yielded.lower);
             if !released.removed.is_empty() {
                 self.router.on_enqueued(w, &released, workers);
             }
@@ -1454,6 +1482,26 @@ mod tests {
         assert_eq!(w.held_total, 0);
         w.lru.insert_chain(&h(&[40, 41, 42, 43, 44, 45, 46, 47]));
         assert!(!w.lru.contains(BlockHash(1)), "evictable again");
+    }
+
+    #[test]
+    fn holds_yield_youngest_first_to_an_admitted_request_that_needs_the_room() {
+        let mut w = SimWorker::new(8, 0, 0);
+        w.lru.insert_chain(&h(&[1, 2]));
+        w.lru.insert_chain(&h(&[3, 4]));
+        let chains = vec![h(&[5, 6, 7, 8, 9]), h(&[1, 2, 10]), h(&[3, 4, 11])];
+        for (i, c) in chains.iter().enumerate() {
+            w.enqueue(i, c, true);
+        }
+        assert_eq!(w.held_total, 4);
+        // Request 0's five new blocks fit beside two held ones, not four: the
+        // youngest (2) lets go, the older (1) keeps its hold.
+        w.yield_holds(0, &chains, false);
+        assert_eq!((w.held.get(&1), w.held.get(&2)), (Some(&2), None));
+        assert_eq!(w.held_total, 2);
+        // Nothing more to yield when it fits.
+        w.yield_holds(0, &chains, false);
+        assert_eq!(w.held_total, 2);
     }
 
     #[test]
