@@ -653,3 +653,26 @@ fn with_held_blocks_a_queued_request_holds_no_blocks() {
     // reuses both of A's blocks (held from arrival, B would have pushed one out).
     assert_eq!(r.hit_blocks, 2, "{:?}", r.ttft_samples);
 }
+
+/// With `hold_blocks`, a wait for memory that no worker could have spared is not an
+/// avoidable wait: a worker whose prefill lane is idle but whose pool its running
+/// sequences hold could not have started the request either.
+#[test]
+fn with_held_blocks_a_wait_no_pool_could_spare_is_not_avoidable() {
+    // A and C each fill one worker's 4-block pool while they decode (2 prompt + 2
+    // output blocks, ~7 s); B (3 blocks) arrives while both lanes are idle and waits
+    // for memory wherever it goes.
+    let t = Trace {
+        records: vec![
+            record(0, 0, vec![1, 2], 1024, 600, None),
+            record(1, 1, vec![4, 5], 1024, 600, None),
+            record(2, 1_000, vec![7, 8, 9], 1536, 4, None),
+        ],
+    };
+    let mut cfg = SimConfig::new(2, 4, SimPolicy::Kvfleet(PolicyKind::RoundRobin));
+    cfg.hold_blocks = true;
+    let r = simulate(&t, &cfg).unwrap();
+    let b_ttft = r.ttft_samples.iter().copied().fold(0.0, f64::max);
+    assert!(b_ttft > 5_000.0, "B waited for memory: {:?}", r.ttft_samples);
+    assert_eq!(r.avoidable_waits, 0);
+}

@@ -914,11 +914,16 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                     input_tokens: r.input_length,
                     block_size: bs,
                 };
-                // A lane waiting for memory is not idle: its queue is not empty.
+                let output_blocks =
+                    kvfleet_core::blocks_needed(r.input_length + r.output_length, bs)
+                        .saturating_sub(chain.len());
+                // A lane waiting for memory is not idle: its queue is not empty. Nor is
+                // one whose pool its running sequences hold: it could not start this
+                // request either.
                 let idle_elsewhere = if hold {
-                    workers
-                        .iter()
-                        .any(|x| x.prefilling.is_none() && x.queue.is_empty())
+                    workers.iter().any(|x| {
+                        x.prefilling.is_none() && x.queue.is_empty() && x.fits(chain, output_blocks)
+                    })
                 } else {
                     prefilling < workers.len()
                 };
@@ -967,11 +972,7 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                     idle_elsewhere,
                     own_prefix_ms,
                     computing: Vec::new(),
-                    output_blocks: kvfleet_core::blocks_needed(
-                        r.input_length + r.output_length,
-                        bs,
-                    )
-                    .saturating_sub(chain.len()),
+                    output_blocks,
                     admitted: false,
                     done: false,
                 };
