@@ -673,6 +673,10 @@ fn with_held_blocks_a_wait_no_pool_could_spare_is_not_avoidable() {
     cfg.hold_blocks = true;
     let r = simulate(&t, &cfg).unwrap();
     let b_ttft = r.ttft_samples.iter().copied().fold(0.0, f64::max);
-    assert!(b_ttft > 5_000.0, "B waited for memory: {:?}", r.ttft_samples);
+    assert!(
+        b_ttft > 5_000.0,
+        "B waited for memory: {:?}",
+        r.ttft_samples
+    );
     assert_eq!(r.avoidable_waits, 0);
 }
