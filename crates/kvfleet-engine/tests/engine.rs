@@ -668,13 +668,21 @@ fn cached_by_request(e: &mut Engine) -> std::collections::BTreeMap<u64, usize> {
     cached
 }
 
+/// An engine of 16 blocks running one sequence at a time, with a 4-block prefix
+/// cached (request 1), and a prompt that reuses that prefix.
+fn engine_with_a_cached_prefix(m: &Arc<LlamaModel>) -> (Engine, Vec<u32>) {
+    let mut e = engine_with(m, 16, 512, 1);
+    let older = prompt(1, 4 * BS + 3);
+    assert_eq!(run_pinned(&mut e, 1, older.clone(), None).0, 0);
+    let mut reuse = older;
+    reuse.extend(prompt(4, 5));
+    (e, reuse)
+}
+
 #[test]
 fn a_waiting_request_holds_its_cached_prefix_while_the_requests_ahead_finish() {
     let m = model();
-    // 16 blocks, one sequence at a time.
-    let mut e = engine_with(&m, 16, 512, 1);
-    let older = prompt(1, 4 * BS + 3);
-    assert_eq!(run_pinned(&mut e, 1, older.clone(), None).0, 0);
+    let (mut e, reuse) = engine_with_a_cached_prefix(&m);
     // Two strangers of 8 blocks each queue ahead of a request reusing `older`. The
     // first one's finished blocks become more recent than `older` (touched when the
     // request arrived), so without a hold the second one's admission evicts it.
@@ -682,8 +690,6 @@ fn a_waiting_request_holds_its_cached_prefix_while_the_requests_ahead_finish() {
         .expect("add");
     e.add_request(Request::new(3, prompt(3, 7 * BS + 3), greedy(1)))
         .expect("add");
-    let mut reuse = older.clone();
-    reuse.extend(prompt(4, 5));
     e.add_request(Request::new(4, reuse, greedy(1)))
         .expect("add");
     let cached = cached_by_request(&mut e);
@@ -699,15 +705,11 @@ fn a_waiting_request_holds_its_cached_prefix_while_the_requests_ahead_finish() {
 #[test]
 fn held_prefixes_give_way_to_the_request_at_the_head_of_the_queue() {
     let m = model();
-    let mut e = engine_with(&m, 16, 512, 1);
-    let older = prompt(1, 4 * BS + 3);
-    assert_eq!(run_pinned(&mut e, 1, older.clone(), None).0, 0);
+    let (mut e, reuse) = engine_with_a_cached_prefix(&m);
     // The head needs 15 of the 16 blocks, and the request behind it holds 4: the hold
     // is dropped so the head runs (a hold never stalls the queue or preempts).
     e.add_request(Request::new(2, prompt(2, 14 * BS + 3), greedy(2)))
         .expect("add");
-    let mut reuse = older.clone();
-    reuse.extend(prompt(4, 5));
     e.add_request(Request::new(3, reuse, greedy(1)))
         .expect("add");
     let mut steps = 0;
