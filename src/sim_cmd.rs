@@ -114,7 +114,7 @@ pub struct PoolModelArgs {
     #[arg(long)]
     pub hold_blocks: bool,
     /// Take each request's cached prefix when its prefill starts, as an engine admits
-    /// a waiting sequence, touching that prefix when it is queued, as the engine does
+    /// a waiting sequence, holding that prefix while it is queued, as the engine does
     /// (default: when it is queued, so a router sees the evictions of the requests
     /// queued ahead of a new one before they happen).
     #[arg(long)]

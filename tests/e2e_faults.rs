@@ -160,11 +160,6 @@ fn uncaptured(msg: &str) {
     let _ = writeln!(std::io::stderr(), "e2e_faults: {msg}");
 }
 
-/// Fails the test with `what` and the `context` that explains it.
-fn fail(what: &str, context: &str) -> ! {
-    panic!("{what}\n{context}");
-}
-
 /// The outcomes of `log` in 250 ms windows from `t0` (negative: before it), each with
 /// its count per status and worker.
 fn timeline(log: &[Outcome], t0: Instant) -> String {
@@ -342,9 +337,11 @@ fn a_hung_worker_trips_its_breaker_and_traffic_moves_away_then_returns() {
         )
     };
     while circuit(&http) != Some(1.0) {
-        if Instant::now() >= deadline {
-            fail("w0's breaker never opened", &context(&log, ""));
-        }
+        assert!(
+            Instant::now() < deadline,
+            "w0's breaker never opened\n{}",
+            context(&log, "")
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
     let detect = stopped_at.elapsed();
@@ -352,11 +349,10 @@ fn a_hung_worker_trips_its_breaker_and_traffic_moves_away_then_returns() {
     let open_until = Instant::now();
     signal(&w0, "CONT");
     let resumed_at = Instant::now();
-    let ms = |t: Instant| (t - stopped_at).as_secs_f64() * 1e3;
     let notes = format!(
         "breaker seen open at {:.0} ms, SIGCONT at {:.0} ms",
         detect.as_secs_f64() * 1e3,
-        ms(resumed_at)
+        (resumed_at - stopped_at).as_secs_f64() * 1e3
     );
     let deadline = resumed_at + Duration::from_secs(30);
     let recovered = loop {
@@ -369,28 +365,26 @@ fn a_hung_worker_trips_its_breaker_and_traffic_moves_away_then_returns() {
         if let Some(t) = back {
             break t - resumed_at;
         }
-        if Instant::now() >= deadline {
-            fail("traffic never returned to w0", &context(&log, &notes));
-        }
+        assert!(
+            Instant::now() < deadline,
+            "traffic never returned to w0\n{}",
+            context(&log, &notes)
+        );
         std::thread::sleep(Duration::from_millis(50));
     };
     std::thread::sleep(Duration::from_millis(300));
     stop.store(true, Ordering::SeqCst);
     traffic.join().expect("traffic thread");
-    let end_state = circuit(&http);
-    if end_state != Some(0.0) {
-        fail(
-            &format!("w0's breaker did not close again: state {end_state:?}"),
-            &context(&log, &notes),
-        );
-    }
     let context = context(&log, &notes);
+    assert_eq!(
+        circuit(&http),
+        Some(0.0),
+        "w0's breaker closed again\n{context}"
+    );
 
     let log = log.lock().expect("log");
     let lost: Vec<_> = log.iter().filter(|(_, s, _)| *s != 200).collect();
-    if !lost.is_empty() {
-        fail(&format!("requests lost: {lost:?}"), &context);
-    }
+    assert!(lost.is_empty(), "requests lost: {lost:?}\n{context}");
     // Once the breaker was open, nothing went to w0 until it resumed.
     let opened_at = stopped_at + detect;
     let on_w0_while_open = log
@@ -398,19 +392,18 @@ fn a_hung_worker_trips_its_breaker_and_traffic_moves_away_then_returns() {
         .filter(|(t, ..)| *t > opened_at + Duration::from_millis(1600) && *t < open_until)
         .filter(|(.., w)| w.as_deref() == Some("w0"))
         .count();
-    if on_w0_while_open != 0 {
-        fail(
-            &format!("{on_w0_while_open} requests served by w0 while its breaker was open"),
-            &context,
-        );
-    }
+    assert_eq!(
+        on_w0_while_open, 0,
+        "traffic moved away from the open worker\n{context}"
+    );
     let served_while_open = log
         .iter()
         .filter(|(t, ..)| *t > opened_at && *t < open_until)
         .count();
-    if served_while_open == 0 {
-        fail("w1 served nothing while w0 hung", &context);
-    }
+    assert!(
+        served_while_open > 0,
+        "w1 kept serving while w0 hung\n{context}"
+    );
     let text = http
         .get(format!("{url}/metrics"))
         .send()

@@ -118,18 +118,17 @@ impl Scheduler {
             .iter()
             .take_while(|&&h| self.pool.lookup(h).is_some())
             .count();
-        let mut room = (self.pool.num_blocks() / 2).saturating_sub(self.held_by_waiting());
-        for &h in &seq.hashes[..cached] {
-            let ready = self.pool.lookup(h).is_some_and(|b| self.pool.is_ready(b));
-            if room == 0 || !ready {
+        let room = (self.pool.num_blocks() / 2).saturating_sub(self.held_by_waiting());
+        let mut held = 0;
+        for &h in &seq.hashes[..cached.min(room)] {
+            if !self.pool.lookup(h).is_some_and(|b| self.pool.is_ready(b)) {
                 break;
             }
-            if let Some(b) = self.pool.acquire(h) {
-                seq.staged.push(b);
-                room -= 1;
-            }
+            let Some(b) = self.pool.acquire(h) else { break };
+            seq.staged.push(b);
+            held += 1;
         }
-        for &h in seq.hashes[seq.staged.len()..cached].iter().rev() {
+        for &h in seq.hashes[held..cached].iter().rev() {
             self.pool.touch(h);
         }
     }

@@ -641,12 +641,7 @@ fn a_waiting_request_keeps_its_cached_prefix_from_the_admissions_ahead_of_it() {
     reuse.extend(prompt(4, 5));
     e.add_request(Request::new(4, reuse, greedy(1)))
         .expect("add");
-    let mut cached = std::collections::BTreeMap::new();
-    while e.has_unfinished() {
-        for o in e.step().expect("step") {
-            cached.insert(o.id, o.cached_tokens);
-        }
-    }
+    let cached = cached_by_request(&mut e);
     assert_eq!(cached.get(&3), Some(&0));
     assert_eq!(
         cached.get(&4),

@@ -182,10 +182,9 @@ pub struct SimWorker {
     /// Blocks the running sequences hold, as the engine's pool counts them.
     in_use: BlocksInUse,
     /// Queued requests holding the leading blocks of their chain in the pool (how
-    /// many), as the engine's waiting sequences hold their cached prefix.
+    /// many; at most half the pool in all), as the engine's waiting sequences hold
+    /// their cached prefix.
     held: HashMap<usize, usize>,
-    /// Their sum: at most half the pool.
-    held_total: usize,
     /// Requests in flight.
     pub inflight: usize,
     /// Prompt tokens computed so far.
@@ -216,7 +215,6 @@ impl SimWorker {
             active_blocks: 0,
             in_use: BlocksInUse::default(),
             held: HashMap::new(),
-            held_total: 0,
             inflight: 0,
             prefill_computed: 0,
             requests: 0,
@@ -290,11 +288,10 @@ impl SimWorker {
                 *self.queued_blocks.entry(h).or_default() += 1;
             }
             let cached = self.lru.match_prefix(chain);
-            let held = cached.min((self.lru.capacity() / 2).saturating_sub(self.held_total));
+            let held = cached.min((self.lru.capacity() / 2).saturating_sub(self.held_total()));
             if held > 0 {
                 self.lru.pin_chain(&chain[..held]);
                 self.held.insert(i, held);
-                self.held_total += held;
             }
             // Pinned blocks are out of the eviction order: the touch moves the rest.
             for &h in chain[..cached].iter().rev() {
@@ -303,16 +300,24 @@ impl SimWorker {
         }
     }
 
-    /// Request `i`, about to store `chains[i]`, makes room as the engine's scheduler
-    /// does for a sequence that finds no free block: the youngest queued requests
-    /// release their holds while its new blocks would not fit beside the held ones
-    /// (and, `holding`, the running sequences' blocks). Returns what that evicted.
-    fn yield_holds(&mut self, i: usize, chains: &[Vec<BlockHash>], holding: bool) -> ChainChange {
+    /// Blocks the queued requests hold.
+    fn held_total(&self) -> usize {
+        self.held.values().sum()
+    }
+
+    /// Request `i`, admitted, lets go of the blocks it held while queued (it takes them
+    /// at once as its hits) and makes room for the rest of `chains[i]` as the engine's
+    /// scheduler does for a sequence that finds no free block: the youngest queued
+    /// requests release their holds while its new blocks would not fit beside the held
+    /// ones (and, `holding`, the running sequences' blocks). Returns what a pool grown
+    /// past its capacity evicted meanwhile.
+    fn admit_holds(&mut self, i: usize, chains: &[Vec<BlockHash>], holding: bool) -> ChainChange {
+        let mut change = ChainChange::default();
+        self.release_held(i, &chains[i], &mut change);
         let chain = &chains[i][..chains[i].len().min(self.lru.capacity())];
         let new = chain.iter().filter(|&&h| !self.lru.contains(h)).count();
         let running = if holding { self.in_use.len() } else { 0 };
-        let mut change = ChainChange::default();
-        while new + self.held_total + running > self.lru.capacity() {
+        while new + self.held_total() + running > self.lru.capacity() {
             let Some(&j) = self
                 .queue
                 .iter()
@@ -321,26 +326,18 @@ impl SimWorker {
             else {
                 break;
             };
-            let released = self.release_held(j, &chains[j]);
-            change.removed.extend(released.removed);
-            change.lower.extend(released.lower);
+            self.release_held(j, &chains[j], &mut change);
         }
+        self.demote_removed(&mut change);
         change
     }
 
-    /// Request `i`, admitted, lets go of the blocks it held while queued (it takes them
-    /// at once as its hits); what a pool grown past its capacity evicts is returned.
-    fn release_held(&mut self, i: usize, chain: &[BlockHash]) -> ChainChange {
-        let Some(n) = self.held.remove(&i) else {
-            return ChainChange::default();
-        };
-        self.held_total -= n;
-        let mut change = ChainChange {
-            removed: self.lru.unpin_chain(&chain[..n]),
-            ..ChainChange::default()
-        };
-        self.demote_removed(&mut change);
-        change
+    /// Request `i` lets go of the blocks of `chain` it held while queued; what a pool
+    /// grown past its capacity evicts goes into `change`.
+    fn release_held(&mut self, i: usize, chain: &[BlockHash], change: &mut ChainChange) {
+        if let Some(n) = self.held.remove(&i) {
+            change.removed.extend(self.lru.unpin_chain(&chain[..n]));
+        }
     }
 
     fn dequeue(&mut self, chain: &[BlockHash]) {
@@ -597,8 +594,8 @@ pub struct SimConfig {
     pub hold_blocks: bool,
     /// Whether a request takes its cached prefix when its prefill starts, as an
     /// engine admits a waiting sequence, rather than when it is queued (default off).
-    /// Its cached prefix is then touched (made the most recently used) when it is
-    /// queued, as the engine's scheduler touches it.
+    /// While queued it then holds its cached prefix (the queue at most half the pool)
+    /// and touches the rest, as the engine's scheduler does.
     /// Queued at arrival, a request's chain is stored at once: the blocks its
     /// admission will evict are reported gone while it waits, so a router sees the
     /// evictions of the requests queued ahead before they happen. Taken at
@@ -1247,10 +1244,7 @@ impl Admitter<'_> {
             return false;
         }
         if !st[i].admitted {
-            let mut released = workers[w].release_held(i, &self.chains[i]);
-            let yielded = workers[w].yield_holds(i, self.chains, hold);
-            released.removed.extend(yielded.removed);
-            released.lower.extend(yielded.lower);
+            let released = workers[w].admit_holds(i, self.chains, hold);
             if !released.removed.is_empty() {
                 self.router.on_enqueued(w, &released, workers);
             }
@@ -1477,10 +1471,11 @@ mod tests {
         w.lru.insert_chain(&h(&[30, 31, 32, 33, 34]));
         assert_eq!(w.lru.match_prefix(&h(&[1, 2, 3, 4, 5])), 3);
         // Admitted, each lets go of its hold.
-        w.release_held(0, &h(&[1, 2, 3, 9]));
-        w.release_held(1, &h(&[1, 2, 3, 4, 5, 9]));
+        let mut change = ChainChange::default();
+        w.release_held(0, &h(&[1, 2, 3, 9]), &mut change);
+        w.release_held(1, &h(&[1, 2, 3, 4, 5, 9]), &mut change);
         assert!(w.held.is_empty());
-        assert_eq!(w.held_total, 0);
+        assert_eq!(w.held_total(), 0);
         w.lru.insert_chain(&h(&[40, 41, 42, 43, 44, 45, 46, 47]));
         assert!(!w.lru.contains(BlockHash(1)), "evictable again");
     }
@@ -1494,15 +1489,15 @@ mod tests {
         for (i, c) in chains.iter().enumerate() {
             w.enqueue(i, c, true);
         }
-        assert_eq!(w.held_total, 4);
+        assert_eq!(w.held_total(), 4);
         // Request 0's five new blocks fit beside two held ones, not four: the
         // youngest (2) lets go, the older (1) keeps its hold.
-        w.yield_holds(0, &chains, false);
+        w.admit_holds(0, &chains, false);
         assert_eq!((w.held.get(&1), w.held.get(&2)), (Some(&2), None));
-        assert_eq!(w.held_total, 2);
+        assert_eq!(w.held_total(), 2);
         // Nothing more to yield when it fits.
-        w.yield_holds(0, &chains, false);
-        assert_eq!(w.held_total, 2);
+        w.admit_holds(0, &chains, false);
+        assert_eq!(w.held_total(), 2);
     }
 
     #[test]
