@@ -725,6 +725,7 @@ impl Engine {
             block_size: self.config.block_size,
             constraint: None,
             staged: Vec::new(),
+            staged_free: 0,
             awaiting_loads: 0,
             tier_staged: false,
             promoted: Default::default(),

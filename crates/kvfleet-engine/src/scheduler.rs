@@ -102,9 +102,11 @@ impl Scheduler {
     }
 
     /// Keeps the cached leading blocks of `seq`'s prompt for it until it is admitted:
-    /// it takes a reference on each ready one while the waiting sequences hold at most
-    /// half the pool ([`Sequence::staged`], released at admission), and touches the
-    /// rest, deepest first so that its root is the most recent.
+    /// it takes a reference on each ready one while the waiting sequences have taken at
+    /// most half the pool to hold ([`Sequence::staged`], released at admission), and
+    /// touches the rest, deepest first so that its root is the most recent. A block
+    /// someone else references (a queued sibling's hold, a running sequence) is held
+    /// at no cost: it takes nothing more from the free pool.
     ///
     /// Without it, the admissions queued ahead of a request evict its prefix when that
     /// is the least recent, and the request recomputes a prefix that was cached when it
@@ -118,14 +120,24 @@ impl Scheduler {
             .iter()
             .take_while(|&&h| self.pool.lookup(h).is_some())
             .count();
-        let room = (self.pool.num_blocks() / 2).saturating_sub(self.held_by_waiting());
+        // Only a block nobody references counts against the cap: fork siblings queued
+        // together hold their shared prefix once.
+        let mut room = (self.pool.num_blocks() / 2).saturating_sub(self.held_by_waiting());
         let mut held = 0;
-        for &h in &seq.hashes[..cached.min(room)] {
-            if !self.pool.lookup(h).is_some_and(|b| self.pool.is_ready(b)) {
+        for &h in &seq.hashes[..cached] {
+            let Some(b) = self.pool.lookup(h).filter(|&b| self.pool.is_ready(b)) else {
+                break;
+            };
+            let free = self.pool.ref_count(b) == 0;
+            if free && room == 0 {
                 break;
             }
             let Some(b) = self.pool.acquire(h) else { break };
             seq.staged.push(b);
+            if free {
+                seq.staged_free += 1;
+                room -= 1;
+            }
             held += 1;
         }
         for &h in seq.hashes[held..cached].iter().rev() {
@@ -133,12 +145,13 @@ impl Scheduler {
         }
     }
 
-    /// Blocks the waiting sequences hold until their admission.
+    /// Blocks the waiting sequences took from the free pool to hold until their
+    /// admission.
     fn held_by_waiting(&self) -> usize {
         self.waiting
             .iter()
             .filter_map(|id| self.seqs.get(id))
-            .map(|s| s.staged.len())
+            .map(|s| s.staged_free)
             .sum()
     }
 
@@ -157,6 +170,7 @@ impl Scheduler {
         for b in seq.staged.drain(..).rev() {
             self.pool.release(b, id);
         }
+        seq.staged_free = 0;
         // What it held may have been promoted from a lower tier: it looks again.
         seq.tier_staged = false;
         true
@@ -367,6 +381,7 @@ impl Scheduler {
         for b in seq.staged.drain(..).rev() {
             self.pool.release(b, id);
         }
+        seq.staged_free = 0;
         seq.num_computed = 0;
     }
 
@@ -392,6 +407,7 @@ impl Scheduler {
         for b in seq.staged.drain(..).rev() {
             self.pool.release(b, id);
         }
+        seq.staged_free = 0;
         seq.num_computed = 0;
     }
 

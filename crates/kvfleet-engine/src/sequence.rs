@@ -80,6 +80,10 @@ pub struct Sequence {
     /// Promoted prefix blocks (from a lower tier or a peer) this sequence holds a
     /// reference to until it is admitted, so nothing evicts them in between.
     pub staged: Vec<BlockId>,
+    /// Of `staged`, the blocks nobody else referenced when it took them: what its
+    /// hold takes from the free pool (a prefix a queued sibling holds costs nothing
+    /// more).
+    pub staged_free: usize,
     /// Disk reads of its prefix still in flight: not admitted until they land.
     pub awaiting_loads: usize,
     /// Whether its prefix has been looked up in the lower tiers since it last queued.

@@ -698,6 +698,41 @@ fn a_waiting_request_holds_its_cached_prefix_while_the_requests_ahead_finish() {
 }
 
 #[test]
+fn a_prefix_two_waiting_siblings_hold_counts_once_against_the_cap() {
+    let m = model();
+    // 16 blocks, one sequence at a time; the waiting sequences may hold 8. A 5-block
+    // prefix is cached, and two siblings reusing it wait with two strangers between
+    // them. The first sibling holds the 5 blocks; the second holds the same 5, which
+    // take no more of the pool. Counted once per holder they made 10, and the second
+    // sibling held 3: by the time it is admitted, the strangers' admissions have
+    // evicted the rest of its prefix.
+    let mut e = engine_with(&m, 16, 512, 1);
+    let shared = prompt(1, 5 * BS + 3);
+    assert_eq!(run_pinned(&mut e, 1, shared.clone(), None).0, 0);
+    let sibling = |tail: u32| {
+        let mut p = shared.clone();
+        p.extend(prompt(tail, 5));
+        p
+    };
+    e.add_request(Request::new(2, sibling(10), greedy(1)))
+        .expect("add");
+    e.add_request(Request::new(3, prompt(3, 3 * BS + 3), greedy(1)))
+        .expect("add");
+    e.add_request(Request::new(4, prompt(4, 9 * BS + 3), greedy(1)))
+        .expect("add");
+    e.add_request(Request::new(5, sibling(11), greedy(1)))
+        .expect("add");
+    let cached = cached_by_request(&mut e);
+    assert_eq!(cached.get(&2), Some(&(5 * BS)));
+    assert_eq!(
+        cached.get(&5),
+        Some(&(5 * BS)),
+        "the second sibling held the whole shared prefix"
+    );
+    e.check_invariants().expect("invariants");
+}
+
+#[test]
 fn held_prefixes_give_way_to_the_request_at_the_head_of_the_queue() {
     let m = model();
     let (mut e, reuse) = engine_with_a_cached_prefix(&m);

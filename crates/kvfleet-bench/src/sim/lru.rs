@@ -168,6 +168,13 @@ impl LruBlockCache {
         }
     }
 
+    /// Whether a sequence holds block `h` ([`pin_chain`](Self::pin_chain)).
+    pub fn pinned(&self, h: BlockHash) -> bool {
+        self.map
+            .get(&h)
+            .is_some_and(|&n| self.nodes[n as usize].pins > 0)
+    }
+
     /// A sequence holds the cached blocks of `chain`: none of them can be evicted
     /// until [`unpin_chain`](Self::unpin_chain) releases them.
     pub fn pin_chain(&mut self, chain: &[BlockHash]) {

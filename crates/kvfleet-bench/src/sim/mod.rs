@@ -21,7 +21,8 @@
 //! expected hits leave (the pool's blocks and those of the chains queued ahead of
 //! it), and it keeps its cached prefix as the engine's scheduler keeps a waiting
 //! sequence's (`Scheduler::enqueue`): it holds the leading blocks while the queued
-//! requests hold at most half the pool, and the rest is made the most recently used.
+//! requests have taken at most half the pool to hold (a block another request holds
+//! or runs with costs nothing more), and the rest is made the most recently used.
 //! A worker's pool takes the same
 //! chains in the same order either way; what changes is what a router sees while
 //! requests queue, and which blocks are least recent when the queue's admissions
@@ -181,10 +182,11 @@ pub struct SimWorker {
     pub active_blocks: usize,
     /// Blocks the running sequences hold, as the engine's pool counts them.
     in_use: BlocksInUse,
-    /// Queued requests holding the leading blocks of their chain in the pool (how
-    /// many; at most half the pool in all), as the engine's waiting sequences hold
-    /// their cached prefix.
-    held: HashMap<usize, usize>,
+    /// Queued requests holding the leading blocks of their chain in the pool, as the
+    /// engine's waiting sequences hold their cached prefix: (how many, how many of
+    /// them nobody else held when taken). The second counts against the cap of half
+    /// the pool, so queued fork siblings hold their shared prefix once.
+    held: HashMap<usize, (usize, usize)>,
     /// Requests in flight.
     pub inflight: usize,
     /// Prompt tokens computed so far.
@@ -279,7 +281,8 @@ impl SimWorker {
     /// is already stored), its chain counts for [`Self::expected_hits`], and it keeps
     /// its cached prefix until it is admitted as the engine's scheduler keeps a waiting
     /// request's (`Scheduler::enqueue`): it holds the leading blocks while the queued
-    /// requests hold at most half the pool, and the rest becomes the most recently
+    /// requests have taken at most half the pool to hold (a block another request
+    /// holds or runs with costs nothing more), and the rest becomes the most recently
     /// used.
     fn enqueue(&mut self, i: usize, chain: &[BlockHash], expected: bool) {
         self.queue.push_back(i);
@@ -288,10 +291,22 @@ impl SimWorker {
                 *self.queued_blocks.entry(h).or_default() += 1;
             }
             let cached = self.lru.match_prefix(chain);
-            let held = cached.min((self.lru.capacity() / 2).saturating_sub(self.held_total()));
+            let mut room = (self.lru.capacity() / 2).saturating_sub(self.held_total());
+            let (mut held, mut took) = (0, 0);
+            for &h in &chain[..cached] {
+                let free = !self.lru.pinned(h) && !self.in_use.holds(&h);
+                if free && room == 0 {
+                    break;
+                }
+                if free {
+                    room -= 1;
+                    took += 1;
+                }
+                held += 1;
+            }
             if held > 0 {
                 self.lru.pin_chain(&chain[..held]);
-                self.held.insert(i, held);
+                self.held.insert(i, (held, took));
             }
             // Pinned blocks are out of the eviction order: the touch moves the rest.
             for &h in chain[..cached].iter().rev() {
@@ -300,9 +315,9 @@ impl SimWorker {
         }
     }
 
-    /// Blocks the queued requests hold.
+    /// Blocks the queued requests took from the free pool to hold.
     fn held_total(&self) -> usize {
-        self.held.values().sum()
+        self.held.values().map(|&(_, took)| took).sum()
     }
 
     /// Request `i`, admitted, lets go of the blocks it held while queued (it takes them
@@ -335,7 +350,7 @@ impl SimWorker {
     /// Request `i` lets go of the blocks of `chain` it held while queued; what a pool
     /// grown past its capacity evicts goes into `change`.
     fn release_held(&mut self, i: usize, chain: &[BlockHash], change: &mut ChainChange) {
-        if let Some(n) = self.held.remove(&i) {
+        if let Some((n, _)) = self.held.remove(&i) {
             change.removed.extend(self.lru.unpin_chain(&chain[..n]));
         }
     }
@@ -1461,15 +1476,20 @@ mod tests {
     fn a_queued_request_holds_its_prefix_up_to_half_the_pool_and_lets_go_when_admitted() {
         let mut w = SimWorker::new(8, 0, 0);
         w.lru.insert_chain(&h(&[1, 2, 3, 4, 5]));
-        // Five blocks cached; queued requests may hold four (half the pool).
+        // Five blocks cached; queued requests may take four (half the pool) to hold.
+        // The second holds the three the first holds at no cost, and one more.
         w.enqueue(0, &h(&[1, 2, 3, 9]), true);
         w.enqueue(1, &h(&[1, 2, 3, 4, 5, 9]), true);
-        assert_eq!((w.held.get(&0), w.held.get(&1)), (Some(&3), Some(&1)));
-        // Strangers fill the pool: the held blocks stay, `4` and `5` (touched) go last.
+        assert_eq!(
+            (w.held.get(&0), w.held.get(&1)),
+            (Some(&(3, 3)), Some(&(4, 1)))
+        );
+        assert_eq!(w.held_total(), 4);
+        // Strangers fill the pool: the held blocks stay, `5` (touched) goes last.
         w.lru.insert_chain(&h(&[20, 21, 22]));
-        assert!(w.lru.contains(BlockHash(4)) && w.lru.contains(BlockHash(5)));
+        assert!(w.lru.contains(BlockHash(5)));
         w.lru.insert_chain(&h(&[30, 31, 32, 33, 34]));
-        assert_eq!(w.lru.match_prefix(&h(&[1, 2, 3, 4, 5])), 3);
+        assert_eq!(w.lru.match_prefix(&h(&[1, 2, 3, 4, 5])), 4);
         // Admitted, each lets go of its hold.
         let mut change = ChainChange::default();
         w.release_held(0, &h(&[1, 2, 3, 9]), &mut change);
@@ -1493,7 +1513,7 @@ mod tests {
         // Request 0's five new blocks fit beside two held ones, not four: the
         // youngest (2) lets go, the older (1) keeps its hold.
         w.admit_holds(0, &chains, false);
-        assert_eq!((w.held.get(&1), w.held.get(&2)), (Some(&2), None));
+        assert_eq!((w.held.get(&1), w.held.get(&2)), (Some(&(2, 2)), None));
         assert_eq!(w.held_total(), 2);
         // Nothing more to yield when it fits.
         w.admit_holds(0, &chains, false);

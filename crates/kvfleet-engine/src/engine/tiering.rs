@@ -267,6 +267,7 @@ impl Engine {
         let bs = self.config.block_size;
         if let Some(seq) = self.scheduler.seqs.get_mut(&sid) {
             seq.staged.push(id);
+            seq.staged_free += 1;
             if seq.cached_tokens.is_none() {
                 match from {
                     PromotionSource::Host => seq.promoted.host += bs,
