@@ -15,7 +15,8 @@
 //! sequence waits for it instead of computing it again.
 //!
 //! A sequence queued behind others holds its cached prefix (a reference on each ready
-//! block, up to half the pool over all waiting sequences) until it is admitted, and
+//! block, while the waiting sequences have taken at most half the pool from the free
+//! blocks: a prefix queued siblings share counts once) until it is admitted, and
 //! the rest of it is made the most recently used, so the admissions ahead of it evict
 //! other blocks first. A hold only ever yields: when a running or admitted sequence
 //! finds no free block, the youngest waiting sequence's hold is released before
