@@ -236,6 +236,12 @@ impl RoutingState {
         hold(&self.kv).set_fenced(id, fenced);
     }
 
+    /// Whether worker `id` may be the source of a peer pull (see
+    /// [`KvRouter::set_pull_source`]).
+    pub fn set_pull_source(&self, id: &str, allowed: bool) {
+        hold(&self.kv).set_pull_source(id, allowed);
+    }
+
     /// Adds worker `id` (no-op if present).
     pub fn add_worker(&self, id: &str, block_size: usize) -> Result<(), RegisterError> {
         hold(&self.kv).add_worker(id, block_size).map(|_| ())

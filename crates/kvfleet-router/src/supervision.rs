@@ -314,6 +314,7 @@ impl WorkerSupervision {
                 breaker_transition(id, t);
             }
             self.routing.set_fenced(id, false);
+            self.routing.set_pull_source(id, true);
         }
     }
 
@@ -336,6 +337,8 @@ impl WorkerSupervision {
             breaker_transition(id, t);
         }
         self.routing.set_fenced(id, !b.routable(now));
+        // It may be hung: no peer pulls from it until it answers a request again.
+        self.routing.set_pull_source(id, false);
     }
 
     /// Worker `id`'s consecutive failures, as its breaker counts them.

@@ -291,6 +291,8 @@ pub struct KvRouter {
     // Workers kept out of routing (an open circuit breaker), by id: survives the
     // worker's removal and re-registration.
     fenced: std::collections::HashSet<String>,
+    /// Workers no pull may come from (see [`Self::set_pull_source`]).
+    not_pull_sources: std::collections::HashSet<String>,
     // Scratch buffers reused by every route.
     matches: Matches,
     tiered: TieredMatches,
@@ -324,6 +326,7 @@ impl KvRouter {
             random: RandomPolicy::new(config.random_seed),
             predictions: PredictionStats::default(),
             fenced: std::collections::HashSet::new(),
+            not_pull_sources: std::collections::HashSet::new(),
             matches: Matches::new(),
             tiered: TieredMatches::new(),
             candidates: Vec::new(),
@@ -445,6 +448,18 @@ impl KvRouter {
         }
         self.rescore(idx);
         true
+    }
+
+    /// Whether worker `id` may be the source of a peer pull (default yes). A worker
+    /// whose last request failed may be hung: a pull from it would stall the pulling
+    /// worker until the pull's start deadline, so the serving router bars it until it
+    /// answers a request again. Routing to it is unchanged (its breaker decides that).
+    pub fn set_pull_source(&mut self, id: &str, allowed: bool) {
+        if allowed {
+            self.not_pull_sources.remove(id);
+        } else {
+            self.not_pull_sources.insert(id.to_owned());
+        }
     }
 
     /// Keeps worker `id` out of routing (`true`) or lets it back (`false`); its index
@@ -990,7 +1005,7 @@ impl KvRouter {
             self.workers
                 .get(w.index())
                 .and_then(Option::as_ref)
-                .is_some_and(|e| e.kv_movable)
+                .is_some_and(|e| e.kv_movable && !self.not_pull_sources.contains(&*e.id))
                 && !self.is_barred(w, exclude)
         };
         let mut best: Option<PeerSource> = None;

@@ -931,6 +931,33 @@ fn any_policy_pulls_what_it_lacks_and_never_from_an_excluded_holder() {
 }
 
 #[test]
+fn a_holder_whose_last_request_failed_is_no_pull_source_until_it_answers_again() {
+    // w0 holds the prompt and is swamped, so w1 takes the request and pulls from it.
+    let (mut r, h, n) = pull_fleet(4);
+    backlog(&mut r, "w0", 1_000);
+    let route = |r: &mut KvRouter| {
+        let d = r.route(&h, n, PolicyKind::CacheAware, 0).unwrap();
+        if let Some(id) = d.reservation {
+            r.cancel_reservation(id);
+        }
+        r.request_finished(&d.worker, d.prefill_tokens).unwrap();
+        d
+    };
+    assert_eq!(route(&mut r).pull.map(|p| p.from), Some("w0".into()));
+    // A failure may be a hang: a pull from it would wait out its start deadline. The
+    // request is priced without the pull, and 1,000 queued tokens on w0 beat a cold
+    // start on w1.
+    r.set_pull_source("w0", false);
+    let d = route(&mut r);
+    assert_eq!(
+        (&*d.worker, d.pull.as_ref(), d.peer_blocks),
+        ("w0", None, 0)
+    );
+    r.set_pull_source("w0", true);
+    assert_eq!(route(&mut r).pull.map(|p| p.from), Some("w0".into()));
+}
+
+#[test]
 fn a_worker_with_no_kv_to_move_is_never_a_pull_source_or_target() {
     // Round-robin alternates w0, w1: w1 would pull w0's 100 blocks.
     let pulls_of = |r: &mut KvRouter, h: &[BlockHash], n: usize| {
