@@ -168,10 +168,7 @@ impl Scheduler {
         let Some(seq) = self.seqs.get_mut(&id) else {
             return false;
         };
-        for b in seq.staged.drain(..).rev() {
-            self.pool.release(b, id);
-        }
-        seq.staged_free = 0;
+        release_staged(&mut self.pool, seq, id);
         // What it held may have been promoted from a lower tier: it looks again.
         seq.tier_staged = false;
         true
@@ -379,10 +376,7 @@ impl Scheduler {
         for b in seq.block_table.drain(..).rev() {
             self.pool.release(b, id);
         }
-        for b in seq.staged.drain(..).rev() {
-            self.pool.release(b, id);
-        }
-        seq.staged_free = 0;
+        release_staged(&mut self.pool, seq, id);
         seq.num_computed = 0;
     }
 
@@ -405,10 +399,7 @@ impl Scheduler {
             }
         }
         // The block table holds its own references to promoted blocks now.
-        for b in seq.staged.drain(..).rev() {
-            self.pool.release(b, id);
-        }
-        seq.staged_free = 0;
+        release_staged(&mut self.pool, seq, id);
         seq.num_computed = 0;
     }
 
@@ -482,4 +473,13 @@ impl Scheduler {
         }
         Grow::Ok(end - start)
     }
+}
+
+/// Releases the blocks `seq` (request `id`) held until its admission ([`Sequence::staged`]),
+/// tail first, and what its hold took from the free pool with them.
+fn release_staged(pool: &mut BlockPool, seq: &mut Sequence, id: RequestId) {
+    for b in seq.staged.drain(..).rev() {
+        pool.release(b, id);
+    }
+    seq.staged_free = 0;
 }

@@ -635,12 +635,9 @@ fn a_waiting_request_keeps_its_cached_prefix_from_the_admissions_ahead_of_it() {
     // A stranger needing 12 blocks arrives first, then a request reusing `older`. The
     // stranger's admission must evict four cached blocks: `newer`'s, since the waiting
     // request made `older` the most recent when it arrived.
-    e.add_request(Request::new(3, prompt(3, 11 * BS + 3), greedy(1)))
-        .expect("add");
     let mut reuse = older.clone();
     reuse.extend(prompt(4, 5));
-    e.add_request(Request::new(4, reuse, greedy(1)))
-        .expect("add");
+    queue_for_one_token(&mut e, vec![(3, prompt(3, 11 * BS + 3)), (4, reuse)]);
     let cached = cached_by_request(&mut e);
     assert_eq!(cached.get(&3), Some(&0));
     assert_eq!(
@@ -650,6 +647,13 @@ fn a_waiting_request_keeps_its_cached_prefix_from_the_admissions_ahead_of_it() {
     );
     assert_eq!(run_pinned(&mut e, 5, newer, None).0, 0, "evicted instead");
     e.check_invariants().expect("invariants");
+}
+
+/// Queues each `(id, prompt)` in order, each for one greedy token.
+fn queue_for_one_token(e: &mut Engine, requests: Vec<(u64, Vec<u32>)>) {
+    for (id, p) in requests {
+        e.add_request(Request::new(id, p, greedy(1))).expect("add");
+    }
 }
 
 /// Runs every queued request to the end: each one's cached prompt tokens.
@@ -681,12 +685,14 @@ fn a_waiting_request_holds_its_cached_prefix_while_the_requests_ahead_finish() {
     // Two strangers of 8 blocks each queue ahead of a request reusing `older`. The
     // first one's finished blocks become more recent than `older` (touched when the
     // request arrived), so without a hold the second one's admission evicts it.
-    e.add_request(Request::new(2, prompt(2, 7 * BS + 3), greedy(1)))
-        .expect("add");
-    e.add_request(Request::new(3, prompt(3, 7 * BS + 3), greedy(1)))
-        .expect("add");
-    e.add_request(Request::new(4, reuse, greedy(1)))
-        .expect("add");
+    queue_for_one_token(
+        &mut e,
+        vec![
+            (2, prompt(2, 7 * BS + 3)),
+            (3, prompt(3, 7 * BS + 3)),
+            (4, reuse),
+        ],
+    );
     let cached = cached_by_request(&mut e);
     assert_eq!((cached.get(&2), cached.get(&3)), (Some(&0), Some(&0)));
     assert_eq!(
@@ -714,14 +720,15 @@ fn a_prefix_two_waiting_siblings_hold_counts_once_against_the_cap() {
         p.extend(prompt(tail, 5));
         p
     };
-    e.add_request(Request::new(2, sibling(10), greedy(1)))
-        .expect("add");
-    e.add_request(Request::new(3, prompt(3, 3 * BS + 3), greedy(1)))
-        .expect("add");
-    e.add_request(Request::new(4, prompt(4, 9 * BS + 3), greedy(1)))
-        .expect("add");
-    e.add_request(Request::new(5, sibling(11), greedy(1)))
-        .expect("add");
+    queue_for_one_token(
+        &mut e,
+        vec![
+            (2, sibling(10)),
+            (3, prompt(3, 3 * BS + 3)),
+            (4, prompt(4, 9 * BS + 3)),
+            (5, sibling(11)),
+        ],
+    );
     let cached = cached_by_request(&mut e);
     assert_eq!(cached.get(&2), Some(&(5 * BS)));
     assert_eq!(

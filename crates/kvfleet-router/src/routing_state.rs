@@ -236,10 +236,13 @@ impl RoutingState {
         hold(&self.kv).set_fenced(id, fenced);
     }
 
-    /// Whether worker `id` may be the source of a peer pull (see
-    /// [`KvRouter::set_pull_source`]).
-    pub fn set_pull_source(&self, id: &str, allowed: bool) {
-        hold(&self.kv).set_pull_source(id, allowed);
+    /// [`Self::set_fenced`], and whether worker `id` may be the source of a peer pull
+    /// (see [`KvRouter::set_pull_source`]), under one lock: a breaker's verdict on a
+    /// request's outcome.
+    pub fn set_breaker_verdict(&self, id: &str, fenced: bool, pull_source: bool) {
+        let mut kv = hold(&self.kv);
+        kv.set_fenced(id, fenced);
+        kv.set_pull_source(id, pull_source);
     }
 
     /// Adds worker `id` (no-op if present).

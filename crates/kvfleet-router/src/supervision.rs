@@ -313,8 +313,7 @@ impl WorkerSupervision {
             if let Some(t) = b.on_success() {
                 breaker_transition(id, t);
             }
-            self.routing.set_fenced(id, false);
-            self.routing.set_pull_source(id, true);
+            self.routing.set_breaker_verdict(id, false, true);
         }
     }
 
@@ -336,9 +335,9 @@ impl WorkerSupervision {
         if let Some(t) = b.on_failure(now) {
             breaker_transition(id, t);
         }
-        self.routing.set_fenced(id, !b.routable(now));
         // It may be hung: no peer pulls from it until it answers a request again.
-        self.routing.set_pull_source(id, false);
+        self.routing
+            .set_breaker_verdict(id, !b.routable(now), false);
     }
 
     /// Worker `id`'s consecutive failures, as its breaker counts them.

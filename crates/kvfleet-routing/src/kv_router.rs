@@ -291,7 +291,7 @@ pub struct KvRouter {
     // Workers kept out of routing (an open circuit breaker), by id: survives the
     // worker's removal and re-registration.
     fenced: std::collections::HashSet<String>,
-    /// Workers no pull may come from (see [`Self::set_pull_source`]).
+    // Workers no pull may come from (see `set_pull_source`), by id.
     not_pull_sources: std::collections::HashSet<String>,
     // Scratch buffers reused by every route.
     matches: Matches,
