@@ -88,6 +88,7 @@ fn records() -> Vec<(String, Vec<u8>)> {
             let b = pb::KvEventBatch {
                 worker_id: worker_id(w),
                 events: batch.to_vec(),
+                load: None,
             };
             out.push((worker_id(w), encode_kv_events(1, &b)));
         }

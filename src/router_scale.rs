@@ -221,6 +221,7 @@ impl WorkerFeed {
         pb::KvEventBatch {
             worker_id: self.id.clone(),
             events,
+            load: None,
         }
     }
 }

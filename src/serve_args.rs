@@ -236,6 +236,11 @@ pub struct RoutingArgs {
     /// Deadline (ms) of unary worker calls: Info, Load, CacheDump, Abort.
     #[arg(long, default_value_t = 10_000)]
     pub rpc_timeout_ms: u64,
+    /// How often (ms) each worker's load is polled. Between polls the router counts
+    /// its own requests, and the loads workers push with their KV events tell it when
+    /// work has ended; a large fleet can poll less often.
+    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u64).range(1..))]
+    pub load_poll_interval_ms: u64,
     /// Consecutive failures (errors, missed deadlines) that open a worker's circuit
     /// breaker, taking it out of routing.
     #[arg(long, default_value_t = 3)]
@@ -351,6 +356,7 @@ impl RoutingArgs {
                 failure_threshold: self.breaker_failures.max(1),
                 cooldown: Duration::from_millis(self.breaker_cooldown_ms),
             },
+            load_poll_interval: Duration::from_millis(self.load_poll_interval_ms),
             session_memory_bytes: self.session_memory_bytes,
             tokenizer_memo_bytes: self.tokenizer_memo_bytes,
             pin_budget_bytes_per_tenant: self.pin_budget_bytes_per_tenant,

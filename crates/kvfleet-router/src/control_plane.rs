@@ -595,6 +595,7 @@ mod tests {
                     block_hashes: hashes.to_vec(),
                 })),
             }],
+            load: None,
         };
         Record {
             key: worker.to_string(),

@@ -296,6 +296,13 @@ impl RoutingState {
         Ok(kv.last_seq(id).unwrap_or(0))
     }
 
+    /// Takes a load worker `id` pushed with its KV events (see
+    /// [`kvfleet_routing::WorkerLoad::apply_pushed`]); a worker no longer routed to is
+    /// skipped.
+    pub fn apply_pushed_load(&self, id: &str, pushed: &WorkerLoad) {
+        let _ = hold(&self.kv).apply_pushed_load(id, pushed);
+    }
+
     /// The last event seq applied for worker `id`.
     pub fn last_seq(&self, id: &str) -> Option<u64> {
         hold(&self.kv).last_seq(id)

@@ -87,6 +87,7 @@ pub fn worker_load(l: &pb::LoadResponse) -> WorkerLoad {
         cached_tokens: l.cached_tokens,
         generated_tokens: l.generated_tokens,
         preemptions: l.preemptions,
+        report_seq: l.load_seq,
         ..WorkerLoad::default()
     }
 }
@@ -120,15 +121,21 @@ pub fn worker_tiers(l: &pb::LoadResponse) -> WorkerTiers {
     }
 }
 
-/// Applies a wire batch of worker `id`'s events to `routing` (both event followers,
-/// the gRPC stream here and the control plane's Kafka consumer, go through this).
+/// Applies a wire batch of worker `id`'s events, and the load it carries, to `routing`
+/// (both event followers, the gRPC stream here and the control plane's Kafka consumer,
+/// go through this).
 pub async fn apply_wire_batch(
     routing: &RoutingState,
     id: &str,
     batch: &pb::KvEventBatch,
 ) -> Result<(), IndexError> {
     let events: Vec<RouterKvEvent> = batch.events.iter().map(from_wire).collect();
-    routing.apply_events(id, &events).await
+    let applied = routing.apply_events(id, &events).await;
+    // Taken after these events (or alone): true whether or not they left a gap.
+    if let Some(l) = &batch.load {
+        routing.apply_pushed_load(id, &worker_load(l));
+    }
+    applied
 }
 
 impl WorkerSupervision {
@@ -627,6 +634,43 @@ mod tests {
         assert_eq!(t.tiered_workers, 0, "no kv_tiers: a worker without tiers");
         assert_eq!((t.prompt_tokens, t.cached_tokens), (5_000, 3_800));
         assert_eq!(t.device_cached_tokens(), 3_800);
+    }
+
+    #[tokio::test]
+    async fn a_wire_batch_lowers_a_stale_polled_load_with_the_load_it_carries() {
+        let routing = RoutingState::new(kvfleet_routing::RouterConfig::default());
+        routing.add_worker("w0", 16).unwrap();
+        let busy = pb::LoadResponse {
+            running: 1,
+            queued_prefill_tokens: 714,
+            free_blocks: 30,
+            total_blocks: 40,
+            load_seq: 5,
+            ..pb::LoadResponse::default()
+        };
+        routing.update_load("w0", worker_load(&busy)).unwrap();
+        let backlog = |r: &RoutingState| {
+            let l = r.snapshot().workers[0].load;
+            (l.active_sequences(), l.prefill_backlog_tokens())
+        };
+        assert_eq!(backlog(&routing), (1, 714));
+        let batch = |load_seq| pb::KvEventBatch {
+            worker_id: "w0".into(),
+            events: Vec::new(),
+            load: Some(pb::LoadResponse {
+                free_blocks: 40,
+                total_blocks: 40,
+                load_seq,
+                ..pb::LoadResponse::default()
+            }),
+        };
+        // The poll's own load pushed again changes nothing; a newer one says idle.
+        apply_wire_batch(&routing, "w0", &batch(5)).await.unwrap();
+        assert_eq!(backlog(&routing), (1, 714));
+        apply_wire_batch(&routing, "w0", &batch(6)).await.unwrap();
+        assert_eq!(backlog(&routing), (0, 0));
+        // A worker no longer routed to is skipped.
+        apply_wire_batch(&routing, "gone", &batch(7)).await.unwrap();
     }
 
     #[test]

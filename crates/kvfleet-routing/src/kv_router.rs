@@ -486,6 +486,19 @@ impl KvRouter {
         Ok(())
     }
 
+    /// Takes a load worker `id` pushed with its KV events ([`WorkerLoad::apply_pushed`]).
+    pub fn apply_pushed_load(
+        &mut self,
+        id: &str,
+        pushed: &WorkerLoad,
+    ) -> Result<(), UnknownWorker> {
+        let (idx, e) = self.entry_mut(id)?;
+        if e.load.apply_pushed(pushed) {
+            self.rescore(idx);
+        }
+        Ok(())
+    }
+
     /// Applies one KV event of worker `id`. A gap is returned (and the event not
     /// applied) so the caller can fetch a dump and call
     /// [`rebuild_worker`](Self::rebuild_worker). `Stored` events confirm the worker's

@@ -11,6 +11,11 @@
 //! prompt looks busy with it until the next report, and a repeat of the prompt moves
 //! away from its cache.
 //!
+//! A worker also pushes its load with its KV events ([`WorkerLoad::apply_pushed`]): a
+//! poll taken mid-request, of work this router did not send or whose end it has not
+//! heard of, would otherwise keep the worker looking busy until the next poll. A
+//! pushed load only lowers what the poll counted; raising it stays the poll's job.
+//!
 //! [`WorkerLoad`] is the one load type from the wire to the policy: the serving router
 //! converts the worker's `Load` answer into it once (the polled fields), and the same
 //! value is what the policies score and what `/fleet` shows.
@@ -58,6 +63,9 @@ pub struct WorkerLoad {
     /// started at one count and ended its prefill at another was in a report's
     /// `queued_prefill_tokens`.
     pub reports: u64,
+    /// The worker's count of published loads when the newest report applied (polled
+    /// or pushed) was taken: orders a pushed load against a poll.
+    pub report_seq: u64,
 }
 
 impl WorkerLoad {
@@ -127,6 +135,31 @@ impl WorkerLoad {
         self.requests_since_poll = 0;
         self.prefill_tokens_since_poll = 0;
         self.reports = self.reports.wrapping_add(1);
+        self.report_seq = report.report_seq;
+    }
+
+    /// Takes a load the worker pushed with its KV events, if it was taken after the
+    /// last report applied (a later `report_seq`); returns whether it was.
+    ///
+    /// It only lowers the polled queue and sequence counts, and only raises the free
+    /// blocks: it tells this router that work counted in the last poll has ended (a
+    /// poll taken mid-request otherwise keeps the worker looking busy until the next
+    /// one, and steers requests away from it). It does not stand in for a poll: the
+    /// since-poll counters stay, because the pushed load may have been taken before
+    /// this router's latest requests reached the worker, and raising the counts on its
+    /// word would count those requests twice.
+    pub fn apply_pushed(&mut self, pushed: &WorkerLoad) -> bool {
+        if pushed.report_seq <= self.report_seq {
+            return false;
+        }
+        self.report_seq = pushed.report_seq;
+        self.running = self.running.min(pushed.running);
+        self.waiting = self.waiting.min(pushed.waiting);
+        self.queued_prefill_tokens = self.queued_prefill_tokens.min(pushed.queued_prefill_tokens);
+        if pushed.total_blocks == self.total_blocks {
+            self.free_blocks = self.free_blocks.max(pushed.free_blocks);
+        }
+        true
     }
 
     /// Records a request this router sent, with its expected prefill tokens.
@@ -308,6 +341,51 @@ mod tests {
         l.finish_request(500);
         assert_eq!(l.inflight_requests, 0);
         assert_eq!(l.inflight_prefill_tokens, 0);
+    }
+
+    #[test]
+    fn a_pushed_load_newer_than_the_poll_only_lowers_what_the_poll_counted() {
+        // A poll taken mid-request: one running, one waiting, 700 tokens to compute.
+        let polled = WorkerLoad {
+            running: 1,
+            waiting: 1,
+            queued_prefill_tokens: 700,
+            free_blocks: 20,
+            total_blocks: 40,
+            report_seq: 10,
+            ..WorkerLoad::default()
+        };
+        let mut l = WorkerLoad::default();
+        l.apply_report(&polled);
+        l.start_request(300);
+        let pushed = |running, waiting, queued, free, seq| WorkerLoad {
+            running,
+            waiting,
+            queued_prefill_tokens: queued,
+            free_blocks: free,
+            total_blocks: 40,
+            report_seq: seq,
+            ..WorkerLoad::default()
+        };
+        // Older than the poll, or the poll itself: ignored.
+        assert!(!l.apply_pushed(&pushed(0, 0, 0, 40, 9)));
+        assert!(!l.apply_pushed(&pushed(0, 0, 0, 40, 10)));
+        assert_eq!(l.prefill_backlog_tokens(), 1_000);
+        // Newer, and the polled work has ended: the worker looks idle at once but for
+        // this router's own request sent since the poll.
+        assert!(l.apply_pushed(&pushed(0, 0, 0, 40, 11)));
+        assert_eq!(l.prefill_backlog_tokens(), 300);
+        assert_eq!(l.active_sequences(), 1);
+        assert_eq!(l.prefills_ahead(), 2, "its own request, and it computing");
+        assert_eq!(l.usage_level(), 0);
+        // Newer and busier (another router's work): never raised, that is the poll's job.
+        assert!(l.apply_pushed(&pushed(3, 2, 5_000, 10, 12)));
+        assert_eq!((l.running, l.waiting, l.queued_prefill_tokens), (0, 0, 0));
+        assert_eq!(l.free_blocks, 40);
+        // The next poll replaces it all.
+        l.apply_report(&pushed(3, 2, 5_000, 10, 13));
+        assert_eq!(l.prefill_backlog_tokens(), 5_000);
+        assert!(!l.apply_pushed(&pushed(0, 0, 0, 40, 12)));
     }
 
     #[test]

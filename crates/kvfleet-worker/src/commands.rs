@@ -87,6 +87,8 @@ pub(crate) struct LoadSnapshot {
     pub cached_by_tier: CachedByTier,
     /// The host and disk tiers' totals, when the engine has tiers.
     pub tiers: Option<TierStats>,
+    /// Loads published so far, this one included (`LoadResponse.load_seq`).
+    pub load_seq: u64,
 }
 
 /// Prompt tokens reported cached since start that were promoted from each source

@@ -167,7 +167,7 @@ mod tests {
     use kvfleet_engine::{KvEvent, KvEventKind, KvEventSink};
 
     #[tokio::test]
-    async fn the_publisher_sends_every_event_in_order_keyed_by_worker() {
+    async fn the_publisher_sends_every_event_in_order_keyed_by_worker_and_the_load() {
         let stream = Arc::new(MemEventStream::new(Topics::default(), 1024));
         let log = Arc::new(EventLog::new("w0", 64, 16));
         for seq in 1..=3u64 {
@@ -207,6 +207,25 @@ mod tests {
             seqs.extend(batch.events.iter().map(|e| e.seq));
         }
         assert_eq!(seqs, vec![1, 2, 3]);
+        // The load the engine publishes next goes out too, stamped with the events.
+        log.publish_load(kvfleet_proto::v1::LoadResponse {
+            queued_prefill_tokens: 0,
+            total_blocks: 64,
+            load_seq: 9,
+            ..Default::default()
+        });
+        let load = loop {
+            let rec = sub
+                .next(Duration::from_secs(5))
+                .await
+                .expect("stream")
+                .expect("the load within 5 s");
+            let batch = decode_kv_events(&rec.payload).expect("envelope").batch;
+            if let Some(l) = batch.and_then(|b| b.load) {
+                break l;
+            }
+        };
+        assert_eq!((load.load_seq, load.last_event_seq), (9, 3));
         task.abort();
     }
 

@@ -2,7 +2,7 @@
 //! with the checks only the wire format needs (signed counts, unset fields).
 
 use crate::commands::LoadSnapshot;
-use kvfleet_engine::{FinishReason, KvEvent, KvEventKind, SamplingParams, TierStats};
+use kvfleet_engine::{EngineLoad, FinishReason, KvEvent, KvEventKind, SamplingParams, TierStats};
 use kvfleet_proto::kv_events::medium_to_wire;
 use kvfleet_proto::v1 as pb;
 use tonic::Status;
@@ -161,6 +161,21 @@ pub fn u32_of(n: usize) -> u32 {
     u32::try_from(n).unwrap_or(u32::MAX)
 }
 
+/// The current-load fields of `load`, as a `KvEventBatch` pushes them (the event log
+/// stamps `last_event_seq`; totals are left to `Load`).
+pub(crate) fn pushed_load(load: &EngineLoad, load_seq: u64) -> pb::LoadResponse {
+    pb::LoadResponse {
+        load_seq,
+        running: u32_of(load.running),
+        waiting: u32_of(load.waiting),
+        free_blocks: u32_of(load.free_blocks),
+        cached_blocks: u32_of(load.cached_blocks),
+        total_blocks: u32_of(load.total_blocks),
+        queued_prefill_tokens: load.queued_prefill_tokens as u64,
+        ..pb::LoadResponse::default()
+    }
+}
+
 /// The `Load` answer from the engine's published snapshot, the seq of the newest KV
 /// event, and the blocks and bytes pulled from peers so far.
 pub(crate) fn load_response(
@@ -191,6 +206,7 @@ pub(crate) fn load_response(
         peer_pulled_blocks,
         peer_pulled_bytes,
         kv_tiers: snap.tiers.as_ref().map(kv_tier_totals),
+        load_seq: snap.load_seq,
     }
 }
 

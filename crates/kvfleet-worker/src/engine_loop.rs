@@ -88,7 +88,7 @@ pub(crate) fn spawn(
             // whoever sees `stopped` already sees how it ended.
             let _stopped = stopped_tx;
             let reporter = reporter;
-            let (mut engine, info) = match build_engine(&config, events) {
+            let (mut engine, info) = match build_engine(&config, Arc::clone(&events)) {
                 Ok(built) => built,
                 Err(e) => {
                     let _ = ready_tx.send(Err(e));
@@ -102,6 +102,7 @@ pub(crate) fn spawn(
                 &config.worker_id,
                 config.faults.clone(),
                 published,
+                events,
             );
             // Before ready: `Load` answers the empty pool from the start, not zeros
             // until a first request makes the engine step.
@@ -294,6 +295,10 @@ struct EngineLoop {
     steps: u64,
     /// Published for the gRPC handlers.
     state: Arc<EngineState>,
+    /// The KV event log, which also pushes the load to the routers.
+    events: Arc<EventLog>,
+    /// Loads published so far.
+    load_seq: u64,
 }
 
 fn engine_status(e: EngineError) -> Status {
@@ -318,6 +323,7 @@ impl EngineLoop {
         worker_id: &str,
         faults: EngineFaults,
         state: Arc<EngineState>,
+        events: Arc<EventLog>,
     ) -> Self {
         EngineLoop {
             engine,
@@ -337,6 +343,8 @@ impl EngineLoop {
             faults,
             steps: 0,
             state,
+            events,
+            load_seq: 0,
         }
     }
 
@@ -427,6 +435,10 @@ impl EngineLoop {
     /// Publishes the engine's load and totals, for `Load` and the metrics.
     fn publish_load(&mut self) {
         let load = self.engine.load();
+        self.load_seq += 1;
+        // Pushed to the routers with the KV events: they learn at once that work ended.
+        self.events
+            .publish_load(convert::pushed_load(&load, self.load_seq));
         self.metrics.update(&load, self.engine.stats());
         let tiers = self.engine.tier_stats();
         if let Some(t) = &tiers {
@@ -437,6 +449,7 @@ impl EngineLoop {
             stats: self.engine.stats().clone(),
             cached_by_tier: self.cached_by_tier,
             tiers,
+            load_seq: self.load_seq,
         });
     }
 

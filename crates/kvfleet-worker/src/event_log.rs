@@ -8,19 +8,53 @@
 //! behind the live buffer continues from the ring if its next event is still there;
 //! otherwise its stream ends with an error telling it to resync. No event is ever
 //! skipped silently.
+//!
+//! The log also carries the engine's current load ([`EventLog::publish_load`]): each
+//! batch takes it along when it changed, and a stream sends it alone when it changed
+//! with no event to carry it, at most every [`LOAD_PUSH_INTERVAL`]. A router polls
+//! load every 100 ms; a poll taken mid-request would otherwise show the worker busy
+//! with work that has ended until the next one, and steer requests away from it.
 
 use crate::convert;
 use futures::Stream;
 use kvfleet_core::BlockHash;
 use kvfleet_engine::{DumpedBlock, KvEvent, KvEventKind, KvEventSink, Medium};
-use kvfleet_proto::v1::KvEventBatch;
+use kvfleet_proto::v1::{KvEventBatch, LoadResponse};
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 use tokio::sync::{broadcast, watch};
+use tokio::time::Instant;
 use tonic::Status;
 
 /// Most events sent in one `KvEventBatch`.
 const MAX_BATCH: usize = 256;
+
+/// Shortest time between two loads one stream sends: an engine steps every few
+/// milliseconds, and each step changes its load.
+pub const LOAD_PUSH_INTERVAL: Duration = Duration::from_millis(10);
+
+/// The engine's load as published, stamped with the last event before it.
+type PublishedLoad = Option<Arc<LoadResponse>>;
+
+/// Whether two loads have the same current-load fields (the event stamp aside).
+fn same_load(a: &LoadResponse, b: &LoadResponse) -> bool {
+    (
+        a.running,
+        a.waiting,
+        a.queued_prefill_tokens,
+        a.free_blocks,
+        a.cached_blocks,
+        a.total_blocks,
+    ) == (
+        b.running,
+        b.waiting,
+        b.queued_prefill_tokens,
+        b.free_blocks,
+        b.cached_blocks,
+        b.total_blocks,
+    )
+}
 
 /// Why a subscription cannot start at the requested sequence number.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -111,6 +145,7 @@ pub struct EventLog {
     worker_id: String,
     ring: Mutex<Ring>,
     live: broadcast::Sender<Arc<KvEvent>>,
+    load: watch::Sender<PublishedLoad>,
 }
 
 impl EventLog {
@@ -129,7 +164,29 @@ impl EventLog {
                 cached_seq: 0,
             }),
             live,
+            load: watch::Sender::new(None),
         }
+    }
+
+    /// Publishes the engine's current load (its current-load fields, as
+    /// `KvEventBatch.load` describes them), stamped with the last event published
+    /// before it. Subscribers are woken only when it changed.
+    pub fn publish_load(&self, mut load: LoadResponse) {
+        // Stamped under the ring's lock: every event up to the stamp has been sent to
+        // the live subscribers, none after it.
+        let ring = self.lock();
+        load.last_event_seq = ring.last_seq;
+        // An unchanged load keeps its first `load_seq`: the state it describes has
+        // held since, so it still orders right against any poll taken meanwhile.
+        self.load.send_if_modified(|cur| {
+            let changed = !cur
+                .as_deref()
+                .is_some_and(|c| same_load(c, &load) && c.last_event_seq == load.last_event_seq);
+            if changed {
+                *cur = Some(Arc::new(load));
+            }
+            changed
+        });
     }
 
     /// The worker id stamped on every batch.
@@ -209,11 +266,17 @@ impl EventLog {
         subscription: Subscription,
         closing: watch::Receiver<bool>,
     ) -> impl Stream<Item = Result<KvEventBatch, Status>> + Send + 'static {
+        let load = self.load.subscribe();
         let state = BatchState {
             log: self,
             sub: subscription,
             closing,
             done: false,
+            load,
+            load_open: true,
+            sent_load: None,
+            sent_load_at: None,
+            push_due: None,
         };
         futures::stream::unfold(state, |mut st| async move {
             if st.done {
@@ -265,6 +328,21 @@ struct BatchState {
     sub: Subscription,
     closing: watch::Receiver<bool>,
     done: bool,
+    /// The engine's published load.
+    load: watch::Receiver<PublishedLoad>,
+    /// False once the log is gone (no more loads come).
+    load_open: bool,
+    /// The last load this stream sent, and when.
+    sent_load: Option<Arc<LoadResponse>>,
+    sent_load_at: Option<Instant>,
+    /// When a changed load held back by [`LOAD_PUSH_INTERVAL`] is due.
+    push_due: Option<Instant>,
+}
+
+/// What woke a stream waiting for its next batch.
+enum Wake {
+    Event(Result<Arc<KvEvent>, broadcast::error::RecvError>),
+    Load,
 }
 
 impl BatchState {
@@ -290,11 +368,58 @@ impl BatchState {
         Ok(())
     }
 
-    fn batch(&self, events: Vec<kvfleet_proto::v1::KvEvent>) -> KvEventBatch {
+    /// A batch of `events`, with the load when it changed and was taken after them.
+    fn batch(&mut self, events: Vec<kvfleet_proto::v1::KvEvent>) -> KvEventBatch {
+        let last = events.last().map_or(0, |e| e.seq);
+        let load = self
+            .load
+            .borrow()
+            .clone()
+            .filter(|l| l.last_event_seq >= last && !self.already_sent(l));
+        if let Some(l) = &load {
+            self.sent(l.clone());
+        }
         KvEventBatch {
             worker_id: self.log.worker_id.clone(),
             events,
+            load: load.map(|l| LoadResponse::clone(&l)),
         }
+    }
+
+    fn already_sent(&self, load: &LoadResponse) -> bool {
+        self.sent_load
+            .as_deref()
+            .is_some_and(|s| same_load(s, load))
+    }
+
+    fn sent(&mut self, load: Arc<LoadResponse>) {
+        self.sent_load = Some(load);
+        self.sent_load_at = Some(Instant::now());
+        self.push_due = None;
+    }
+
+    /// The load alone, if it changed since this stream last sent one and
+    /// [`LOAD_PUSH_INTERVAL`] has passed since; otherwise `None`, with the push
+    /// scheduled for when the interval ends.
+    fn load_push(&mut self) -> Option<KvEventBatch> {
+        let current = self.load.borrow_and_update().clone()?;
+        if self.already_sent(&current) {
+            self.push_due = None;
+            return None;
+        }
+        let due = self
+            .sent_load_at
+            .map_or_else(Instant::now, |t| t + LOAD_PUSH_INTERVAL);
+        if Instant::now() < due {
+            self.push_due = Some(due);
+            return None;
+        }
+        self.sent(current.clone());
+        Some(KvEventBatch {
+            worker_id: self.log.worker_id.clone(),
+            events: Vec::new(),
+            load: Some(LoadResponse::clone(&current)),
+        })
     }
 
     /// Re-reads the ring from the next expected event after the live receiver lagged.
@@ -325,12 +450,25 @@ impl BatchState {
             if !out.is_empty() {
                 return Ok(self.batch(out));
             }
-            let first = tokio::select! {
+            let push_due = self.push_due;
+            let wake = tokio::select! {
                 biased;
                 _ = self.closing.wait_for(|c| *c) => {
                     return Err(Status::unavailable("the worker is shutting down"));
                 }
-                r = self.sub.live.recv() => r,
+                r = self.sub.live.recv() => Wake::Event(r),
+                r = self.load.changed(), if self.load_open => {
+                    self.load_open = r.is_ok();
+                    Wake::Load
+                }
+                _ = tokio::time::sleep_until(push_due.unwrap_or_else(Instant::now)), if push_due.is_some() => Wake::Load,
+            };
+            let first = match wake {
+                Wake::Event(r) => r,
+                Wake::Load => match self.load_push() {
+                    Some(b) => return Ok(b),
+                    None => continue,
+                },
             };
             match first {
                 Ok(ev) => self.accept(ev, &mut out)?,
@@ -469,5 +607,99 @@ mod tests {
         tx.send(true).unwrap();
         let r = waiter.await.unwrap().unwrap();
         assert_eq!(r.unwrap_err().code(), tonic::Code::Unavailable);
+    }
+
+    fn load(running: u32, queued: u64, load_seq: u64) -> LoadResponse {
+        LoadResponse {
+            running,
+            queued_prefill_tokens: queued,
+            total_blocks: 64,
+            load_seq,
+            ..LoadResponse::default()
+        }
+    }
+
+    /// The next message within `wait`, if any.
+    async fn next_within(
+        stream: &mut (impl Stream<Item = Result<KvEventBatch, Status>> + Unpin),
+        wait: Duration,
+    ) -> Option<KvEventBatch> {
+        tokio::time::timeout(wait, stream.next())
+            .await
+            .ok()
+            .map(|b| b.expect("stream open").expect("no error"))
+    }
+
+    #[tokio::test]
+    async fn a_batch_carries_the_load_taken_after_its_events_and_a_change_follows_alone() {
+        let log = Arc::new(EventLog::new("w", 16, 16));
+        let (_tx, closing) = watch::channel(false);
+        let sub = log.subscribe(1).unwrap();
+        let mut stream = Box::pin(Arc::clone(&log).into_batches(sub, closing));
+        // A load taken before the events does not ride with them.
+        log.publish_load(load(1, 500, 1));
+        log.publish(&ev(1));
+        let b = next_within(&mut stream, Duration::from_secs(1))
+            .await
+            .unwrap();
+        assert_eq!((seqs(&b), b.load), (vec![1], None));
+        // Taken after them, it is sent alone, stamped with the last event before it.
+        log.publish_load(load(1, 100, 2));
+        let b = next_within(&mut stream, Duration::from_secs(1))
+            .await
+            .unwrap();
+        assert!(b.events.is_empty());
+        let l = b.load.expect("the load");
+        assert_eq!(
+            (l.queued_prefill_tokens, l.last_event_seq, l.load_seq),
+            (100, 1, 2)
+        );
+        // Taken after the next events, it rides with them.
+        log.publish(&ev(2));
+        log.publish_load(load(0, 0, 3));
+        let b = next_within(&mut stream, Duration::from_secs(1))
+            .await
+            .unwrap();
+        assert_eq!(seqs(&b), vec![2]);
+        let l = b.load.expect("the load with the events");
+        assert_eq!((l.running, l.last_event_seq, l.load_seq), (0, 2, 3));
+        // An unchanged load is not sent again, however often it is published.
+        for seq in 4..10 {
+            log.publish_load(load(0, 0, seq));
+        }
+        assert!(next_within(&mut stream, Duration::from_millis(100))
+            .await
+            .is_none());
+    }
+
+    #[tokio::test]
+    async fn a_stream_sends_a_changing_load_at_most_once_per_interval_and_always_the_last() {
+        let log = Arc::new(EventLog::new("w", 16, 16));
+        let (_tx, closing) = watch::channel(false);
+        let sub = log.subscribe(1).unwrap();
+        let mut stream = Box::pin(Arc::clone(&log).into_batches(sub, closing));
+        log.publish_load(load(1, 300, 1));
+        let start = Instant::now();
+        let first = next_within(&mut stream, Duration::from_secs(1))
+            .await
+            .unwrap();
+        assert_eq!(first.load.unwrap().queued_prefill_tokens, 300);
+        // Three changes within the interval: only the last is sent, once it ends.
+        log.publish_load(load(1, 200, 2));
+        log.publish_load(load(1, 100, 3));
+        log.publish_load(load(0, 0, 4));
+        let b = next_within(&mut stream, Duration::from_secs(1))
+            .await
+            .unwrap();
+        assert!(
+            start.elapsed() >= LOAD_PUSH_INTERVAL,
+            "{:?}",
+            start.elapsed()
+        );
+        let l = b.load.unwrap();
+        assert_eq!((l.running, l.queued_prefill_tokens, l.load_seq), (0, 0, 4));
+        assert!(next_within(&mut stream, Duration::from_millis(100))
+            .await
+            .is_none());
     }
 }

@@ -63,7 +63,17 @@ async fn load(client: &mut WorkerClient<Channel>) -> pb::LoadResponse {
         .into_inner()
 }
 
+/// The next batch with events (batches that only push the worker's load are skipped).
 async fn next_batch(stream: &mut Streaming<pb::KvEventBatch>) -> pb::KvEventBatch {
+    loop {
+        let b = next_message(stream).await;
+        if !b.events.is_empty() {
+            return b;
+        }
+    }
+}
+
+async fn next_message(stream: &mut Streaming<pb::KvEventBatch>) -> pb::KvEventBatch {
     tokio::time::timeout(Duration::from_secs(20), stream.message())
         .await
         .expect("a batch in time")
@@ -197,6 +207,61 @@ fn apply(cache: &mut HashMap<u64, Option<u64>>, batch: &pb::KvEventBatch) -> Vec
         }
     }
     batch.events.iter().map(|e| e.seq).collect()
+}
+
+/// The event stream pushes the worker's load: once a request ends, a batch says the
+/// worker is idle, and it is ordered after a `Load` poll taken while the request ran,
+/// so a router that polled mid-request learns at once that the work ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_event_stream_pushes_the_load_once_a_request_ends() {
+    let (_handle, mut client) = worker("w-push", |c| {
+        // Steps slow enough for a poll to find the request running.
+        c.faults.step_delay = Some(Duration::from_millis(5));
+    })
+    .await;
+    let mut events = client
+        .kv_events(pb::KvEventsRequest { from_seq: 1 })
+        .await
+        .expect("subscribe")
+        .into_inner();
+    let running = client
+        .generate(request("r1", prompt(5, 96), 40))
+        .await
+        .expect("accepted")
+        .into_inner();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let busy = loop {
+        let l = load(&mut client).await;
+        if l.running + l.waiting > 0 {
+            break l;
+        }
+        assert!(Instant::now() < deadline, "never saw the request running");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    };
+    assert!(busy.load_seq > 0, "a poll carries the load's seq");
+    let msgs = collect(running).await;
+    assert_eq!(last_usage(&msgs).completion_tokens, 40);
+    let mut stored = 0;
+    let idle = loop {
+        let b = next_message(&mut events).await;
+        assert_eq!(b.worker_id, "w-push");
+        stored += b.events.len();
+        if let Some(l) = b.load.filter(|l| l.load_seq > busy.load_seq) {
+            if (l.running, l.waiting, l.queued_prefill_tokens) == (0, 0, 0) {
+                break l;
+            }
+        }
+    };
+    assert!(stored > 0, "the prompt's blocks were stored first");
+    assert_eq!(idle.total_blocks, 256);
+    assert!(
+        idle.cached_blocks > busy.cached_blocks,
+        "the prompt's blocks are cached now: {idle:?} against {busy:?}"
+    );
+    assert!(
+        idle.last_event_seq >= 1,
+        "stamped with the events before it"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

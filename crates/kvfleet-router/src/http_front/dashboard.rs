@@ -17,7 +17,10 @@
 //!   `cached_tokens` (cumulative) and `hit_ratio_1m`, `requests_1m` (last minute);
 //!   from the worker's last load report `running`, `waiting`, `queued_prefill_tokens`,
 //!   `free_blocks`, `cached_blocks`, `total_blocks`; from the router's index
-//!   `indexed_blocks`, `reservations`, `inflight_requests`; `kv_tiers` (below;
+//!   `indexed_blocks`, `reservations`, `inflight_requests`, and `routing_load`, the
+//!   load the policy scores (`active_sequences`, `prefill_backlog_tokens`,
+//!   `prefills_ahead`: the last report, lowered by the loads the worker pushed since
+//!   with its KV events, plus this router's requests since); `kv_tiers` (below;
 //!   `null` before its first load report).
 //! - `kv_tiers`: the fleet's sum of the workers' `kv_tiers`, from their load reports
 //!   (so it counts every router's traffic, since each worker started):
@@ -195,6 +198,11 @@ pub fn snapshot(fleet: &Fleet, limit: usize) -> Value {
                 "indexed_blocks": r.map_or(0, |r| r.cached_blocks),
                 "reservations": r.map_or(0, |r| r.reservations),
                 "inflight_requests": r.map_or(0, |r| r.load.inflight_requests),
+                "routing_load": r.map(|r| json!({
+                    "active_sequences": r.load.active_sequences(),
+                    "prefill_backlog_tokens": r.load.prefill_backlog_tokens(),
+                    "prefills_ahead": r.load.prefills_ahead(),
+                })),
                 "kv_tiers": s.tiers.as_ref().map(tiers_json),
             })
         })
