@@ -50,6 +50,10 @@ impl KafkaConfig {
     }
 }
 
+/// Longest a consumer's fetch waits at the broker for new records: the bound on how
+/// late a KV event reaches a router from a broker that answers a held fetch only when
+/// its wait ends. An idle consumer then sends 100 fetches a second.
+const FETCH_WAIT_MAX_MS: &str = "10";
 /// Longest wait between two reconnect attempts to a broker (librdkafka's default is
 /// 10 s): bounds how long after a broker comes back events flow again.
 const RECONNECT_BACKOFF_MAX_MS: &str = "1000";
@@ -180,6 +184,11 @@ impl EventStream for KafkaEventStream {
             )
             .set("session.timeout.ms", session.to_string())
             .set("heartbeat.interval.ms", (session / 3).to_string())
+            // KV events are routing state, and the loads they carry are stale within
+            // a load poll (100 ms): a broker that holds a fetch to its full wait
+            // rather than answer when data arrives (tansu does) delayed every event by
+            // up to librdkafka's default 500 ms.
+            .set("fetch.wait.max.ms", FETCH_WAIT_MAX_MS)
             .create()
             .map_err(kafka_err)?;
         let name = self.config.topics.name(topic).to_string();
