@@ -124,7 +124,8 @@ pub enum PlacementStep {
     /// No control plane, or nothing to place (no fork group, no anchor block).
     #[default]
     None,
-    /// A worker was known to hold the prompt up to its anchor: routed on the index.
+    /// A worker was known to hold the prompt up to its anchor: routed on the index (to
+    /// a holder, or elsewhere with the key's placement known to be old).
     Indexed,
     /// Followed a placement this router already knew of.
     Followed,

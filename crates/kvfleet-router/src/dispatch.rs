@@ -220,6 +220,7 @@ where
         mut pin_holds_blocks,
         mut step,
         mut ticket,
+        mut unplaced_key,
     } = plan_placement(fleet, hooks.as_deref(), spec, anchor, placed_blocks).await;
     // Workers this request already failed on: a retry goes elsewhere.
     let mut tried: Vec<String> = exclude.to_vec();
@@ -254,21 +255,42 @@ where
         // route() counted the request in flight: the guard owns that count from here,
         // so a request cancelled at any await below (the claim) gives it back.
         let mut guard = InflightGuard::new(in_flight, &decision);
+        // Routed on the index away from every holder of the prompt's anchor, with the
+        // key's placement unknown here: a sibling on another router may have placed
+        // it a moment ago, its events already here and its placement not yet. Claim
+        // the key now: the compare-and-set finds such a placement, and the request
+        // follows it instead of computing the prefix a second time.
+        let placed_tokens = placed_blocks * fleet.routing.block_size();
+        // The worker this request follows instead of its choice: another router's
+        // placement, on a worker this router can reach.
+        let mut follow: Option<String> = None;
+        let chosen = decision.worker.to_string();
+        let elsewhere = |o: &String| *o != chosen && fleet.conn(o).is_some();
+        if let Some(key) = unplaced_key.take() {
+            if decision.predicted_cached_tokens < placed_tokens {
+                match fleet.control.claims().begin(&key) {
+                    ClaimTurn::Mine(t) => ticket = Some(t),
+                    // A sibling on this router is claiming it: follow its outcome.
+                    ClaimTurn::Wait(w) => {
+                        follow = w.owner(CLAIM_WAIT_LIMIT).await.filter(elsewhere);
+                        if follow.is_some() {
+                            step = PlacementStep::Followed;
+                        }
+                    }
+                }
+            }
+        }
         // First to route this key: claim it (one compare-and-set per new key), and
         // follow whoever won.
         if let (Some(t), Some(h)) = (ticket.take(), &hooks) {
-            let chosen = decision.worker.to_string();
             let owner = h.claim(t.key().clone(), chosen.clone()).await;
-            // Another router's placement, on a worker this router can reach.
-            let lost_to = owner
-                .clone()
-                .filter(|o| *o != chosen && fleet.conn(o).is_some());
-            step = match (&owner, &lost_to) {
+            follow = owner.clone().filter(elsewhere);
+            step = match (&owner, &follow) {
                 (_, Some(_)) => PlacementStep::Lost,
                 (Some(o), None) if *o == chosen => PlacementStep::Claimed,
                 _ => PlacementStep::Unplaced,
             };
-            if lost_to.is_some() {
+            if follow.is_some() {
                 // Before any waiter is released: the losing choice's reservation must
                 // not pass for the prefix being held there.
                 if let Some(r) = decision.reservation.take() {
@@ -276,21 +298,24 @@ where
                 }
             }
             t.resolve(owner);
-            if let Some(owner) = lost_to {
-                // Ends the first choice's in-flight count before routing again.
-                drop(guard);
-                pin = Some(owner);
-                pin_holds_blocks = placed_blocks;
-                let rerouted = match route(pin.as_deref(), pin_holds_blocks, &tried) {
-                    Ok(r) => r,
-                    Err(e) => {
-                        last_error = e.to_string();
-                        break;
-                    }
-                };
-                decision = rerouted.decision;
-                guard = InflightGuard::new(rerouted.in_flight, &decision);
+        }
+        if let Some(owner) = follow {
+            if let Some(r) = decision.reservation.take() {
+                fleet.routing.cancel_reservation(r);
             }
+            // Ends the first choice's in-flight count before routing again.
+            drop(guard);
+            pin = Some(owner);
+            pin_holds_blocks = placed_blocks;
+            let rerouted = match route(pin.as_deref(), pin_holds_blocks, &tried) {
+                Ok(r) => r,
+                Err(e) => {
+                    last_error = e.to_string();
+                    break;
+                }
+            };
+            decision = rerouted.decision;
+            guard = InflightGuard::new(rerouted.in_flight, &decision);
         }
         m::decision_phase("lock_wait", lock_wait_ns);
         m::decision_phase("index_lookup", decision.timings.index_lookup_ns);
@@ -473,6 +498,9 @@ struct PlacementPlan {
     step: PlacementStep,
     /// This request claims its key once routed.
     ticket: Option<ClaimTicket<PlacementRef>>,
+    /// Routed on the index with the key's placement unknown here: the key, claimed
+    /// after all if the request is routed away from every holder of its anchor.
+    unplaced_key: Option<PlacementRef>,
 }
 
 /// Consults the pinned prefixes and the placement shared with other routers.
@@ -497,6 +525,7 @@ async fn plan_placement(
         pin_holds_blocks: 0,
         step: PlacementStep::None,
         ticket: None,
+        unplaced_key: None,
     };
     // A live pinned prefix names the worker holding it (and nothing evicts it there).
     if let Some(w) = fleet.pins.worker_for(&spec.hashes, fleet.now_ms()) {
@@ -529,6 +558,9 @@ async fn plan_placement(
             && anchor.is_some_and(|at| fleet.routing.holds_prefix(&spec.hashes[..=at]));
         if known {
             plan.step = PlacementStep::Indexed;
+            if placed.is_none() {
+                plan.unplaced_key = Some(key);
+            }
             return plan;
         }
         owner = placed.map(|p| p.worker);

@@ -354,3 +354,111 @@ async fn a_sibling_follows_a_fresh_placement_even_where_another_worker_holds_the
     assert_eq!(served, "w0", "a sibling left its fresh placement");
     assert_eq!((w0.generates(), w1.generates()), (1, 0));
 }
+
+/// Placement hooks standing for another router that placed every key on w1 a moment
+/// ago, its placement not yet seen here: a claim finds it.
+#[derive(Default)]
+struct PlacedOnW1Unseen {
+    claims: std::sync::Mutex<Vec<String>>,
+}
+
+impl ControlHooks for PlacedOnW1Unseen {
+    fn placement(&self, _key: &PlacementRef) -> Option<KnownPlacement> {
+        None
+    }
+    fn claim(&self, _key: PlacementRef, worker: String) -> BoxFuture<'static, Option<String>> {
+        self.claims.lock().expect("claims").push(worker);
+        Box::pin(async {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            Some("w1".to_string())
+        })
+    }
+    fn request_done(&self, _usage: RequestUsage) {}
+}
+
+/// A fork sibling whose prefix this router's index already holds (the first sibling's
+/// events, through another router, arrived before that router's placement did) was
+/// routed on the index alone: with the holder busy computing it, to an idle worker,
+/// computing the prefix a second time. Routed away from every holder of its anchor with
+/// the key's placement unknown, it now claims the key, and follows the placement found.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sibling_routed_away_from_its_held_prefix_claims_it_and_follows_an_unseen_placement() {
+    let fleet = Fleet::new(FleetConfig {
+        router: RouterConfig {
+            block_size: BS as usize,
+            ..RouterConfig::default()
+        },
+        // The loads set below stay until the test ends.
+        load_poll_interval: Duration::from_secs(3600),
+        ..FleetConfig::default()
+    })
+    .expect("fleet");
+    // An 8-block prompt (its anchor is its last block), all of it cached on w1.
+    let tokens: Vec<u32> = (0..8 * BS + 3).map(|i| i % 300 + 1).collect();
+    let spec = chat_spec("sibling", tokens);
+    let chain: Vec<(u64, Option<u64>)> = spec
+        .hashes
+        .iter()
+        .enumerate()
+        .map(|(i, h)| (h.0, i.checked_sub(1).map(|p| spec.hashes[p].0)))
+        .collect();
+    let w0 = FakeWorker::start("w0", &[], Script::Answer).await;
+    let w1 = FakeWorker::start("w1", &chain, Script::Answer).await;
+    fleet.add_worker(&w0.endpoint).await.expect("add w0");
+    fleet.add_worker(&w1.endpoint).await.expect("add w1");
+    assert!(eventually(|| fleet.routing.holds_prefix(&spec.hashes)).await);
+    // w1 is busy: far cheaper to compute the prompt on idle w0, on this router's view.
+    fleet
+        .routing
+        .update_load(
+            "w1",
+            kvfleet_routing::WorkerLoad {
+                running: 8,
+                waiting: 8,
+                queued_prefill_tokens: 1_000_000,
+                free_blocks: 1000,
+                total_blocks: 1000,
+                ..kvfleet_routing::WorkerLoad::default()
+            },
+        )
+        .expect("w1 routed");
+    let hooks = Arc::new(PlacedOnW1Unseen::default());
+    fleet.set_control_hooks(hooks.clone());
+
+    // Two siblings, the second while the first one's claim is in flight: it waits for
+    // that claim and follows its outcome too.
+    let first = {
+        let (fleet, spec) = (fleet.clone(), spec.clone());
+        tokio::spawn(async move { dispatch(&fleet, &spec).await.map(|d| d.worker) })
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let second = chat_spec("sibling-2", spec.token_ids.to_vec());
+    let served = [
+        dispatch(&fleet, &second).await.expect("dispatched").worker,
+        first.await.expect("join").expect("dispatched"),
+    ];
+    assert_eq!(
+        hooks.claims.lock().expect("claims").as_slice(),
+        ["w0"],
+        "the choice of w0 was claimed, once"
+    );
+    assert_eq!(
+        served,
+        ["w1", "w1"],
+        "a sibling computed its prefix a second time"
+    );
+    assert_eq!((w0.generates(), w1.generates()), (0, 2));
+
+    // Routed to a holder, a request claims nothing: the index is enough.
+    fleet
+        .routing
+        .update_load("w1", kvfleet_routing::WorkerLoad::default())
+        .expect("w1 routed");
+    let again = chat_spec("repeat", spec.token_ids.to_vec());
+    assert_eq!(
+        dispatch(&fleet, &again).await.expect("dispatched").worker,
+        "w1"
+    );
+    assert_eq!(hooks.claims.lock().expect("claims").len(), 1);
+    assert_eq!(w1.generates(), 3);
+}
