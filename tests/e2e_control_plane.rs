@@ -156,6 +156,27 @@ fn recent_decisions(router: &str, n: usize) -> Vec<(String, String, u64, u64, u6
         .unwrap_or_default()
 }
 
+/// worker id → (active sequences, prefill backlog tokens): the load a router's policy
+/// scores, without polling (`/fleet` would poll every worker).
+fn load_view(router: &str) -> BTreeMap<String, (u64, u64)> {
+    let s = get(router, "/dashboard/state?decisions=0");
+    s["workers"]
+        .as_array()
+        .map(|ws| {
+            ws.iter()
+                .map(|w| {
+                    let l = &w["routing_load"];
+                    let n = |k: &str| l[k].as_u64().unwrap_or(0);
+                    (
+                        w["id"].as_str().unwrap_or_default().to_string(),
+                        (n("active_sequences"), n("prefill_backlog_tokens")),
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 /// The workers a router tracks (healthy or not).
 fn fleet_workers(router: &str) -> Vec<String> {
     get(router, "/fleet")["workers"]
@@ -315,36 +336,72 @@ fn two_routers_three_workers_on_etcd_and_kafka() {
     assert!(claimed >= 20, "{claimed} claims counted for 20 agents");
 
     // 2c. A herd: 12 sessions behind one shared ~1.2k-token system prompt, each with
-    // ~1.5k tokens of its own, sent concurrently through both routers. The shared
+    // ~1.5k tokens of its own, sent at one instant through both routers. The shared
     // prompt is cached on one worker first; the sessions must not all pile onto it.
+    // They are released together from a barrier and decode long enough to overlap:
+    // a session that starts after another one's prefill has ended would see an
+    // accurately idler fleet, and the count per worker would then measure arrival
+    // order, not piling (2 cores serve 12 requests of 2 tokens one after another).
     let herd_system = format!("shared agent rules: {}", filler(7_777, 1_200));
-    let herd = |s: u32| {
+    let herd = |s: u32, max_tokens: u32| {
         chat(
             json!([
                 {"role": "system", "content": herd_system},
                 {"role": "user", "content": format!("session {s}: {}", filler(9_000 + s, 1_500))},
             ]),
-            2,
+            max_tokens,
         )
     };
-    let (status, holder, _) = send(&r1.addr, &herd(999), &[]);
+    let (status, holder, _) = send(&r1.addr, &herd(999, 2), &[]);
     assert_eq!(status, 200);
+    // For a failure's diagnosis: each router's view as the herd starts. Router 2 hears
+    // that the holder's request ended from the load the holder pushes with its events.
+    for r in [&r1, &r2] {
+        eprintln!(
+            "  {} sees (active sequences, prefill backlog) {:?}",
+            r.addr,
+            load_view(&r.addr)
+        );
+    }
+    let release = std::sync::Arc::new(std::sync::Barrier::new(12));
+    let herd_start = Instant::now();
     let handles: Vec<_> = (0..12u32)
         .map(|s| {
             let router = if s % 2 == 0 { &r1.addr } else { &r2.addr }.clone();
-            let body = herd(s);
-            std::thread::spawn(move || send(&router, &body, &[]))
+            let body = herd(s, 24);
+            let release = release.clone();
+            std::thread::spawn(move || {
+                release.wait();
+                let sent = herd_start.elapsed();
+                let out = send(&router, &body, &[]);
+                (out, sent, herd_start.elapsed())
+            })
         })
         .collect();
     let mut per_worker: BTreeMap<String, usize> = BTreeMap::new();
+    let mut herd_served = Vec::new();
+    let mut last_sent = Duration::ZERO;
+    let mut first_done = Duration::MAX;
     for h in handles {
-        let (status, w, _) = h.join().expect("herd thread");
+        let ((status, w, cached), sent, done) = h.join().expect("herd thread");
         assert_eq!(status, 200);
-        *per_worker.entry(w.unwrap_or_default()).or_default() += 1;
+        *per_worker.entry(w.clone().unwrap_or_default()).or_default() += 1;
+        last_sent = last_sent.max(sent);
+        first_done = first_done.min(done);
+        herd_served.push((w, cached, sent.as_millis(), done.as_millis()));
     }
     let busiest = per_worker.values().copied().max().unwrap_or(0);
     eprintln!(
         "herd of 12 through two routers (system prompt cached on {holder:?}): {per_worker:?}, busiest {busiest} against a mean of 4"
+    );
+    eprintln!("  (worker, cached tokens, sent ms, done ms) by session: {herd_served:?}");
+    for r in [&r1, &r2] {
+        eprintln!("  {} routed: {:?}", r.addr, recent_decisions(&r.addr, 7));
+    }
+    // All 12 were in flight together: the last was sent before the first finished.
+    assert!(
+        last_sent < first_done,
+        "the herd did not overlap: last sent at {last_sent:?}, first done at {first_done:?}"
     );
     assert!(busiest <= 6, "the herd piled up: {per_worker:?}");
 
