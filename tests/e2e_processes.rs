@@ -5,28 +5,19 @@ mod support;
 
 use serde_json::json;
 use std::time::{Duration, Instant};
-use support::{chat, filler, start};
+use support::{chat, filler, http_client, start, start_worker};
 
 #[test]
 fn a_killed_worker_loses_no_request_that_had_not_started() {
-    let w0 = start(
-        &["worker", "--grpc", "127.0.0.1:0", "--worker-id", "w0"],
-        "grpc://",
-    );
-    let w1 = start(
-        &["worker", "--grpc", "127.0.0.1:0", "--worker-id", "w1"],
-        "grpc://",
-    );
+    let w0 = start_worker("w0");
+    let w1 = start_worker("w1");
     let workers = format!("{},{}", w0.addr, w1.addr);
     let router = start(
         &["router", "--http", "127.0.0.1:0", "--workers", &workers],
         "http://",
     );
     let url = format!("http://{}", router.addr);
-    let http = reqwest::blocking::Client::builder()
-        .timeout(Duration::from_secs(60))
-        .build()
-        .expect("client");
+    let http = http_client();
     let send = |i: u32| {
         let body = chat(json!([{"role": "user", "content": filler(i, 300)}]), 2);
         // Round-robin sends every other request to each worker, so requests keep
@@ -88,10 +79,7 @@ fn a_killed_worker_loses_no_request_that_had_not_started() {
 /// request has ended.
 #[test]
 fn a_router_sees_work_end_between_polls_from_the_load_the_worker_pushes() {
-    let w0 = start(
-        &["worker", "--grpc", "127.0.0.1:0", "--worker-id", "w0"],
-        "grpc://",
-    );
+    let w0 = start_worker("w0");
     let router = start(
         &[
             "router",
@@ -105,10 +93,7 @@ fn a_router_sees_work_end_between_polls_from_the_load_the_worker_pushes() {
         "http://",
     );
     let url = format!("http://{}", router.addr);
-    let http = reqwest::blocking::Client::builder()
-        .timeout(Duration::from_secs(60))
-        .build()
-        .expect("client");
+    let http = http_client();
     let get = |path: &str| -> serde_json::Value {
         http.get(format!("{url}{path}"))
             .send()

@@ -257,6 +257,22 @@ pub fn start(args: &[&str], scheme: &str) -> Proc {
     Proc { child, addr, line }
 }
 
+/// A `kvfleet worker` named `id` on a free loopback port (model `tiny`).
+pub fn start_worker(id: &str) -> Proc {
+    start(
+        &["worker", "--grpc", "127.0.0.1:0", "--worker-id", id],
+        "grpc://",
+    )
+}
+
+/// A blocking HTTP client with a 60 s deadline per request.
+pub fn http_client() -> reqwest::blocking::Client {
+    reqwest::blocking::Client::builder()
+        .timeout(Duration::from_secs(60))
+        .build()
+        .expect("client")
+}
+
 /// Runs a `kvfleet` subcommand to completion and returns its stdout; panics with its
 /// stderr if it fails.
 pub fn run_kvfleet(args: &[&str]) -> String {

@@ -11,7 +11,7 @@ use kvfleet_control::{Registration, WorkerRecord};
 use kvfleet_router::circuit_breaker::{BreakerConfig, CircuitState};
 use kvfleet_router::control_hooks::{ControlHooks, KnownPlacement, PlacementRef, RequestUsage};
 use kvfleet_router::control_plane::RouterControl;
-use kvfleet_router::dispatch::dispatch;
+use kvfleet_router::dispatch::{dispatch, GenerationSpec};
 use kvfleet_router::{Fleet, FleetConfig, RouterConfig};
 use std::sync::Arc;
 use std::time::Duration;
@@ -248,20 +248,34 @@ async fn a_request_cancelled_during_its_placement_claim_is_not_left_in_flight() 
     assert_eq!(w0.generates(), 0);
 }
 
-/// Placement hooks standing for another router that won every key: a claim takes a
-/// while (an etcd round trip under load), then names a worker other than the one this
-/// router chose.
-#[derive(Default)]
-struct AnotherRouterWins {
+/// Placement hooks standing for another router that placed the keys first, its
+/// placements not yet seen here: a claim takes a while (an etcd round trip under load),
+/// then names the owner `owner` gives for this router's choice.
+struct OtherRouterPlaced {
     claims: std::sync::Mutex<Vec<String>>,
+    owner: fn(&str) -> &'static str,
 }
 
-impl ControlHooks for AnotherRouterWins {
+impl OtherRouterPlaced {
+    fn new(owner: fn(&str) -> &'static str) -> Arc<Self> {
+        Arc::new(OtherRouterPlaced {
+            claims: std::sync::Mutex::default(),
+            owner,
+        })
+    }
+
+    /// The workers this router claimed, in order.
+    fn claims(&self) -> Vec<String> {
+        self.claims.lock().expect("claims").clone()
+    }
+}
+
+impl ControlHooks for OtherRouterPlaced {
     fn placement(&self, _key: &PlacementRef) -> Option<KnownPlacement> {
         None
     }
     fn claim(&self, _key: PlacementRef, worker: String) -> BoxFuture<'static, Option<String>> {
-        let owner = if worker == "w0" { "w1" } else { "w0" };
+        let owner = (self.owner)(&worker);
         self.claims.lock().expect("claims").push(worker);
         Box::pin(async move {
             tokio::time::sleep(Duration::from_millis(200)).await;
@@ -280,7 +294,8 @@ async fn siblings_arriving_during_a_placement_claim_follow_its_owner() {
         fleet.add_worker(&w.endpoint).await.expect("add worker");
         workers.push(w);
     }
-    let hooks = Arc::new(AnotherRouterWins::default());
+    // It won every key, on a worker other than this router's choice.
+    let hooks = OtherRouterPlaced::new(|w| if w == "w0" { "w1" } else { "w0" });
     fleet.set_control_hooks(hooks.clone());
 
     // Four siblings: 30 shared blocks (their anchor, block 15, lies inside them) and a
@@ -302,7 +317,7 @@ async fn siblings_arriving_during_a_placement_claim_follow_its_owner() {
     for h in handles {
         served.push(h.await.expect("join").expect("dispatched"));
     }
-    let claims = hooks.claims.lock().expect("claims").clone();
+    let claims = hooks.claims();
     assert_eq!(claims.len(), 1, "one claim per key per router: {claims:?}");
     let owner = if claims[0] == "w0" { "w1" } else { "w0" };
     assert!(
@@ -311,13 +326,9 @@ async fn siblings_arriving_during_a_placement_claim_follow_its_owner() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_sibling_follows_a_fresh_placement_even_where_another_worker_holds_the_prefix() {
-    let fleet = fleet();
-    let kv = MemKv::new();
-    let membership = Arc::new(KvMembership::new(kv.clone()));
-    let placement = Arc::new(KvPlacement::new(kv.clone()));
-    // An 8-block prompt (its anchor is its last block), all of it cached on w1.
+/// An 8-block prompt (its anchor is its last block), and two answering workers: w0
+/// holding nothing, w1 all of the prompt.
+async fn sibling_held_by_w1() -> (Arc<GenerationSpec>, FakeWorker, FakeWorker) {
     let tokens: Vec<u32> = (0..8 * BS + 3).map(|i| i % 300 + 1).collect();
     let spec = chat_spec("sibling", tokens);
     let chain: Vec<(u64, Option<u64>)> = spec
@@ -328,6 +339,16 @@ async fn a_sibling_follows_a_fresh_placement_even_where_another_worker_holds_the
         .collect();
     let w0 = FakeWorker::start("w0", &[], Script::Answer).await;
     let w1 = FakeWorker::start("w1", &chain, Script::Answer).await;
+    (spec, w0, w1)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sibling_follows_a_fresh_placement_even_where_another_worker_holds_the_prefix() {
+    let fleet = fleet();
+    let kv = MemKv::new();
+    let membership = Arc::new(KvMembership::new(kv.clone()));
+    let placement = Arc::new(KvPlacement::new(kv.clone()));
+    let (spec, w0, w1) = sibling_held_by_w1().await;
     let _r0 = register(membership.as_ref(), &w0, 1).await;
     let _r1 = register(membership.as_ref(), &w1, 1).await;
     let _rc = RouterControl::start_with(fleet.clone(), placement.clone(), membership, TTL)
@@ -355,27 +376,6 @@ async fn a_sibling_follows_a_fresh_placement_even_where_another_worker_holds_the
     assert_eq!((w0.generates(), w1.generates()), (1, 0));
 }
 
-/// Placement hooks standing for another router that placed every key on w1 a moment
-/// ago, its placement not yet seen here: a claim finds it.
-#[derive(Default)]
-struct PlacedOnW1Unseen {
-    claims: std::sync::Mutex<Vec<String>>,
-}
-
-impl ControlHooks for PlacedOnW1Unseen {
-    fn placement(&self, _key: &PlacementRef) -> Option<KnownPlacement> {
-        None
-    }
-    fn claim(&self, _key: PlacementRef, worker: String) -> BoxFuture<'static, Option<String>> {
-        self.claims.lock().expect("claims").push(worker);
-        Box::pin(async {
-            tokio::time::sleep(Duration::from_millis(200)).await;
-            Some("w1".to_string())
-        })
-    }
-    fn request_done(&self, _usage: RequestUsage) {}
-}
-
 /// A fork sibling whose prefix this router's index already holds (the first sibling's
 /// events, through another router, arrived before that router's placement did) was
 /// routed on the index alone: with the holder busy computing it, to an idle worker,
@@ -393,17 +393,7 @@ async fn a_sibling_routed_away_from_its_held_prefix_claims_it_and_follows_an_uns
         ..FleetConfig::default()
     })
     .expect("fleet");
-    // An 8-block prompt (its anchor is its last block), all of it cached on w1.
-    let tokens: Vec<u32> = (0..8 * BS + 3).map(|i| i % 300 + 1).collect();
-    let spec = chat_spec("sibling", tokens);
-    let chain: Vec<(u64, Option<u64>)> = spec
-        .hashes
-        .iter()
-        .enumerate()
-        .map(|(i, h)| (h.0, i.checked_sub(1).map(|p| spec.hashes[p].0)))
-        .collect();
-    let w0 = FakeWorker::start("w0", &[], Script::Answer).await;
-    let w1 = FakeWorker::start("w1", &chain, Script::Answer).await;
+    let (spec, w0, w1) = sibling_held_by_w1().await;
     fleet.add_worker(&w0.endpoint).await.expect("add w0");
     fleet.add_worker(&w1.endpoint).await.expect("add w1");
     assert!(eventually(|| fleet.routing.holds_prefix(&spec.hashes)).await);
@@ -422,7 +412,8 @@ async fn a_sibling_routed_away_from_its_held_prefix_claims_it_and_follows_an_uns
             },
         )
         .expect("w1 routed");
-    let hooks = Arc::new(PlacedOnW1Unseen::default());
+    // It placed the prompt's key on w1 a moment ago.
+    let hooks = OtherRouterPlaced::new(|_| "w1");
     fleet.set_control_hooks(hooks.clone());
 
     // Two siblings, the second while the first one's claim is in flight: it waits for
@@ -437,11 +428,7 @@ async fn a_sibling_routed_away_from_its_held_prefix_claims_it_and_follows_an_uns
         dispatch(&fleet, &second).await.expect("dispatched").worker,
         first.await.expect("join").expect("dispatched"),
     ];
-    assert_eq!(
-        hooks.claims.lock().expect("claims").as_slice(),
-        ["w0"],
-        "the choice of w0 was claimed, once"
-    );
+    assert_eq!(hooks.claims(), ["w0"], "the choice of w0 was claimed, once");
     assert_eq!(
         served,
         ["w1", "w1"],
@@ -459,6 +446,6 @@ async fn a_sibling_routed_away_from_its_held_prefix_claims_it_and_follows_an_uns
         dispatch(&fleet, &again).await.expect("dispatched").worker,
         "w1"
     );
-    assert_eq!(hooks.claims.lock().expect("claims").len(), 1);
+    assert_eq!(hooks.claims().len(), 1);
     assert_eq!(w1.generates(), 3);
 }

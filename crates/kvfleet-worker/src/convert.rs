@@ -184,15 +184,9 @@ pub(crate) fn load_response(
     last_event_seq: u64,
     (peer_pulled_blocks, peer_pulled_bytes): (u64, u64),
 ) -> pb::LoadResponse {
-    let (load, stats) = (&snap.load, &snap.stats);
+    let stats = &snap.stats;
     pb::LoadResponse {
         worker_id: worker_id.to_string(),
-        running: u32_of(load.running),
-        waiting: u32_of(load.waiting),
-        free_blocks: u32_of(load.free_blocks),
-        cached_blocks: u32_of(load.cached_blocks),
-        total_blocks: u32_of(load.total_blocks),
-        queued_prefill_tokens: load.queued_prefill_tokens as u64,
         prompt_tokens: stats.prompt_tokens,
         prompt_tokens_computed: stats.prompt_tokens_computed,
         cached_tokens: stats.cached_tokens,
@@ -206,7 +200,7 @@ pub(crate) fn load_response(
         peer_pulled_blocks,
         peer_pulled_bytes,
         kv_tiers: snap.tiers.as_ref().map(kv_tier_totals),
-        load_seq: snap.load_seq,
+        ..pushed_load(&snap.load, snap.load_seq)
     }
 }
 
