@@ -9,6 +9,9 @@
 //!   `--event-blocks-per-s`. Each batch is one worker evicting a cached prompt
 //!   (`Removed`, 96 blocks) and storing another (six `Stored` events of 16 blocks), so
 //!   the index stays at its preloaded size (about 1M worker-blocks at 256 workers).
+//! - **Load.** Every worker's load is reported about every 250 ms, as supervisors poll
+//!   it, and pushed `--load-pushes-per-worker-s` times a second through
+//!   [`apply_wire_batch`], as a worker pushes it with its KV events.
 //! - **Requests.** An open-loop generator starts `--rate` requests per second. Each
 //!   routes a prompt of 132 blocks (a 32-block system prompt every worker holds, a
 //!   96-block body some worker holds, a 4-block tail of its own) with `cache-aware`,
@@ -62,6 +65,11 @@ pub struct RouterScaleArgs {
     /// KV event blocks per second (stored plus removed).
     #[arg(long, default_value_t = 1_200_000)]
     event_blocks_per_s: u64,
+    /// Loads each worker pushes per second with its KV events (a worker pushes its
+    /// load when it changed, at most every 10 ms; an engine stepping every 20 ms
+    /// pushes about 50 a second).
+    #[arg(long, default_value_t = 50)]
+    load_pushes_per_worker_s: u64,
     /// Event feeder tasks (each owns a share of the workers).
     #[arg(long, default_value_t = 8)]
     feeders: usize,
@@ -349,7 +357,8 @@ fn doc(reports: &[RouterScaleReport], p99_ranges: &[(f64, f64)], args: &RouterSc
          its own) with `cache-aware` and stays in flight 0-100 ms. Every worker reports \
          its load about every 250 ms, as supervisors poll it: a third of the prefill \
          lanes busy, KV pools from empty to full (all 17 usage levels of the memory \
-         price). Arrivals come from the \
+         price). Each worker also pushes its load 50 times a second through the event \
+         path, as an engine stepping every 20 ms does. Arrivals come from the \
          runtime's 1 ms timer: each tick starts that millisecond's requests together, \
          burstier than Poisson arrivals.\n\n\
          *wait* is what a request handler waits for a decision: the routing lock \
@@ -551,6 +560,46 @@ async fn measure(args: RouterScaleArgs) -> Result<RouterScaleReport> {
         })
     };
 
+    // Loads pushed with the KV events, through the same path (`apply_wire_batch`): the
+    // worker's queue has just shrunk, so each lowers its last report (a pushed load
+    // never raises one), and the load order moves the worker.
+    let pusher = {
+        let (routing, stop) = (routing.clone(), stop.clone());
+        let ids: Vec<String> = (0..args.workers).map(|w| format!("w{w}")).collect();
+        let per_s = args.load_pushes_per_worker_s * args.workers as u64;
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_millis(1));
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+            let (mut owed, mut n) = (0.0f64, 0u64);
+            while !stop.load(Ordering::Relaxed) {
+                tick.tick().await;
+                owed += per_s as f64 / 1000.0;
+                while owed >= 1.0 {
+                    owed -= 1.0;
+                    n += 1;
+                    let r = mix64(n ^ 0x9054);
+                    let id = &ids[(n % ids.len() as u64) as usize];
+                    let batch = pb::KvEventBatch {
+                        worker_id: id.clone(),
+                        events: Vec::new(),
+                        load: Some(pb::LoadResponse {
+                            running: (r % 4) as u32,
+                            queued_prefill_tokens: (r >> 8) % 2 * 256,
+                            total_blocks: 4_096,
+                            free_blocks: 4_096 - ((r >> 16) % 9) as u32 * 256,
+                            load_seq: n,
+                            ..pb::LoadResponse::default()
+                        }),
+                    };
+                    if let Err(e) = apply_wire_batch(&routing, id, &batch).await {
+                        return Err(anyhow::anyhow!("pushing {id}'s load: {e}"));
+                    }
+                }
+            }
+            Ok(())
+        })
+    };
+
     // Requests, open loop.
     let wait = Arc::new(Histogram::new());
     let decide = Arc::new(Histogram::new());
@@ -650,6 +699,7 @@ async fn measure(args: RouterScaleArgs) -> Result<RouterScaleReport> {
     stop.store(true, Ordering::Relaxed);
     generator.await?;
     reporter.await??;
+    pusher.await??;
     for t in feeder_tasks {
         t.await??;
     }
