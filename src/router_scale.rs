@@ -50,6 +50,35 @@ const BUCKET_NS: u64 = 250;
 /// Buckets (up to 25 ms; anything longer lands in the last).
 const BUCKETS: usize = 100_000;
 
+/// Open-loop pacing on the runtime's 1 ms timer: how many of `per_s` events a second
+/// are due at each tick, the fraction carried to the next (a missed tick is made up).
+struct Pacer {
+    tick: tokio::time::Interval,
+    per_ms: f64,
+    owed: f64,
+}
+
+impl Pacer {
+    fn new(per_s: f64) -> Self {
+        let mut tick = tokio::time::interval(Duration::from_millis(1));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+        Pacer {
+            tick,
+            per_ms: per_s / 1000.0,
+            owed: 0.0,
+        }
+    }
+
+    /// Waits for the next tick; the events due at it.
+    async fn due(&mut self) -> u64 {
+        self.tick.tick().await;
+        self.owed += self.per_ms;
+        let due = self.owed.floor();
+        self.owed -= due;
+        due as u64
+    }
+}
+
 /// Arguments of `kvfleet bench router-scale`.
 #[derive(Args, Clone, Debug)]
 pub struct RouterScaleArgs {
@@ -484,14 +513,10 @@ async fn measure(args: RouterScaleArgs) -> Result<RouterScaleReport> {
         );
         let share = batches_per_s as f64 / args.feeders as f64;
         feeder_tasks.push(tokio::spawn(async move {
-            let mut tick = tokio::time::interval(Duration::from_millis(1));
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
-            let (mut owed, mut next, mut rng) = (0.0f64, 0usize, mix64(k as u64 + 77));
+            let mut pacer = Pacer::new(share);
+            let (mut next, mut rng) = (0usize, mix64(k as u64 + 77));
             while !stop.load(Ordering::Relaxed) {
-                tick.tick().await;
-                owed += share / 1000.0;
-                while owed >= 1.0 {
-                    owed -= 1.0;
+                for _ in 0..pacer.due().await {
                     let n = mine.len();
                     let feed = &mut mine[next % n];
                     next += 1;
@@ -568,14 +593,9 @@ async fn measure(args: RouterScaleArgs) -> Result<RouterScaleReport> {
         let ids: Vec<String> = (0..args.workers).map(|w| format!("w{w}")).collect();
         let per_s = args.load_pushes_per_worker_s * args.workers as u64;
         tokio::spawn(async move {
-            let mut tick = tokio::time::interval(Duration::from_millis(1));
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
-            let (mut owed, mut n) = (0.0f64, 0u64);
+            let (mut pacer, mut n) = (Pacer::new(per_s as f64), 0u64);
             while !stop.load(Ordering::Relaxed) {
-                tick.tick().await;
-                owed += per_s as f64 / 1000.0;
-                while owed >= 1.0 {
-                    owed -= 1.0;
+                for _ in 0..pacer.due().await {
                     n += 1;
                     let r = mix64(n ^ 0x9054);
                     let id = &ids[(n % ids.len() as u64) as usize];
@@ -625,14 +645,9 @@ async fn measure(args: RouterScaleArgs) -> Result<RouterScaleReport> {
             // (A generator thread of its own, spreading arrivals, was tried: a third
             // busy thread on 2 cores preempts decisions holding the lock, which the
             // router process, whose requests arrive on its runtime threads, does not.)
-            let mut tick = tokio::time::interval(Duration::from_millis(1));
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
-            let (mut owed, mut n) = (0.0f64, 0u64);
+            let (mut pacer, mut n) = (Pacer::new(rate as f64), 0u64);
             while !stop.load(Ordering::Relaxed) {
-                tick.tick().await;
-                owed += rate as f64 / 1000.0;
-                while owed >= 1.0 {
-                    owed -= 1.0;
+                for _ in 0..pacer.due().await {
                     n += 1;
                     let r = mix64(n ^ 0x5eed);
                     let body = &prompts.chains[(r % prompts.chains.len() as u64) as usize];

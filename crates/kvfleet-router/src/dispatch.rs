@@ -282,6 +282,7 @@ where
         }
         // First to route this key: claim it (one compare-and-set per new key), and
         // follow whoever won.
+        let mut claimed = None;
         if let (Some(t), Some(h)) = (ticket.take(), &hooks) {
             let owner = h.claim(t.key().clone(), chosen.clone()).await;
             follow = owner.clone().filter(elsewhere);
@@ -290,19 +291,19 @@ where
                 (Some(o), None) if *o == chosen => PlacementStep::Claimed,
                 _ => PlacementStep::Unplaced,
             };
-            if follow.is_some() {
-                // Before any waiter is released: the losing choice's reservation must
-                // not pass for the prefix being held there.
-                if let Some(r) = decision.reservation.take() {
-                    fleet.routing.cancel_reservation(r);
-                }
-            }
-            t.resolve(owner);
+            claimed = Some((t, owner));
         }
-        if let Some(owner) = follow {
+        if follow.is_some() {
+            // Before any waiter is released: the first choice's reservation must not
+            // pass for the prefix being held there.
             if let Some(r) = decision.reservation.take() {
                 fleet.routing.cancel_reservation(r);
             }
+        }
+        if let Some((t, owner)) = claimed {
+            t.resolve(owner);
+        }
+        if let Some(owner) = follow {
             // Ends the first choice's in-flight count before routing again.
             drop(guard);
             pin = Some(owner);

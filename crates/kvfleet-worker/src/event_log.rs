@@ -37,23 +37,19 @@ pub const LOAD_PUSH_INTERVAL: Duration = Duration::from_millis(10);
 /// The engine's load as published, stamped with the last event before it.
 type PublishedLoad = Option<Arc<LoadResponse>>;
 
-/// Whether two loads have the same current-load fields (the event stamp aside).
+/// Whether two loads have the same current-load fields (the stamps aside).
 fn same_load(a: &LoadResponse, b: &LoadResponse) -> bool {
-    (
-        a.running,
-        a.waiting,
-        a.queued_prefill_tokens,
-        a.free_blocks,
-        a.cached_blocks,
-        a.total_blocks,
-    ) == (
-        b.running,
-        b.waiting,
-        b.queued_prefill_tokens,
-        b.free_blocks,
-        b.cached_blocks,
-        b.total_blocks,
-    )
+    let fields = |l: &LoadResponse| {
+        (
+            l.running,
+            l.waiting,
+            l.queued_prefill_tokens,
+            l.free_blocks,
+            l.cached_blocks,
+            l.total_blocks,
+        )
+    };
+    fields(a) == fields(b)
 }
 
 /// Why a subscription cannot start at the requested sequence number.
@@ -273,7 +269,6 @@ impl EventLog {
             closing,
             done: false,
             load,
-            load_open: true,
             sent_load: None,
             sent_load_at: None,
             push_due: None,
@@ -328,10 +323,9 @@ struct BatchState {
     sub: Subscription,
     closing: watch::Receiver<bool>,
     done: bool,
-    /// The engine's published load.
+    /// The engine's published load (its sender is `log`'s, so it never closes while
+    /// this stream lives).
     load: watch::Receiver<PublishedLoad>,
-    /// False once the log is gone (no more loads come).
-    load_open: bool,
     /// The last load this stream sent, and when.
     sent_load: Option<Arc<LoadResponse>>,
     sent_load_at: Option<Instant>,
@@ -457,10 +451,7 @@ impl BatchState {
                     return Err(Status::unavailable("the worker is shutting down"));
                 }
                 r = self.sub.live.recv() => Wake::Event(r),
-                r = self.load.changed(), if self.load_open => {
-                    self.load_open = r.is_ok();
-                    Wake::Load
-                }
+                _ = self.load.changed() => Wake::Load,
                 _ = tokio::time::sleep_until(push_due.unwrap_or_else(Instant::now)), if push_due.is_some() => Wake::Load,
             };
             let first = match wake {
