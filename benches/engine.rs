@@ -27,6 +27,7 @@ fn engine(model: &Arc<LlamaModel>, num_blocks: usize) -> Engine {
             max_num_seqs: 64,
             max_batched_tokens: 4096,
             max_prefill_chunk: 4096,
+            decode_reserve: Default::default(),
         },
         Box::new(CpuBackend::new(model.clone(), num_blocks, BS)),
         None,

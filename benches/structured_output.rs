@@ -122,6 +122,7 @@ fn engine(model: &Arc<LlamaModel>, tokenizer: Arc<dyn Tokenizer>) -> Engine {
             max_num_seqs: 64,
             max_batched_tokens: 4096,
             max_prefill_chunk: 4096,
+            decode_reserve: Default::default(),
         },
         Box::new(CpuBackend::new(model.clone(), 256, 16)),
         Some(tokenizer),

@@ -148,6 +148,16 @@ pub struct EngineArgs {
     /// Most prompt tokens one sequence runs per step.
     #[arg(long, default_value_t = 1024)]
     pub max_prefill_chunk: usize,
+    /// The share of a request's remaining max_tokens a worker expects it to generate
+    /// when it decides whether a waiting request fits beside the running ones (as
+    /// SGLang's new_token_ratio: it relaxes to --decode-reserve-min-ratio while nothing
+    /// is preempted, and a preemption raises it again). 0 admits on prompt room alone,
+    /// which under memory pressure makes running requests preempt each other.
+    #[arg(long, default_value_t = kvfleet_engine::DecodeReserveConfig::default().init_ratio)]
+    pub decode_reserve_ratio: f64,
+    /// The least --decode-reserve-ratio relaxes to.
+    #[arg(long, default_value_t = kvfleet_engine::DecodeReserveConfig::default().min_ratio)]
+    pub decode_reserve_min_ratio: f64,
     /// Host memory (GiB) per worker for KV blocks evicted from the pool: they are
     /// demoted there and promoted back on a prefix hit instead of being recomputed.
     /// 0 turns the tiers off.
@@ -195,6 +205,11 @@ impl EngineArgs {
         c.max_num_seqs = self.max_num_seqs;
         c.max_batched_tokens = self.max_batched_tokens;
         c.max_prefill_chunk = self.max_prefill_chunk;
+        c.decode_reserve = kvfleet_engine::DecodeReserveConfig {
+            init_ratio: self.decode_reserve_ratio,
+            min_ratio: self.decode_reserve_min_ratio.min(self.decode_reserve_ratio),
+            ..Default::default()
+        };
         c.pin_pool_fraction = self.pin_pool_fraction;
         c.kv_tiers = kvfleet_engine::TierConfig {
             host_bytes: (self.host_cache_gib.max(0.0) * GIB) as usize,

@@ -390,6 +390,7 @@ fn engine_with_steps(
             max_num_seqs: 4,
             max_batched_tokens: step_tokens,
             max_prefill_chunk: step_tokens,
+            decode_reserve: Default::default(),
         },
         Box::new(CpuBackend::new(model.clone(), num_blocks, BS)),
         None,

@@ -42,6 +42,7 @@ fn engine(model: &Arc<LlamaModel>) -> Engine {
             max_num_seqs: 64,
             max_batched_tokens: 2048,
             max_prefill_chunk: 2048,
+            decode_reserve: Default::default(),
         },
         Box::new(CpuBackend::new(model.clone(), 2048 / BS * 4 + 64, BS)),
         None,

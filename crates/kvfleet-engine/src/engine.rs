@@ -47,6 +47,8 @@ pub struct EngineConfig {
     pub max_batched_tokens: usize,
     /// Most prompt tokens one sequence runs per step (several prefills share a step).
     pub max_prefill_chunk: usize,
+    /// The room kept for what running sequences will still generate.
+    pub decode_reserve: crate::decode_reserve::DecodeReserveConfig,
 }
 
 impl Default for EngineConfig {
@@ -57,6 +59,7 @@ impl Default for EngineConfig {
             max_num_seqs: 64,
             max_batched_tokens: 2048,
             max_prefill_chunk: 1024,
+            decode_reserve: Default::default(),
         }
     }
 }
@@ -271,6 +274,7 @@ impl Engine {
                 max_num_seqs: config.max_num_seqs,
                 max_batched_tokens: config.max_batched_tokens,
                 max_prefill_chunk: config.max_prefill_chunk,
+                decode_reserve: config.decode_reserve,
             },
             backend.num_blocks(),
         );

@@ -7,6 +7,8 @@
 //!   the engine steps.
 //! - [`scheduler`]: continuous batching with chunked prefill, prefix reuse at
 //!   admission, in-flight sharing, and preemption by recompute.
+//! - [`decode_reserve`]: the room kept for what running sequences will still
+//!   generate, so that admissions do not make them preempt each other.
 //! - [`engine`]: one step = schedule, batched forward, sample, publish KV events.
 //! - [`gguf`]: GGUF model files (config from metadata, weights kept quantized).
 //! - [`model`]: a Llama-family decoder on candle-core whose attention reads K/V
@@ -32,6 +34,7 @@ pub mod block_pool;
 pub mod constrained;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod decode_reserve;
 pub mod device;
 pub mod engine;
 pub mod error;
@@ -55,6 +58,7 @@ pub mod throughput;
 
 pub use backend::{CpuBackend, ModelBackend, StepShape};
 pub use block_export::{BlockExporter, KvBlockReader};
+pub use decode_reserve::DecodeReserveConfig;
 pub use device::{new_backend, Device};
 pub use engine::{
     Completion, Engine, EngineConfig, EngineLoad, EngineStats, ForkChild, ForkRequest, PinClock,

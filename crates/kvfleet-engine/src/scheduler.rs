@@ -14,6 +14,11 @@
 //! that another sequence is computing right now is taken by reference, and this
 //! sequence waits for it instead of computing it again.
 //!
+//! A waiting sequence is admitted only while the free blocks also cover what the
+//! running sequences and it are expected to generate ([`crate::decode_reserve`]):
+//! admitting on prompt room alone makes the running sequences preempt each other as
+//! they grow.
+//!
 //! A sequence queued behind others holds its cached prefix (a reference on each ready
 //! block, while the waiting sequences have taken at most half the pool from the free
 //! blocks: a prefix queued siblings share counts once) until it is admitted, and
@@ -23,6 +28,7 @@
 //! anything is preempted or the queue stops.
 
 use crate::block_pool::BlockPool;
+use crate::decode_reserve::{DecodeReserve, DecodeReserveConfig};
 use crate::sequence::{RequestId, SeqStatus, Sequence};
 use kvfleet_core::BlockHashMap;
 use std::collections::{HashMap, VecDeque};
@@ -39,6 +45,8 @@ pub struct SchedulerConfig {
     /// Most prompt tokens one sequence may run in one step, so that several prefills
     /// advance together instead of one long prompt holding the whole budget.
     pub max_prefill_chunk: usize,
+    /// The room kept for the tokens sequences have yet to generate.
+    pub decode_reserve: DecodeReserveConfig,
 }
 
 /// A piece of work for one step: run `len` tokens of `seq` from `start`.
@@ -70,6 +78,8 @@ pub struct Scheduler {
     /// whole pool: the engine ends them (`Length`) instead of preempting them and
     /// re-admitting them forever. They are out of `running` but still in `seqs`.
     pub exhausted: Vec<RequestId>,
+    /// The share of their remaining `max_tokens` sequences are expected to generate.
+    reserve: DecodeReserve,
 }
 
 enum Grow {
@@ -83,6 +93,7 @@ impl Scheduler {
     /// A scheduler over a pool of `num_blocks` blocks.
     pub fn new(config: SchedulerConfig, num_blocks: usize) -> Self {
         Scheduler {
+            reserve: DecodeReserve::new(config.decode_reserve),
             config,
             pool: BlockPool::new(num_blocks),
             seqs: HashMap::new(),
@@ -266,6 +277,19 @@ impl Scheduler {
             }
         }
 
+        if self.preempted_last_step.is_empty() && !self.running.is_empty() {
+            self.reserve.relax();
+        }
+        // What the running sequences are expected to grow by, in blocks.
+        let mut reserved = if self.reserve.enabled() {
+            self.running
+                .iter()
+                .filter_map(|id| self.seqs.get(id))
+                .map(|s| self.growth_blocks(s))
+                .sum()
+        } else {
+            0
+        };
         while budget > 0 && self.running.len() < self.config.max_num_seqs {
             // A sequence whose prefix is still being read from disk waits for it (it
             // is not short of blocks, so the next one in line may go first).
@@ -277,6 +301,15 @@ impl Scheduler {
                 break;
             };
             let id = self.waiting[pos];
+            // Strict FCFS: while the head's expected blocks do not fit beside the
+            // running sequences' expected growth, nobody is admitted (a lone sequence
+            // always is).
+            if self.reserve.enabled() && !self.running.is_empty() {
+                let need = self.seqs.get(&id).map_or(0, |s| self.admission_blocks(s));
+                if self.pool.num_free() < reserved + need {
+                    break;
+                }
+            }
             self.admit_prefix(id);
             let cap = budget.min(self.config.max_prefill_chunk);
             let mut grown = self.grow(id, cap);
@@ -294,6 +327,11 @@ impl Scheduler {
                     if n > 0 {
                         chunks.push(self.chunk_of(id, n));
                         budget -= n;
+                    }
+                    // What it took is out of the free pool now; what it will still
+                    // take joins the running sequences' reserve.
+                    if self.reserve.enabled() {
+                        reserved += self.seqs.get(&id).map_or(0, |s| self.growth_blocks(s));
                     }
                 }
                 Grow::NoBlocks => {
@@ -355,8 +393,39 @@ impl Scheduler {
         self.seqs.remove(&id)
     }
 
+    /// Blocks `s` is expected to take from the free pool as it grows: its whole
+    /// expected length (prompt, what it generated, and the reserve's share of what
+    /// `max_tokens` still allows) beyond the blocks it holds.
+    fn growth_blocks(&self, s: &Sequence) -> usize {
+        self.expected_blocks(s).saturating_sub(s.block_table.len())
+    }
+
+    /// Blocks a waiting `s` is expected to take from the free pool if admitted: its
+    /// expected length, less the leading cached blocks someone already references
+    /// (its own hold, a running sibling), which it shares without taking a free one.
+    fn admission_blocks(&self, s: &Sequence) -> usize {
+        let shared = s.hashes[..s.reusable_blocks(self.config.block_size)]
+            .iter()
+            .map_while(|&h| self.pool.lookup(h))
+            .filter(|&b| self.pool.ref_count(b) > 0)
+            .count();
+        self.expected_blocks(s)
+            .saturating_sub(s.block_table.len().max(shared))
+    }
+
+    fn expected_blocks(&self, s: &Sequence) -> usize {
+        let growth = if s.prefill_only {
+            0
+        } else {
+            self.reserve
+                .expected_tokens(s.params.max_tokens, s.num_generated())
+        };
+        (s.tokens.len() + growth).div_ceil(self.config.block_size.max(1))
+    }
+
     /// Releases a sequence's blocks tail-first and queues it for recomputation.
     pub fn preempt(&mut self, id: RequestId) {
+        self.reserve.tighten();
         self.release_blocks(id);
         self.running.retain(|r| *r != id);
         if let Some(s) = self.seqs.get_mut(&id) {

@@ -98,6 +98,7 @@ fn engine(model: &Arc<LlamaModel>, id: &str) -> Result<Engine> {
         max_num_seqs: 16,
         max_batched_tokens: 2048,
         max_prefill_chunk: 2048,
+        decode_reserve: Default::default(),
     };
     // Room for the 2,048-token prompt, or 8 sequences of 32 + 128 tokens, with slack.
     let blocks = 2048 / BLOCK_SIZE + 8 * (160 / BLOCK_SIZE + 2) + 16;

@@ -3,8 +3,9 @@
 //! match solo runs, and preemption loses nothing.
 
 use kvfleet_engine::{
-    CpuBackend, DumpedBlock, Engine, EngineConfig, FinishReason, ForkChild, ForkRequest,
-    KvEventKind, LlamaModel, Medium, ModelConfig, RecordingSink, Request, SamplingParams,
+    CpuBackend, DecodeReserveConfig, DumpedBlock, Engine, EngineConfig, FinishReason, ForkChild,
+    ForkRequest, KvEventKind, LlamaModel, Medium, ModelConfig, RecordingSink, Request,
+    SamplingParams,
 };
 mod support;
 
@@ -33,6 +34,24 @@ fn engine_chunked(
     max_seqs: usize,
     chunk: usize,
 ) -> Engine {
+    engine_reserving(
+        model,
+        num_blocks,
+        budget,
+        max_seqs,
+        chunk,
+        DecodeReserveConfig::default(),
+    )
+}
+
+fn engine_reserving(
+    model: &Arc<LlamaModel>,
+    num_blocks: usize,
+    budget: usize,
+    max_seqs: usize,
+    chunk: usize,
+    decode_reserve: DecodeReserveConfig,
+) -> Engine {
     let backend = CpuBackend::new(model.clone(), num_blocks, BS);
     Engine::new(
         EngineConfig {
@@ -41,6 +60,7 @@ fn engine_chunked(
             max_num_seqs: max_seqs,
             max_batched_tokens: budget,
             max_prefill_chunk: chunk,
+            decode_reserve,
         },
         Box::new(backend),
         None,
@@ -220,14 +240,20 @@ fn fork_children_equal_solo_runs_and_share_the_prefix() {
     e.check_invariants().unwrap();
 }
 
+/// Six prompts of 40 to 105 tokens; with 40 generated tokens each needs 5 to 10 blocks.
+fn six_growing_requests() -> Vec<Vec<u32>> {
+    (0..6)
+        .map(|i| prompt(300 + i, 40 + 13 * i as usize))
+        .collect()
+}
+
 #[test]
 fn preemption_finishes_every_request_with_unconstrained_output() {
     let m = model();
-    let reqs: Vec<Vec<u32>> = (0..6)
-        .map(|i| prompt(300 + i, 40 + 13 * i as usize))
-        .collect();
+    let reqs = six_growing_requests();
+    // Admitting on prompt room alone (no decode reserve) is what forces preemptions.
     let run = |num_blocks: usize| {
-        let mut e = engine_with(&m, num_blocks, 64, 6);
+        let mut e = engine_reserving(&m, num_blocks, 64, 6, 64, DecodeReserveConfig::off());
         for (i, p) in reqs.iter().enumerate() {
             e.add_request(Request::new(i as u64, p.clone(), greedy(40)))
                 .unwrap();
@@ -252,6 +278,75 @@ fn preemption_finishes_every_request_with_unconstrained_output() {
         assert_eq!(b.tokens.len(), 40);
         assert_eq!(b.finish, FinishReason::Length);
     }
+}
+
+#[test]
+fn admissions_leave_room_for_what_running_requests_will_generate() {
+    // The pool and requests of the test above. Admitted on prompt room alone, the
+    // running requests preempt each other as they grow, and each preempted one is
+    // computed again. Reserving their whole max_tokens, a request waits until the
+    // running ones leave room for its length: nothing is preempted and every prompt
+    // is computed once. The default reserve (a share of max_tokens) preempts less
+    // than none. The tokens are those of an unhurried run every time.
+    let m = model();
+    let reqs = six_growing_requests();
+    let run = |num_blocks: usize, reserve: DecodeReserveConfig| {
+        let mut e = engine_reserving(&m, num_blocks, 64, 6, 64, reserve);
+        for (i, p) in reqs.iter().enumerate() {
+            e.add_request(Request::new(i as u64, p.clone(), greedy(40)))
+                .expect("add");
+        }
+        let done = e.run_to_completion().expect("run");
+        e.check_invariants().expect("invariants");
+        (
+            done,
+            e.stats().preemptions,
+            e.stats().prompt_tokens_computed,
+        )
+    };
+    let prompts: u64 = reqs.iter().map(|p| p.len() as u64).sum();
+    let whole = DecodeReserveConfig {
+        init_ratio: 1.0,
+        min_ratio: 1.0,
+        ..DecodeReserveConfig::default()
+    };
+    let (free_run, _, _) = run(512, DecodeReserveConfig::off());
+    let (off, preempted_off, computed_off) = run(14, DecodeReserveConfig::off());
+    assert!(
+        preempted_off > 0 && computed_off > prompts,
+        "{preempted_off} preemptions, {computed_off} prompt tokens computed"
+    );
+    let (reserved, preempted, computed) = run(14, whole);
+    assert_eq!(
+        preempted, 0,
+        "the whole max_tokens reserved: nothing preempted"
+    );
+    assert_eq!(computed, prompts, "every prompt computed once");
+    let (default, preempted_default, _) = run(14, DecodeReserveConfig::default());
+    assert!(
+        preempted_default < preempted_off,
+        "{preempted_default} preemptions with the default reserve, {preempted_off} without"
+    );
+    for done in [&off, &reserved, &default] {
+        assert_eq!(done.len(), reqs.len());
+        for (a, b) in free_run.iter().zip(done) {
+            assert_eq!((a.id, &a.tokens), (b.id, &b.tokens));
+        }
+    }
+}
+
+#[test]
+fn a_lone_request_is_admitted_whatever_it_may_generate() {
+    // 20 blocks hold 320 tokens; max_tokens allows far more. The reserve never keeps
+    // a request waiting for room nobody is using: it runs until the pool is full.
+    let m = model();
+    let mut e = engine_with(&m, 20, 256, 4);
+    e.add_request(Request::new(1, prompt(5, 30), greedy(3000)))
+        .expect("add");
+    let outs = step_until_done(&mut e, 2000);
+    assert!(!e.has_unfinished());
+    let generated = outs.iter().filter(|o| o.token.is_some()).count();
+    assert!(generated > 200, "it ran ({generated} tokens)");
 }
 
 #[test]

@@ -74,6 +74,7 @@ fn run(script: Vec<u32>, params: SamplingParams) -> kvfleet_engine::Completion {
             max_num_seqs: 4,
             max_batched_tokens: 256,
             max_prefill_chunk: 256,
+            decode_reserve: Default::default(),
         },
         Box::new(backend),
         Some(Arc::new(ByteTokenizer::new())),

@@ -38,6 +38,7 @@ fn engine_with_steps(backend: CpuBackend, seqs: usize, step_tokens: usize) -> En
             max_num_seqs: seqs,
             max_batched_tokens: step_tokens,
             max_prefill_chunk: step_tokens,
+            decode_reserve: Default::default(),
         },
         Box::new(backend),
         None,

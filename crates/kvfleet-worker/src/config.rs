@@ -97,6 +97,8 @@ pub struct WorkerConfig {
     pub max_batched_tokens: usize,
     /// Most prompt tokens one sequence runs per step.
     pub max_prefill_chunk: usize,
+    /// The room the engine keeps for what running sequences will still generate.
+    pub decode_reserve: kvfleet_engine::DecodeReserveConfig,
     /// KV events kept in memory for `KvEvents` replay; a subscriber asking for an
     /// older event must resync with `CacheDump`.
     pub event_ring_capacity: usize,
@@ -135,6 +137,7 @@ impl WorkerConfig {
             max_num_seqs: engine.max_num_seqs,
             max_batched_tokens: engine.max_batched_tokens,
             max_prefill_chunk: engine.max_prefill_chunk,
+            decode_reserve: engine.decode_reserve,
             event_ring_capacity: 65_536,
             event_subscriber_buffer: 4096,
             command_queue_capacity: 1024,
@@ -167,6 +170,13 @@ impl WorkerConfig {
                 )));
             }
         }
+        let r = &self.decode_reserve;
+        if !((0.0..=1.0).contains(&r.init_ratio) && (0.0..=1.0).contains(&r.min_ratio)) {
+            return Err(WorkerError::Config(format!(
+                "decode reserve ratios must be in [0, 1], got {} and {}",
+                r.init_ratio, r.min_ratio
+            )));
+        }
         if !(0.0..=1.0).contains(&self.pin_pool_fraction) {
             return Err(WorkerError::Config(format!(
                 "pin_pool_fraction must be in [0, 1], got {}",
@@ -198,6 +208,7 @@ impl WorkerConfig {
             max_num_seqs: self.max_num_seqs,
             max_batched_tokens: self.max_batched_tokens,
             max_prefill_chunk: self.max_prefill_chunk,
+            decode_reserve: self.decode_reserve,
         }
     }
 }
@@ -235,6 +246,18 @@ mod tests {
             assert!(c.validate().is_err(), "{bad}");
         }
         c.gpu_memory_utilization = Some(1.0);
+        assert!(c.validate().is_ok());
+    }
+
+    #[test]
+    fn rejects_a_decode_reserve_ratio_outside_zero_to_one() {
+        let mut c = WorkerConfig::new("w", "tiny");
+        for bad in [1.5, -0.1, f64::NAN] {
+            c.decode_reserve.init_ratio = bad;
+            let e = c.validate().expect_err("rejected");
+            assert!(e.to_string().contains("decode reserve"), "{e}");
+        }
+        c.decode_reserve = kvfleet_engine::DecodeReserveConfig::off();
         assert!(c.validate().is_ok());
     }
 }

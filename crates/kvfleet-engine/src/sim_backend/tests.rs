@@ -17,6 +17,7 @@ fn engine(sink: &RecordingSink) -> Engine {
             max_num_seqs: 8,
             max_batched_tokens: 512,
             max_prefill_chunk: 512,
+            decode_reserve: Default::default(),
         },
         Box::new(backend),
         None,
