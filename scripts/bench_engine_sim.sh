@@ -2,22 +2,29 @@
 # A real router in front of many simulated workers on one machine: starts N
 # `kvfleet worker --engine sim` processes (real gRPC service, scheduler, block pool,
 # prefix cache and KV events; a cost model instead of the model's compute) and one
-# `kvfleet router`, replays a generated fork fan-out trace through HTTP with
-# `kvfleet bench replay`, runs `kvfleet sim` (policy cache-aware) on the same trace
-# with the same workers, blocks per worker and block size (hits taken at queueing, the
-# default, and at admission, `--hits-at-admission`), prints the hit ratios, and stops
-# every process it started.
+# `kvfleet router`, replays a generated trace through HTTP with `kvfleet bench
+# replay`, runs `kvfleet sim` (policy cache-aware) on the same trace with the same
+# workers, blocks per worker and block size in each of its four configurations (hits
+# taken when a request is queued, the default, or at admission, `--hits-at-admission`;
+# running sequences' blocks evictable, the default, or held, `--hold-blocks`), prints
+# each one's figures over the live fleet's, and stops every process it started.
 #
 #   bash scripts/bench_engine_sim.sh            # 64 workers × 256 blocks of 16 tokens
 #   WORKERS=16 BLOCKS=512 SESSIONS=32 bash scripts/bench_engine_sim.sh
+#   SHAPE=conversation WORKERS=4 BLOCKS=56 SESSIONS=24 bash scripts/bench_engine_sim.sh
 #
-# Env: WORKERS, BLOCKS (KV blocks per worker), SESSIONS (trace sessions), SESSION_RATE
-# (sessions started per second; higher queues more), BIN (a built
-# kvfleet; default target/debug/kvfleet, built if missing), OUT (results directory),
-# COST_MODEL (cost model file for the workers and the simulator).
+# Env: SHAPE (`fork`, the default: fork fan-outs of ~120-token prompts, the sweep's
+# `short`; or `conversation`: 8-turn conversations growing to ~380 tokens, the sweep's
+# `conversation` shape at 16 tokens per hash id, with 64-token answers), WORKERS,
+# BLOCKS (KV blocks per worker), SESSIONS (trace sessions), SESSION_RATE (sessions
+# started per second; higher queues more), BIN (a built kvfleet; default
+# target/debug/kvfleet, built if missing), OUT (results directory), COST_MODEL (cost
+# model file for the workers and the simulator), WORKER_ARGS (more `kvfleet worker`
+# flags, e.g. `--decode-reserve-ratio 0`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+SHAPE=${SHAPE:-fork}
 WORKERS=${WORKERS:-64}
 BLOCKS=${BLOCKS:-256}
 SESSIONS=${SESSIONS:-48}
@@ -49,15 +56,23 @@ addr_of() {
   return 1
 }
 
-"$BIN" bench gen --out "$OUT/trace.jsonl" --sessions "$SESSIONS" --system-tokens 1024 \
-  --tools-tokens 1024 --history-tokens 1024 --turn-tokens 256 --parent-turns 2 \
-  --child-turns 1 --fork-k 4 --output-tokens 4 --session-rate "$SESSION_RATE" \
-  --turn-gap-ms 200 > "$OUT/gen.log"
+case "$SHAPE" in
+  fork)
+    GEN=(--system-tokens 1024 --tools-tokens 1024 --history-tokens 1024 --turn-tokens 256
+      --parent-turns 2 --child-turns 1 --fork-k 4 --output-tokens 4 --turn-gap-ms 200) ;;
+  conversation)
+    GEN=(--system-tokens 2048 --tools-tokens 1024 --history-tokens 1024 --turn-tokens 768
+      --parent-turns 8 --fork-k 0 --output-tokens 64 --turn-gap-ms 500) ;;
+  *) echo "SHAPE must be fork or conversation, not $SHAPE" >&2; exit 2 ;;
+esac
+"$BIN" bench gen --out "$OUT/trace.jsonl" --sessions "$SESSIONS" "${GEN[@]}" \
+  --session-rate "$SESSION_RATE" > "$OUT/gen.log"
 
 for i in $(seq 0 $((WORKERS - 1))); do
+  # shellcheck disable=SC2086 # WORKER_ARGS is split on purpose
   RUST_LOG=warn "$BIN" worker --grpc 127.0.0.1:0 --worker-id "sim$i" --model tiny \
     --engine sim --cost-model "$COST_MODEL" --num-blocks "$BLOCKS" \
-    --block-size "$BLOCK_SIZE" > "$OUT/worker$i.log" 2>&1 &
+    --block-size "$BLOCK_SIZE" ${WORKER_ARGS:-} > "$OUT/worker$i.log" 2>&1 &
   PIDS+=($!)
 done
 ADDRS=()
@@ -74,16 +89,16 @@ echo "router $URL in front of $WORKERS sim workers ($BLOCKS blocks of $BLOCK_SIZ
 
 "$BIN" bench replay --trace "$OUT/trace.jsonl" --target "$URL" \
   --tokens-per-id "$BLOCK_SIZE" --no-progress --json --out "$OUT/replay" > "$OUT/replay.json"
-"$BIN" sim --trace "$OUT/trace.jsonl" --workers "$WORKERS" --cache-blocks "$BLOCKS" \
-  --tokens-per-id "$BLOCK_SIZE" --policy cache-aware --cost-model "$COST_MODEL" \
-  --peer-pull-min-blocks 0 \
-  --json > "$OUT/sim.json"
-# The same with hits taken when a prefill starts, as the engine admits a sequence.
-"$BIN" sim --trace "$OUT/trace.jsonl" --workers "$WORKERS" --cache-blocks "$BLOCKS" \
-  --tokens-per-id "$BLOCK_SIZE" --policy cache-aware --cost-model "$COST_MODEL" \
-  --peer-pull-min-blocks 0 --hits-at-admission \
-  --json > "$OUT/sim-admission.json"
-
+curl -s --max-time 10 "$URL/fleet" > "$OUT/fleet.json" || true
+# The simulator in its four configurations (see the header).
+SIMS=(sim "" sim-admission --hits-at-admission sim-hold --hold-blocks
+  sim-both "--hold-blocks --hits-at-admission")
+for ((k = 0; k < ${#SIMS[@]}; k += 2)); do
+  # shellcheck disable=SC2086 # the flags are split on purpose
+  "$BIN" sim --trace "$OUT/trace.jsonl" --workers "$WORKERS" --cache-blocks "$BLOCKS" \
+    --tokens-per-id "$BLOCK_SIZE" --policy cache-aware --cost-model "$COST_MODEL" \
+    --peer-pull-min-blocks 0 ${SIMS[k+1]} --json > "$OUT/${SIMS[k]}.json"
+done
 python3 - "$OUT" <<'PY'
 import json, sys
 out = sys.argv[1]
@@ -93,15 +108,23 @@ x = s["results"][0]
 b = s["bounds"]
 print(f"replay (live router + sim workers): {r['ok']} ok, {r['failed']} failed; "
       f"cached tokens {r['cached_tokens']} / {r['prompt_tokens']} = {r['cached_token_ratio']:.4f}; "
-      f"TTFT p50 / p99 {r['ttft_ms']['p50']:.0f} / {r['ttft_ms']['p99']:.0f} ms")
+      f"TTFT p50 / p99 {r['ttft_ms']['p50']:.0f} / {r['ttft_ms']['p99']:.0f} ms; "
+      f"latency p50 / p99 {r['latency_ms']['p50']:.0f} / {r['latency_ms']['p99']:.0f} ms")
 print(f"kvfleet sim (cache-aware):          hit ratio {x['hit_ratio']:.4f} "
       f"({x['hit_blocks']} / {x['total_blocks']} blocks); cached tokens {x['cached_tokens']} / "
       f"{x['prompt_tokens']} = {x['cached_token_ratio']:.4f}; pooled {b['pooled']:.4f}, "
       f"ceiling {b['ceiling']:.4f}; TTFT p50 / p99 {x['ttft_ms']['p50']:.0f} / "
       f"{x['ttft_ms']['p99']:.0f} ms; {x['rejected']} refused (prompt larger than a pool)")
-# Side by side: the simulator's figures over the live fleet's, with hits taken when
-# a request is queued (the default) and when its prefill starts (--hits-at-admission).
-for name, path in [("sim", "sim.json"), ("sim --hits-at-admission", "sim-admission.json")]:
+try:
+    fleet = json.load(open(f"{out}/fleet.json"))
+    pre = [w["load"]["preemptions"] for w in fleet["workers"]]
+    print(f"live preemptions per worker: {pre}; replay took {r['duration_s']:.1f} s")
+except (OSError, ValueError, KeyError):
+    print("live preemptions: /fleet not read")
+# Side by side: each simulator configuration's figures over the live fleet's.
+for name, path in [("sim", "sim.json"), ("sim --hits-at-admission", "sim-admission.json"),
+                   ("sim --hold-blocks", "sim-hold.json"),
+                   ("sim --hold-blocks --hits-at-admission", "sim-both.json")]:
     x = json.load(open(f"{out}/{path}"))["results"][0]
     print(f"{name} / replay: cached-token share "
           f"{x['cached_token_ratio'] / max(r['cached_token_ratio'], 1e-9):.3f}, "

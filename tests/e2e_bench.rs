@@ -76,6 +76,12 @@ fn replay_agrees_with_the_simulator() {
     let requests = 4 * (2 + 3 * 2);
     assert_eq!(replay["ok"], requests, "{replay}");
     assert_eq!(replay["failed"], 0, "{replay}");
+    // A request ends no sooner than its first token.
+    for q in ["p50", "p99"] {
+        let ttft = replay["ttft_ms"][q].as_f64().unwrap();
+        let latency = replay["latency_ms"][q].as_f64().unwrap();
+        assert!(latency >= ttft && ttft > 0.0, "{q}: {replay}");
+    }
     let measured = replay["cached_token_ratio"].as_f64().unwrap();
     let predicted = sim["results"][0]["cached_token_ratio"].as_f64().unwrap();
     assert!(measured > 0.0);

@@ -127,6 +127,13 @@ pub fn replay_markdown(r: &ReplayReport) -> String {
             "inter-token latency p50 / p99 ms",
             format!("{:.1} / {:.1}", r.itl_ms.p50, r.itl_ms.p99),
         ),
+        (
+            "request latency p50 / p90 / p99 ms",
+            format!(
+                "{:.1} / {:.1} / {:.1}",
+                r.latency_ms.p50, r.latency_ms.p90, r.latency_ms.p99
+            ),
+        ),
         ("duration s", format!("{:.1}", r.duration_s)),
         ("throughput req/s", format!("{:.2}", r.throughput_rps)),
         ("output tokens/s", format!("{:.1}", r.output_tokens_per_s)),

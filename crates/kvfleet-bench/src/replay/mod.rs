@@ -81,6 +81,8 @@ pub struct Outcome {
     pub ttft_ms: f64,
     /// Mean gap between later streamed chunks, ms.
     pub itl_ms: Option<f64>,
+    /// From the send to the end of the stream, ms.
+    pub latency_ms: f64,
     /// Prompt tokens (from usage).
     pub prompt_tokens: usize,
     /// Cached prompt tokens (from usage).
@@ -117,6 +119,8 @@ pub struct ReplayReport {
     pub ttft_ms: Percentiles,
     /// Inter-token latency (per-request means).
     pub itl_ms: Percentiles,
+    /// Request latency, from the send to the end of the stream.
+    pub latency_ms: Percentiles,
     /// Wall time, s.
     pub duration_s: f64,
     /// Completed requests per second.
@@ -382,6 +386,7 @@ async fn send(
         return out;
     }
     out.ttft_ms = (first - t).as_secs_f64() * 1000.0;
+    out.latency_ms = t.elapsed().as_secs_f64() * 1000.0;
     if let Some(last) = last.filter(|_| chunks > 1) {
         out.itl_ms = Some((last - first).as_secs_f64() * 1000.0 / (chunks - 1) as f64);
     }
@@ -399,6 +404,7 @@ fn summarize(
     let ok: Vec<&Outcome> = outcomes.iter().filter(|o| o.ok).collect();
     let mut ttft: Vec<f64> = ok.iter().map(|o| o.ttft_ms).collect();
     let mut itl: Vec<f64> = ok.iter().filter_map(|o| o.itl_ms).collect();
+    let mut latency: Vec<f64> = ok.iter().map(|o| o.latency_ms).collect();
     let prompt: u64 = ok.iter().map(|o| o.prompt_tokens as u64).sum();
     let cached: u64 = ok.iter().map(|o| o.cached_tokens as u64).sum();
     let out_tokens: u64 = ok.iter().map(|o| o.completion_tokens as u64).sum();
@@ -445,6 +451,7 @@ fn summarize(
         tokens_per_id: k,
         ttft_ms: Percentiles::of(&mut ttft),
         itl_ms: Percentiles::of(&mut itl),
+        latency_ms: Percentiles::of(&mut latency),
         duration_s,
         throughput_rps: ok.len() as f64 / duration_s.max(1e-9),
         output_tokens_per_s: out_tokens as f64 / duration_s.max(1e-9),
