@@ -688,7 +688,7 @@ fn dashboards_and_rules_return_data_on_a_real_prometheus() {
         }
     }
     println!("expr -> series (of which finite):\n{}", table.join("\n"));
-    assert_eq!((recorded.len(), alerts), (7, 5), "{rules}");
+    assert_eq!((recorded.len(), alerts), (8, 6), "{rules}");
     assert!(failures.is_empty(), "{failures:#?}");
     println!("event-stream lag per worker at the end: {lag:?}");
 }
