@@ -207,7 +207,7 @@ impl EngineArgs {
         c.max_prefill_chunk = self.max_prefill_chunk;
         c.decode_reserve = kvfleet_engine::DecodeReserveConfig {
             init_ratio: self.decode_reserve_ratio,
-            min_ratio: self.decode_reserve_min_ratio.min(self.decode_reserve_ratio),
+            min_ratio: self.decode_reserve_min_ratio,
             ..Default::default()
         };
         c.pin_pool_fraction = self.pin_pool_fraction;

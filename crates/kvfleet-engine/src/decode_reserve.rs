@@ -83,9 +83,11 @@ const PREEMPTION_STEP: f64 = 0.1;
 
 impl DecodeReserve {
     /// A reserve at its initial ratio.
+    /// The ratio never relaxes below `min_ratio`, and `min_ratio` is never above
+    /// `init_ratio`: an `init_ratio` of 0 is off whatever the minimum.
     pub fn new(config: DecodeReserveConfig) -> Self {
-        let min_ratio = config.min_ratio.clamp(0.0, 1.0);
-        let init_ratio = config.init_ratio.clamp(min_ratio, 1.0);
+        let init_ratio = config.init_ratio.clamp(0.0, 1.0);
+        let min_ratio = config.min_ratio.clamp(0.0, init_ratio);
         DecodeReserve {
             config: DecodeReserveConfig {
                 init_ratio,
@@ -176,6 +178,14 @@ mod tests {
         let mut r = DecodeReserve::new(DecodeReserveConfig::off());
         assert!(!r.enabled());
         r.tighten();
+        assert_eq!(r.expected_tokens(4000, 0), 0);
+        // A ratio of 0 is off with the default minimum too (`--decode-reserve-ratio 0`).
+        let mut r = DecodeReserve::new(DecodeReserveConfig {
+            init_ratio: 0.0,
+            ..DecodeReserveConfig::default()
+        });
+        r.tighten();
+        r.relax();
         assert_eq!(r.expected_tokens(4000, 0), 0);
     }
 }
