@@ -304,11 +304,9 @@ impl Scheduler {
             // Strict FCFS: while the head's expected blocks do not fit beside the
             // running sequences' expected growth, nobody is admitted (a lone sequence
             // always is).
-            if self.reserve.enabled() && !self.running.is_empty() {
-                let need = self.seqs.get(&id).map_or(0, |s| self.admission_blocks(s));
-                if self.pool.num_free() < reserved + need {
-                    break;
-                }
+            if self.reserve.enabled() && !self.running.is_empty() && !self.fits_beside(id, reserved)
+            {
+                break;
             }
             self.admit_prefix(id);
             let cap = budget.min(self.config.max_prefill_chunk);
@@ -400,17 +398,28 @@ impl Scheduler {
         self.expected_blocks(s).saturating_sub(s.block_table.len())
     }
 
-    /// Blocks a waiting `s` is expected to take from the free pool if admitted: its
-    /// expected length, less the leading cached blocks someone already references
-    /// (its own hold, a running sibling), which it shares without taking a free one.
-    fn admission_blocks(&self, s: &Sequence) -> usize {
+    /// Whether waiting `id`'s expected blocks fit in the free pool beside `reserved`
+    /// blocks of the running sequences' growth. Its leading cached blocks that someone
+    /// already references (its own hold, a running sibling) are shared, not taken
+    /// from the free pool; the walk over them runs only when the bound without them
+    /// does not fit, so a queue head is not re-walked every step while the pool has
+    /// room.
+    fn fits_beside(&self, id: RequestId, reserved: usize) -> bool {
+        let Some(s) = self.seqs.get(&id) else {
+            return true;
+        };
+        let free = self.pool.num_free();
+        let expected = self.expected_blocks(s);
+        let held = s.block_table.len();
+        if reserved + expected.saturating_sub(held) <= free {
+            return true;
+        }
         let shared = s.hashes[..s.reusable_blocks(self.config.block_size)]
             .iter()
             .map_while(|&h| self.pool.lookup(h))
             .filter(|&b| self.pool.ref_count(b) > 0)
             .count();
-        self.expected_blocks(s)
-            .saturating_sub(s.block_table.len().max(shared))
+        reserved + expected.saturating_sub(held.max(shared)) <= free
     }
 
     fn expected_blocks(&self, s: &Sequence) -> usize {
