@@ -99,9 +99,11 @@ for ((k = 0; k < ${#SIMS[@]}; k += 2)); do
     --tokens-per-id "$BLOCK_SIZE" --policy cache-aware --cost-model "$COST_MODEL" \
     --peer-pull-min-blocks 0 ${SIMS[k+1]} --json > "$OUT/${SIMS[k]}.json"
 done
-python3 - "$OUT" <<'PY'
+python3 - "$OUT" "${SIMS[@]}" <<'PY'
 import json, sys
 out = sys.argv[1]
+# (file stem, flags) of each simulator run, as SIMS lists them.
+sims = list(zip(sys.argv[2::2], sys.argv[3::2]))
 r = json.load(open(f"{out}/replay.json"))
 s = json.load(open(f"{out}/sim.json"))
 x = s["results"][0]
@@ -122,10 +124,9 @@ try:
 except (OSError, ValueError, KeyError):
     print("live preemptions: /fleet not read")
 # Side by side: each simulator configuration's figures over the live fleet's.
-for name, path in [("sim", "sim.json"), ("sim --hits-at-admission", "sim-admission.json"),
-                   ("sim --hold-blocks", "sim-hold.json"),
-                   ("sim --hold-blocks --hits-at-admission", "sim-both.json")]:
-    x = json.load(open(f"{out}/{path}"))["results"][0]
+for stem, flags in sims:
+    name = f"sim {flags}".strip()
+    x = json.load(open(f"{out}/{stem}.json"))["results"][0]
     print(f"{name} / replay: cached-token share "
           f"{x['cached_token_ratio'] / max(r['cached_token_ratio'], 1e-9):.3f}, "
           f"TTFT p50 {x['ttft_ms']['p50'] / max(r['ttft_ms']['p50'], 1e-9):.3f}, "
