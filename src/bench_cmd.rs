@@ -715,6 +715,8 @@ fn run_sweep_cmd(a: SweepArgs) -> Result<()> {
                     "floor_p99_ms": r.bounds.no_queue_floor_ms.p99, "pooled": r.bounds.pooled,
                     "ceiling": r.bounds.ceiling, "avoidable_waits": r.result.avoidable_waits,
                     "work_max_over_mean": r.result.work_max_over_mean,
+                    "session_moves": r.result.session_moves,
+                    "sessions_max_over_mean": r.result.sessions_max_over_mean,
                     "rate_rps": r.rate_rps, "load_pooled": r.load_pooled,
                 })
             })

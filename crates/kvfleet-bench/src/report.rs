@@ -28,20 +28,22 @@ pub fn sim_markdown(results: &[SimResult], bounds: &Bounds) -> String {
         bounds.no_queue_floor_ms.p90,
         bounds.no_queue_floor_ms.p99
     );
-    s.push_str("| policy | hit ratio | vs pooled | vs ceiling | prefill tokens | work max/mean | TTFT p50 ms | p90 | p99 | p99 over floor | input cost | sim wall s |\n");
+    s.push_str("| policy | hit ratio | vs pooled | vs ceiling | prefill tokens | work max/mean | session moves | sessions max/mean | TTFT p50 ms | p90 | p99 | p99 over floor | input cost | sim wall s |\n");
     s.push_str(
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n",
     );
     for r in results {
         let _ = writeln!(
             s,
-            "| {} | {:.3} | {:.2} | {:.2} | {} | {:.2} | {:.0} | {:.0} | {:.0} | {:.0} | {:.2} | {:.2} |",
+            "| {} | {:.3} | {:.2} | {:.2} | {} | {:.2} | {} | {:.2} | {:.0} | {:.0} | {:.0} | {:.0} | {:.2} | {:.2} |",
             r.policy,
             r.hit_ratio,
             r.hit_ratio / bounds.pooled.max(1e-12),
             r.hit_ratio / bounds.ceiling.max(1e-12),
             r.prefill_tokens,
             r.work_max_over_mean,
+            r.session_moves,
+            r.sessions_max_over_mean,
             r.ttft_ms.p50,
             r.ttft_ms.p90,
             r.ttft_ms.p99,

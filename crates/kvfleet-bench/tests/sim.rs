@@ -680,3 +680,57 @@ fn with_held_blocks_a_wait_no_pool_could_spare_is_not_avoidable() {
     );
     assert_eq!(r.avoidable_waits, 0);
 }
+
+/// What the session figures count, on conversations under memory pressure: SGLang's
+/// rule keeps every session on the worker of its first turn and gives each worker the
+/// same number of sessions (its smallest tree); `cache-aware` moves some turns, and
+/// each move leaves a session counted on two workers.
+#[test]
+fn session_moves_and_sessions_per_worker_are_counted() {
+    let t = generate(&GenConfig {
+        sessions: 64,
+        fork_k: 0,
+        parent_turns: 12,
+        system_tokens: 2048,
+        tools_tokens: 1024,
+        history_tokens: 1024,
+        turn_tokens: 768,
+        output_tokens: 256,
+        turn_gap_ms: 8_000,
+        session_rate: 2.0,
+        ..GenConfig::default()
+    })
+    .unwrap();
+    let run = |p| simulate(&t, &SimConfig::new(16, 100, p)).unwrap();
+    let sglang = run(SimPolicy::SglangSpill);
+    assert_eq!(sglang.session_moves, 0);
+    assert_eq!(sglang.worker_sessions, vec![4; 16]);
+    assert_eq!(sglang.sessions_max_over_mean, 1.0);
+    let ours = run(SimPolicy::Kvfleet(PolicyKind::CacheAware));
+    assert!(ours.session_moves > 0, "{ours:?}");
+    // A session is counted once per worker it visited: 64 first visits, and at most
+    // one more per move.
+    let visits: usize = ours.worker_sessions.iter().sum();
+    assert!(visits > 64 && visits <= 64 + ours.session_moves, "{visits}");
+    let max = *ours.worker_sessions.iter().max().unwrap();
+    assert_eq!(
+        ours.sessions_max_over_mean,
+        max as f64 * 16.0 / visits as f64
+    );
+    // A trace without sessions counts none.
+    let r = simulate(
+        &small_fork_without_sessions(),
+        &SimConfig::new(4, 1000, SimPolicy::SglangSpill),
+    )
+    .unwrap();
+    assert_eq!((r.session_moves, r.sessions_max_over_mean), (0, 1.0));
+    assert_eq!(r.worker_sessions, vec![0; 4]);
+}
+
+fn small_fork_without_sessions() -> Trace {
+    let mut t = small_fork();
+    for r in &mut t.records {
+        r.session_id = None;
+    }
+    t
+}

@@ -94,7 +94,7 @@ use lru::{ChainChange, LowerOp, LruBlockCache};
 use serde::Serialize;
 use sglang_cache_aware::{SglangCacheAware, SglangConfig};
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap, VecDeque};
+use std::collections::{BinaryHeap, HashMap, HashSet, VecDeque};
 
 /// A policy the simulator can run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -766,6 +766,16 @@ pub struct SimResult {
     pub own_prefix_waits: usize,
     /// `avoidable_waits` over all requests.
     pub avoidable_wait_ratio: f64,
+    /// Requests of a session (`session_id`) served by another worker than the
+    /// session's previous request: each one leaves the session's cached prefix behind
+    /// and stores a second copy elsewhere.
+    pub session_moves: usize,
+    /// Distinct sessions each worker served. Under memory pressure a worker's pool
+    /// holds its sessions' prefixes, so the busiest one's count, not the mean, sets how
+    /// much of them it keeps.
+    pub worker_sessions: Vec<usize>,
+    /// max / mean of `worker_sessions` (1 without sessions).
+    pub sessions_max_over_mean: f64,
     /// Wall time of the simulation, s.
     pub wall_s: f64,
     /// Every TTFT in ms, sorted (for CDF plots; not serialized).
@@ -896,6 +906,7 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
     let mut own_prefix_waits = 0usize;
     let pulls = cfg.peer_pull_min_blocks > 0;
     let hold = cfg.hold_blocks;
+    let mut sessions = SessionPlacement::default();
 
     while let Some((t, ev)) = adm.events.pop() {
         now = t;
@@ -941,6 +952,9 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                 };
                 let (w, token) = adm.router.route(&req, &workers, now);
                 anyhow::ensure!(w < workers.len(), "router chose a worker out of range");
+                if let Some(s) = r.session_id {
+                    sessions.served(s, w);
+                }
                 let pull = adm.router.take_pull();
                 // Taken at admission, its hits are expected from the pool and the
                 // chains queued ahead; until then it adds the prefill they leave to
@@ -1105,6 +1119,8 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
         arrivals,
     } = adm.tally;
     let hit_timeline = timeline(&arrivals, t0, cfg.timeline_buckets);
+    let worker_sessions = sessions.per_worker(cfg.workers);
+    let sessions_max_over_mean = max_over_mean(&worker_sessions);
     let ttft_p = Percentiles::of(&mut ttft);
     Ok(SimResult {
         policy: cfg.policy.as_str().to_string(),
@@ -1152,9 +1168,54 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
         avoidable_waits,
         avoidable_wait_ratio: ratio(avoidable_waits as u64, recs.len() as u64),
         own_prefix_waits,
+        session_moves: sessions.moves,
+        worker_sessions,
+        sessions_max_over_mean,
         wall_s: wall.elapsed().as_secs_f64(),
         ttft_samples: ttft,
     })
+}
+
+/// Where each session's requests went: its last worker, the moves between workers,
+/// and the distinct (session, worker) pairs.
+#[derive(Default)]
+struct SessionPlacement {
+    last: HashMap<u64, usize>,
+    pairs: HashSet<(u64, usize)>,
+    moves: usize,
+}
+
+impl SessionPlacement {
+    /// A request of `session` went to `worker`.
+    fn served(&mut self, session: u64, worker: usize) {
+        if self
+            .last
+            .insert(session, worker)
+            .is_some_and(|w| w != worker)
+        {
+            self.moves += 1;
+        }
+        self.pairs.insert((session, worker));
+    }
+
+    /// Distinct sessions served by each of `workers` workers.
+    fn per_worker(&self, workers: usize) -> Vec<usize> {
+        let mut n = vec![0; workers];
+        for &(_, w) in &self.pairs {
+            n[w] += 1;
+        }
+        n
+    }
+}
+
+/// max / mean of `v` (1 when it sums to 0).
+fn max_over_mean(v: &[usize]) -> f64 {
+    let total: usize = v.iter().sum();
+    if total == 0 {
+        return 1.0;
+    }
+    let max = v.iter().copied().max().unwrap_or(0);
+    max as f64 * v.len() as f64 / total as f64
 }
 
 /// Prompt tokens a request copies in, by source.
@@ -1395,7 +1456,7 @@ fn own_prefix_ahead(
     if reused.is_empty() || (wk.prefilling.is_none() && wk.queue.is_empty()) {
         return 0.0;
     }
-    let reused: std::collections::HashSet<BlockHash> = reused.iter().copied().collect();
+    let reused: HashSet<BlockHash> = reused.iter().copied().collect();
     // Hashes are chained: a run that contains a block of `reused` contains the
     // prompt's whole prefix up to it, so its first block is in `reused` too.
     let computes_ours = |j: usize| {
