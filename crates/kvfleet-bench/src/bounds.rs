@@ -12,6 +12,12 @@
 //!   waited (its own uncached prefill under the cost model). A policy's TTFT above it
 //!   is queueing and misses.
 //!
+//! - the **pooled queue**: each request's TTFT in a fleet whose prefill lanes share
+//!   one first-come-first-served queue and whose memory is one LRU cache
+//!   ([`pooled_queue`]): perfect routing with pooled lanes and pooled memory. A
+//!   policy's p99 excess over the floor far above the pooled queue's is routing; an
+//!   excess near it is the load and the memory.
+//!
 //! The pooled bound is taken over the trace's order. A request with a parent starts
 //! only once its parent finished, and decode time does not shrink when a trace is
 //! sped up, so a faster replay interleaves more sessions: [`pooled_no_queue`] is the
@@ -197,6 +203,62 @@ pub fn no_queue_floor(trace: &Trace, cost: &CostModel) -> Percentiles {
     Percentiles::of(&mut ttft)
 }
 
+/// Each request's TTFT, ms, in a fleet of `workers` prefill lanes that share one
+/// first-come-first-served queue and whose `workers × blocks_per_worker` blocks form
+/// one LRU cache (the pooled bound's): a request takes the leading blocks of its
+/// prompt that cache holds when it starts, computes the rest, and starts on the lane
+/// that frees first. A request with a parent arrives at its timestamp or, if later,
+/// when its parent finished (its first token, then its decode steps at batch 1), as in
+/// the simulator. Pooled lanes and pooled memory are what no real fleet has, so this
+/// is a reference for how much of a policy's queueing the load and the memory alone
+/// cause, not a strict bound on every percentile (neither first-come-first-served nor
+/// LRU is optimal for a p99).
+pub fn pooled_queue(
+    trace: &Trace,
+    workers: usize,
+    blocks_per_worker: usize,
+    cost: &CostModel,
+) -> Percentiles {
+    use std::cmp::Reverse;
+    use std::collections::BinaryHeap;
+    // Times as integer nanoseconds, for the heaps' ordering.
+    let ns = |ms: f64| (ms * 1e6).round().max(0.0) as u64;
+    let recs = &trace.records;
+    let chains = chains(trace);
+    let mut lru = LruBlockCache::new(workers.max(1) * blocks_per_worker);
+    let parents = trace.parent_indices();
+    let mut children: Vec<Vec<usize>> = vec![Vec::new(); recs.len()];
+    let mut ready = BinaryHeap::new();
+    for (i, r) in recs.iter().enumerate() {
+        match parents[i] {
+            Some(p) => children[p].push(i),
+            None => ready.push(Reverse((ns(r.timestamp as f64), i))),
+        }
+    }
+    let mut lanes: BinaryHeap<Reverse<u64>> = (0..workers.max(1)).map(|_| Reverse(0)).collect();
+    let mut ttft = Vec::with_capacity(recs.len());
+    // Requests are taken in arrival order; a child becomes known when its parent
+    // starts, and arrives after it finishes, so no later arrival is ever taken first.
+    while let Some(Reverse((arrival, i))) = ready.pop() {
+        let Some(Reverse(free)) = lanes.pop() else {
+            break;
+        };
+        let r = &recs[i];
+        let hits = lru.match_prefix(&chains[i]);
+        lru.insert_chain(&chains[i]);
+        let cached = (hits * r.block_size()).min(r.input_length.saturating_sub(1));
+        let first_token = arrival.max(free) + ns(cost.prefill_ms(r.input_length - cached));
+        lanes.push(Reverse(first_token));
+        ttft.push((first_token - arrival) as f64 / 1e6);
+        let steps = r.output_length.saturating_sub(1) as f64;
+        let done = first_token + ns(steps * cost.decode_step_ms(1));
+        for &k in &children[i] {
+            ready.push(Reverse((ns(recs[k].timestamp as f64).max(done), k)));
+        }
+    }
+    Percentiles::of(&mut ttft)
+}
+
 /// The bounds for a fleet of `workers × blocks_per_worker` blocks under `cost`.
 pub fn bounds(trace: &Trace, workers: usize, blocks_per_worker: usize, cost: &CostModel) -> Bounds {
     bounds_with_tiers(trace, workers, blocks_per_worker, 0, cost)
@@ -287,6 +349,56 @@ mod tests {
         let mut t2 = t.clone();
         t2.records[2].tenant = Some("b".into());
         assert!((ceiling(&t2) - 3.0 / 12.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn the_pooled_queue_serves_in_arrival_order_on_the_lane_free_first() {
+        let cost = CostModel::h200_llama8b();
+        let p = |n| cost.prefill_ms(n);
+        // Three cold 12-token prompts at once, then one at 1 ms.
+        let t = Trace {
+            records: vec![
+                rec(0, &[1, 2, 3]),
+                rec(0, &[4, 5, 6]),
+                rec(0, &[7, 8, 9]),
+                rec(1, &[10, 11, 12]),
+            ],
+        };
+        // One lane: each waits for those before it.
+        let one = pooled_queue(&t, 1, 100, &cost);
+        let want1 = [p(12), 2.0 * p(12), 3.0 * p(12), 4.0 * p(12) - 1.0];
+        assert!((one.p99 - want1[3]).abs() < 1e-6, "{one:?}");
+        // Two lanes: the third waits for the first lane, the fourth for the second.
+        let two = pooled_queue(&t, 2, 100, &cost);
+        assert!(
+            (two.p99 - (2.0 * p(12) - 1.0).max(2.0 * p(12))).abs() < 1e-6,
+            "{two:?}"
+        );
+        // As many lanes as requests: nobody waits, and the queue is the floor.
+        assert_eq!(pooled_queue(&t, 4, 100, &cost), no_queue_floor(&t, &cost));
+        // A child arrives when its parent has finished: its first token, then one
+        // decode step per output token after the first.
+        let mut t = Trace {
+            records: vec![rec(0, &[1, 2, 3]), rec(0, &[1, 2, 3, 4])],
+        };
+        t.records[0].id = Some(0);
+        t.records[0].output_length = 3;
+        t.records[1].id = Some(1);
+        t.records[1].parent_id = Some(0);
+        let q = pooled_queue(&t, 2, 100, &cost);
+        // The child computes its last block only (12 of its 16 tokens are cached), and
+        // never waits: its parent's lane is free again by then.
+        assert!(
+            (q.p99 - p(12)).abs() < 1e-6 && (q.p50 - p(4)).abs() < 1e-6,
+            "{q:?}"
+        );
+        // With one block in all the pooled cache keeps only the parent's first block
+        // (a chain is touched tail first, so its prefix outlives the rest): the child
+        // computes 12 of its 16 tokens.
+        let q = pooled_queue(&t, 1, 1, &cost);
+        let child = 2.0 * q.mean - p(12);
+        assert!((child - p(12)).abs() < 1e-6, "{q:?}");
+        assert!(p(16) > p(12) && p(12) > p(4));
     }
 
     #[test]

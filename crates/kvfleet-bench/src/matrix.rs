@@ -9,11 +9,13 @@
 //! turns wait for their parents, the pooled bound is taken at the speed it is replayed
 //! at (see [`LoadCalibration`]).
 
-use crate::bounds::{bounds, has_parents, Bounds, NoQueueReplay};
+use crate::bounds::{bounds, has_parents, pooled_queue, Bounds, NoQueueReplay};
 use crate::plots::{bar_chart, cdf_points, line_chart};
 use crate::report::write_file;
 use crate::sim::cost_model::CostModel;
-use crate::sim::{comparison_pull_min_blocks, simulate, SimConfig, SimPolicy, SimResult};
+use crate::sim::{
+    comparison_pull_min_blocks, simulate, Percentiles, SimConfig, SimPolicy, SimResult,
+};
 use crate::trace::Trace;
 use anyhow::Result;
 use serde::Serialize;
@@ -65,6 +67,9 @@ pub struct MatrixRow {
     pub load_pooled: f64,
     /// The bounds.
     pub bounds: Bounds,
+    /// TTFT at this load in one queue shared by the fleet's prefill lanes, every
+    /// request getting the ceiling's hits ([`crate::bounds::pooled_queue`]).
+    pub pooled_queue_ms: Percentiles,
     /// The result.
     pub result: SimResult,
 }
@@ -211,6 +216,7 @@ pub fn run_matrix(
             for (load, factor) in &cfg.loads {
                 let ls = calibration.at(*factor);
                 let (scaled, rate) = (t.trace.scaled_time(ls.scale), ls.rate);
+                let pooled_queue_ms = pooled_queue(&scaled, n, cfg.cache_blocks, &cfg.cost);
                 for &p in &cfg.policies {
                     let mut sc = SimConfig::new(n, cfg.cache_blocks, p);
                     sc.cost = cfg.cost.clone();
@@ -227,6 +233,7 @@ pub fn run_matrix(
                         rate_rps: rate,
                         load_pooled: ls.pooled,
                         bounds: b,
+                        pooled_queue_ms,
                         result,
                     };
                     progress(&row);

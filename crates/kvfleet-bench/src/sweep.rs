@@ -22,7 +22,7 @@
 //! still sees enough traffic to warm up) and its own memory budget: a fraction of the
 //! trace's distinct blocks, spread over the fleet, so memory is short at every size.
 
-use crate::bounds::{bounds, distinct_blocks_of};
+use crate::bounds::{bounds, distinct_blocks_of, pooled_queue};
 use crate::matrix::{LoadCalibration, MatrixRow};
 use crate::sim::cost_model::CostModel;
 use crate::sim::{comparison_pull_min_blocks, simulate, SimConfig, SimPolicy};
@@ -212,6 +212,7 @@ pub fn run_sweep(cfg: &SweepConfig) -> Result<Vec<MatrixRow>> {
         rate: f64,
         load_pooled: f64,
         bounds: crate::bounds::Bounds,
+        pooled_queue_ms: crate::sim::Percentiles,
     }
     // Every (fleet, trace) pair with its bounds, then every load of each: the
     // calibration bisects over the trace for traces with parents, so both run in
@@ -227,9 +228,11 @@ pub fn run_sweep(cfg: &SweepConfig) -> Result<Vec<MatrixRow>> {
             let calibration = LoadCalibration::new(&t.trace, &b, *n, &cfg.cost);
             cfg.loads.par_iter().map(move |load| {
                 let ls = calibration.at(load.1);
+                let scaled = t.trace.scaled_time(ls.scale);
                 Job {
                     trace: t.name.clone(),
-                    scaled: t.trace.scaled_time(ls.scale),
+                    pooled_queue_ms: pooled_queue(&scaled, *n, t.cache_blocks, &cfg.cost),
+                    scaled,
                     workers: *n,
                     cache_blocks: t.cache_blocks,
                     load: load.clone(),
@@ -261,6 +264,7 @@ pub fn run_sweep(cfg: &SweepConfig) -> Result<Vec<MatrixRow>> {
                 rate_rps: j.rate,
                 load_pooled: j.load_pooled,
                 bounds: j.bounds,
+                pooled_queue_ms: j.pooled_queue_ms,
                 result,
             })
         })
@@ -299,6 +303,14 @@ pub struct SweepCheck {
     pub best_excess_baseline: String,
     /// `excess_ms / best_excess_ms` (each at least 1 ms).
     pub excess_ratio: f64,
+    /// The p99 excess of one queue shared by every prefill lane, with the fleet's
+    /// memory as one LRU cache ([`pooled_queue`]), ms: about the part of any policy's
+    /// excess the load and the memory cause.
+    pub pooled_queue_excess_ms: f64,
+    /// Whether half the best baseline's excess is at least the pooled queue's: where
+    /// it is not, the p99 target asks for less queueing than pooling every lane and
+    /// all memory gives.
+    pub excess_reachable: bool,
     /// cache-aware's avoidable waits.
     pub avoidable_waits: usize,
     /// cache-aware's busiest worker's prefill work over the mean.
@@ -339,6 +351,7 @@ pub fn sweep_checks(rows: &[MatrixRow], ours: &str) -> Vec<SweepCheck> {
         let ex = excess(o);
         let bex = excess(be);
         let ratio = ex.max(1.0) / bex.max(1.0);
+        let pooled_ex = (o.pooled_queue_ms.p99 - o.bounds.no_queue_floor_ms.p99).max(0.0);
         out.push(SweepCheck {
             trace: o.trace.clone(),
             workers: o.result.workers,
@@ -354,6 +367,8 @@ pub fn sweep_checks(rows: &[MatrixRow], ours: &str) -> Vec<SweepCheck> {
             best_excess_ms: bex,
             best_excess_baseline: be.result.policy.clone(),
             excess_ratio: ratio,
+            pooled_queue_excess_ms: pooled_ex,
+            excess_reachable: 0.5 * bex.max(1.0) >= pooled_ex,
             avoidable_waits: o.result.avoidable_waits,
             work_max_over_mean: o.result.work_max_over_mean,
             hit_met: o.result.hit_ratio + HIT_TOLERANCE >= bh.result.hit_ratio,
@@ -378,6 +393,15 @@ pub fn sweep_markdown(checks: &[SweepCheck]) -> String {
     let _ = writeln!(
         s,
         "All three met in **{all} of {n}** groups: hit ratio ≥ the best baseline's in {hit}, p99 excess ≤ 0.5 × the best baseline's in {ex}, no avoidable wait in {idle}.\n"
+    );
+    let missed = checks.iter().filter(|c| !c.excess_met).count();
+    let unreachable = checks
+        .iter()
+        .filter(|c| !c.excess_met && !c.excess_reachable)
+        .count();
+    let _ = writeln!(
+        s,
+        "Of the {missed} groups missing the p99 target, {unreachable} ask for less queueing than the *pooled queue* has (every prefill lane sharing one queue, the fleet's memory one LRU cache: perfect routing with pooled lanes and memory): half the best baseline's excess is below its excess.\n"
     );
     let worst_hit = checks
         .iter()
@@ -416,7 +440,7 @@ pub fn sweep_markdown(checks: &[SweepCheck]) -> String {
             c.avoidable_waits
         );
     }
-    s.push_str("\n| trace | workers | blocks/worker | load | pooled (at the load's speed) | hit | best baseline hit | floor p99 ms | excess ms | best baseline excess ms | excess ratio | avoidable waits | work max/mean | met |\n| --- | ---: | ---: | --- | ---: | ---: | --- | ---: | ---: | --- | ---: | ---: | ---: | --- |\n");
+    s.push_str("\n| trace | workers | blocks/worker | load | pooled (at the load's speed) | hit | best baseline hit | floor p99 ms | excess ms | best baseline excess ms | excess ratio | pooled queue excess ms | avoidable waits | work max/mean | met |\n| --- | ---: | ---: | --- | ---: | ---: | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- |\n");
     for c in checks {
         let met = match (c.hit_met, c.excess_met, c.idle_met) {
             (true, true, true) => "yes".to_string(),
@@ -442,7 +466,7 @@ pub fn sweep_markdown(checks: &[SweepCheck]) -> String {
         };
         let _ = writeln!(
             s,
-            "| {} | {} | {} | {} | {} | {:.3} | {:.3} ({}) | {:.0} | {:.0} | {:.0} ({}) | {:.2} | {} | {:.2} | {} |",
+            "| {} | {} | {} | {} | {} | {:.3} | {:.3} ({}) | {:.0} | {:.0} | {:.0} ({}) | {:.2} | {:.0} | {} | {:.2} | {} |",
             c.trace,
             c.workers,
             c.cache_blocks,
@@ -456,6 +480,7 @@ pub fn sweep_markdown(checks: &[SweepCheck]) -> String {
             c.best_excess_ms,
             c.best_excess_baseline,
             c.excess_ratio,
+            c.pooled_queue_excess_ms,
             c.avoidable_waits,
             c.work_max_over_mean,
             met
