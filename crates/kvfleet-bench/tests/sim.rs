@@ -687,18 +687,10 @@ fn with_held_blocks_a_wait_no_pool_could_spare_is_not_avoidable() {
 /// each move leaves a session counted on two workers.
 #[test]
 fn session_moves_and_sessions_per_worker_are_counted() {
+    // The sweep's conversation shape, 64 sessions.
     let t = generate(&GenConfig {
-        sessions: 64,
-        fork_k: 0,
-        parent_turns: 12,
-        system_tokens: 2048,
-        tools_tokens: 1024,
-        history_tokens: 1024,
-        turn_tokens: 768,
-        output_tokens: 256,
-        turn_gap_ms: 8_000,
         session_rate: 2.0,
-        ..GenConfig::default()
+        ..GenConfig::conversation(64, 8_000)
     })
     .unwrap();
     let run = |p| simulate(&t, &SimConfig::new(16, 100, p)).unwrap();
