@@ -215,7 +215,29 @@ fn the_sweep_checks_cache_aware_against_the_best_other_policy() {
         assert!(c.best_hit_baseline != "cache-aware");
         assert!(c.cache_blocks >= 8);
         assert!(c.excess_ms >= 0.0 && c.floor_p99_ms > 0.0);
+        // The pooled queue computes at least what the ceiling leaves and never less
+        // than nothing, so each of its TTFTs is at least that request's floor.
+        let q = group[0].pooled_queue_ms;
+        assert!(group.iter().all(|r| r.pooled_queue_ms == q));
+        assert!(q.p99 >= c.floor_p99_ms && q.p50 >= group[0].bounds.no_queue_floor_ms.p50);
+        assert_eq!(c.pooled_queue_excess_ms, q.p99 - c.floor_p99_ms);
+        assert_eq!(
+            c.excess_reachable,
+            0.5 * c.best_excess_ms.max(1.0) >= c.pooled_queue_excess_ms
+        );
     }
+    let missed = checks.iter().filter(|c| !c.excess_met).count();
+    let asks_less = checks
+        .iter()
+        .filter(|c| !c.excess_met && !c.excess_reachable)
+        .count();
+    let page = kvfleet_bench::sweep::sweep_markdown(&checks);
+    assert!(
+        page.contains(&format!(
+            "Of the {missed} groups missing the p99 target, {asks_less} ask for less"
+        )),
+        "{page}"
+    );
 }
 
 /// The sweep's `short` family (fork children of ~120 tokens) at 64 workers, light
