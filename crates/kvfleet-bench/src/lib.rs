@@ -14,6 +14,8 @@
 //! - [`tiers`]: host and disk tiers against none, and load-time pricing against
 //!   fixed discounts (`kvfleet bench tiers`, docs/kv-tiers.md).
 //! - [`replay`]: the HTTP replay client (`kvfleet bench replay`).
+//! - [`session_placement`]: session moves and sessions per worker, counted alike by
+//!   the simulator and the replay.
 //! - [`report`] and [`plots`]: JSON, Markdown and SVG output.
 //! - [`usage_trace`]: production usage records → a trace (`kvfleet trace export`).
 
@@ -22,6 +24,7 @@ pub mod matrix;
 pub mod plots;
 pub mod replay;
 pub mod report;
+pub mod session_placement;
 pub mod sim;
 pub mod sweep;
 pub mod tiers;

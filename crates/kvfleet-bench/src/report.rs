@@ -158,16 +158,28 @@ pub fn replay_markdown(r: &ReplayReport) -> String {
             "per-worker prefill max/mean",
             format!("{:.2}", r.work_max_over_mean),
         ),
+        (
+            "session moves (turns served away from the turn before)",
+            r.session_moves.to_string(),
+        ),
+        (
+            "per-worker sessions max/mean",
+            format!("{:.2}", r.sessions_max_over_mean),
+        ),
     ];
     for (k, v) in rows {
         let _ = writeln!(s, "| {k} | {v} |");
     }
     let _ = writeln!(
         s,
-        "\n| worker | requests | prefill tokens |\n| --- | ---: | ---: |"
+        "\n| worker | requests | prefill tokens | sessions |\n| --- | ---: | ---: | ---: |"
     );
     for (w, t) in &r.workers {
-        let _ = writeln!(s, "| {w} | {} | {} |", t.requests, t.prefill_tokens);
+        let _ = writeln!(
+            s,
+            "| {w} | {} | {} | {} |",
+            t.requests, t.prefill_tokens, t.sessions
+        );
     }
     if !r.errors.is_empty() {
         let _ = writeln!(s, "\nFirst errors:\n");

@@ -10,6 +10,7 @@
 //! `usage.prompt_tokens_details.cached_tokens` and the `x-kvfleet-worker` header.
 
 use crate::bounds;
+use crate::session_placement::{max_over_mean, SessionPlacement};
 use crate::sim::Percentiles;
 use crate::token_blocks::{prompt_tokens, DEFAULT_TOKEN_VOCAB};
 use crate::trace::Trace;
@@ -100,6 +101,8 @@ pub struct WorkerTotals {
     pub requests: u64,
     /// Prompt tokens computed (prompt − cached).
     pub prefill_tokens: u64,
+    /// Distinct trace sessions it served.
+    pub sessions: usize,
 }
 
 /// The replay report.
@@ -141,6 +144,11 @@ pub struct ReplayReport {
     pub workers: BTreeMap<String, WorkerTotals>,
     /// max / mean of per-worker prefill tokens.
     pub work_max_over_mean: f64,
+    /// Completed requests served by another worker than their session's previous
+    /// completed request (see [`crate::session_placement`]).
+    pub session_moves: usize,
+    /// max / mean of the workers' distinct sessions (1 without sessions).
+    pub sessions_max_over_mean: f64,
     /// Cached ratio per send-time bucket: (bucket end in s, ratio).
     pub hit_timeline: Vec<(f64, f64)>,
     /// Up to 5 error messages.
@@ -416,6 +424,22 @@ fn summarize(
         w.requests += 1;
         w.prefill_tokens += (o.prompt_tokens - o.cached_tokens.min(o.prompt_tokens)) as u64;
     }
+    // In send order: a session's requests are its turns, each sent after the last.
+    let mut sessions = SessionPlacement::default();
+    let mut by_index: Vec<&&Outcome> = ok.iter().collect();
+    by_index.sort_by_key(|o| o.index);
+    for o in by_index {
+        let session = trace.records.get(o.index).and_then(|r| r.session_id);
+        if let (Some(s), Some(w)) = (session, o.worker.as_deref()) {
+            sessions.served(s, w);
+        }
+    }
+    for (w, n) in sessions.per_worker() {
+        if let Some(t) = workers.get_mut(w) {
+            t.sessions = n;
+        }
+    }
+    let worker_sessions: Vec<usize> = workers.values().map(|w| w.sessions).collect();
     let work: Vec<u64> = workers.values().map(|w| w.prefill_tokens).collect();
     let mean = work.iter().sum::<u64>() as f64 / work.len().max(1) as f64;
     let max = work.iter().copied().max().unwrap_or(0) as f64;
@@ -462,6 +486,8 @@ fn summarize(
         input_cost_relative: 1.0 - 0.9 * ratio,
         workers,
         work_max_over_mean: if mean > 0.0 { max / mean } else { 1.0 },
+        session_moves: sessions.moves(),
+        sessions_max_over_mean: max_over_mean(&worker_sessions),
         hit_timeline,
         errors: outcomes
             .iter()
@@ -469,5 +495,64 @@ fn summarize(
             .take(5)
             .collect(),
         outcomes,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn served(index: usize, worker: &str, cached: usize) -> Outcome {
+        Outcome {
+            index,
+            ok: true,
+            prompt_tokens: 32,
+            cached_tokens: cached,
+            worker: Some(worker.into()),
+            ..Outcome::default()
+        }
+    }
+
+    #[test]
+    fn the_report_counts_session_moves_and_sessions_per_worker() {
+        // Session 7: turns 0, 2, 3; session 8: turns 1, 4; request 5 has no session.
+        let lines = [
+            r#"{"timestamp":0,"input_length":32,"output_length":4,"block_size":16,"hash_ids":[1,2],"session_id":7}"#,
+            r#"{"timestamp":1,"input_length":32,"output_length":4,"block_size":16,"hash_ids":[5,6],"session_id":8}"#,
+            r#"{"timestamp":2,"input_length":32,"output_length":4,"block_size":16,"hash_ids":[1,2],"session_id":7}"#,
+            r#"{"timestamp":3,"input_length":32,"output_length":4,"block_size":16,"hash_ids":[1,2],"session_id":7}"#,
+            r#"{"timestamp":4,"input_length":32,"output_length":4,"block_size":16,"hash_ids":[5,6],"session_id":8}"#,
+            r#"{"timestamp":5,"input_length":32,"output_length":4,"block_size":16,"hash_ids":[9,10]}"#,
+        ];
+        let trace = Trace::read(lines.join("\n").as_bytes()).unwrap();
+        // Outcomes arrive in any order; session 7 goes a, b, b (one move), session 8
+        // stays on a; a failed request counts for nothing.
+        let mut failed = served(4, "b", 0);
+        failed.ok = false;
+        let outcomes = vec![
+            served(3, "b", 16),
+            served(0, "a", 0),
+            served(2, "b", 0),
+            served(1, "a", 0),
+            failed,
+            served(5, "c", 0),
+        ];
+        let r = summarize(&trace, "http://x", 16, outcomes, 1.0);
+        assert_eq!(r.session_moves, 1);
+        let sessions: Vec<(&str, usize)> = r
+            .workers
+            .iter()
+            .map(|(w, t)| (w.as_str(), t.sessions))
+            .collect();
+        assert_eq!(sessions, [("a", 2), ("b", 1), ("c", 0)]);
+        assert_eq!(r.sessions_max_over_mean, 2.0);
+        assert!(replay_markdown_has(
+            &r,
+            "| session moves (turns served away from the turn before) | 1 |"
+        ));
+    }
+
+    fn replay_markdown_has(r: &ReplayReport, line: &str) -> bool {
+        crate::report::replay_markdown(r).lines().any(|l| l == line)
     }
 }

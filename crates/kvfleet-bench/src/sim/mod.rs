@@ -81,6 +81,7 @@ pub mod lru;
 pub mod sglang_cache_aware;
 
 use crate::bounds::chains;
+use crate::session_placement::{max_over_mean, SessionPlacement};
 use crate::trace::Trace;
 use blocks_in_use::BlocksInUse;
 use cost_model::CostModel;
@@ -906,7 +907,7 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
     let mut own_prefix_waits = 0usize;
     let pulls = cfg.peer_pull_min_blocks > 0;
     let hold = cfg.hold_blocks;
-    let mut sessions = SessionPlacement::default();
+    let mut sessions = SessionPlacement::<usize>::default();
 
     while let Some((t, ev)) = adm.events.pop() {
         now = t;
@@ -1119,7 +1120,10 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
         arrivals,
     } = adm.tally;
     let hit_timeline = timeline(&arrivals, t0, cfg.timeline_buckets);
-    let worker_sessions = sessions.per_worker(cfg.workers);
+    let per_worker = sessions.per_worker();
+    let worker_sessions: Vec<usize> = (0..cfg.workers)
+        .map(|w| per_worker.get(&w).copied().unwrap_or(0))
+        .collect();
     let sessions_max_over_mean = max_over_mean(&worker_sessions);
     let ttft_p = Percentiles::of(&mut ttft);
     Ok(SimResult {
@@ -1168,54 +1172,12 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
         avoidable_waits,
         avoidable_wait_ratio: ratio(avoidable_waits as u64, recs.len() as u64),
         own_prefix_waits,
-        session_moves: sessions.moves,
+        session_moves: sessions.moves(),
         worker_sessions,
         sessions_max_over_mean,
         wall_s: wall.elapsed().as_secs_f64(),
         ttft_samples: ttft,
     })
-}
-
-/// Where each session's requests went: its last worker, the moves between workers,
-/// and the distinct (session, worker) pairs.
-#[derive(Default)]
-struct SessionPlacement {
-    last: HashMap<u64, usize>,
-    pairs: HashSet<(u64, usize)>,
-    moves: usize,
-}
-
-impl SessionPlacement {
-    /// A request of `session` went to `worker`.
-    fn served(&mut self, session: u64, worker: usize) {
-        if self
-            .last
-            .insert(session, worker)
-            .is_some_and(|w| w != worker)
-        {
-            self.moves += 1;
-        }
-        self.pairs.insert((session, worker));
-    }
-
-    /// Distinct sessions served by each of `workers` workers.
-    fn per_worker(&self, workers: usize) -> Vec<usize> {
-        let mut n = vec![0; workers];
-        for &(_, w) in &self.pairs {
-            n[w] += 1;
-        }
-        n
-    }
-}
-
-/// max / mean of `v` (1 when it sums to 0).
-fn max_over_mean(v: &[usize]) -> f64 {
-    let total: usize = v.iter().sum();
-    if total == 0 {
-        return 1.0;
-    }
-    let max = v.iter().copied().max().unwrap_or(0);
-    max as f64 * v.len() as f64 / total as f64
 }
 
 /// Prompt tokens a request copies in, by source.
