@@ -7,7 +7,8 @@
 # workers, blocks per worker and block size in each of its four configurations (hits
 # taken when a request is queued, the default, or at admission, `--hits-at-admission`;
 # running sequences' blocks evictable, the default, or held, `--hold-blocks`), prints
-# each one's figures over the live fleet's, and stops every process it started.
+# each one's figures over the live fleet's (and its session moves beside the live
+# fleet's: turns served away from the turn before), and stops every process it started.
 #
 #   bash scripts/bench_engine_sim.sh            # 64 workers × 256 blocks of 16 tokens
 #   WORKERS=16 BLOCKS=512 SESSIONS=32 bash scripts/bench_engine_sim.sh
@@ -111,7 +112,8 @@ b = s["bounds"]
 print(f"replay (live router + sim workers): {r['ok']} ok, {r['failed']} failed; "
       f"cached tokens {r['cached_tokens']} / {r['prompt_tokens']} = {r['cached_token_ratio']:.4f}; "
       f"TTFT p50 / p99 {r['ttft_ms']['p50']:.0f} / {r['ttft_ms']['p99']:.0f} ms; "
-      f"latency p50 / p99 {r['latency_ms']['p50']:.0f} / {r['latency_ms']['p99']:.0f} ms")
+      f"latency p50 / p99 {r['latency_ms']['p50']:.0f} / {r['latency_ms']['p99']:.0f} ms; "
+      f"session moves {r['session_moves']}")
 print(f"kvfleet sim (cache-aware):          hit ratio {x['hit_ratio']:.4f} "
       f"({x['hit_blocks']} / {x['total_blocks']} blocks); cached tokens {x['cached_tokens']} / "
       f"{x['prompt_tokens']} = {x['cached_token_ratio']:.4f}; pooled {b['pooled']:.4f}, "
@@ -130,6 +132,7 @@ for stem, flags in sims:
     print(f"{name} / replay: cached-token share "
           f"{x['cached_token_ratio'] / max(r['cached_token_ratio'], 1e-9):.3f}, "
           f"TTFT p50 {x['ttft_ms']['p50'] / max(r['ttft_ms']['p50'], 1e-9):.3f}, "
-          f"TTFT p99 {x['ttft_ms']['p99'] / max(r['ttft_ms']['p99'], 1e-9):.3f}")
+          f"TTFT p99 {x['ttft_ms']['p99'] / max(r['ttft_ms']['p99'], 1e-9):.3f}; "
+          f"session moves {x['session_moves']} (live {r['session_moves']})")
 PY
 echo "results in $OUT"
