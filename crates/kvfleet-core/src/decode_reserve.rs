@@ -21,6 +21,9 @@
 //! steps, estimates clipped at 4,096 tokens). A lone sequence is always admitted: the
 //! reserve delays admissions, it never stalls the queue.
 //!
+//! It lives here, not in the engine, because the fleet simulator (`kvfleet sim
+//! --decode-reserve-ratio`) admits its simulated requests by the same rule.
+//!
 //! On the replay above (four runs each): with no reserve, 135 preemptions, cached
 //! share 0.228, request latency p50 / p99 1.41 / 2.43 s; at 0.3 (the default), 20
 //! preemptions, 0.325, 1.33 / 2.63 s, 2% longer in all; at SGLang's 0.7, 11, 0.346,

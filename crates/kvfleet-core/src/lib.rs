@@ -9,13 +9,16 @@
 //! need them: the OpenAI request/response bodies ([`openai`]) and the incremental
 //! tokenizer's conversation memo ([`incremental_tokenizer`]). And a worker's cost model
 //! ([`cost_model`]), shared by the fleet simulator and the simulated engine; reading
-//! its JSON file is this crate's one other file read.
+//! its JSON file is this crate's one other file read. Likewise the engine scheduler's
+//! decode reserve ([`decode_reserve`]), which the simulator's engine memory model
+//! follows.
 
 pub mod anthropic;
 pub mod block_hash;
 pub mod byte_lru;
 pub mod chat;
 pub mod cost_model;
+pub mod decode_reserve;
 pub mod incremental_tokenizer;
 pub mod kv_events;
 pub mod openai;

@@ -8,7 +8,8 @@
 //! - [`scheduler`]: continuous batching with chunked prefill, prefix reuse at
 //!   admission, in-flight sharing, and preemption by recompute.
 //! - [`decode_reserve`]: the room kept for what running sequences will still
-//!   generate, so that admissions do not make them preempt each other.
+//!   generate, so that admissions do not make them preempt each other (it lives in
+//!   kvfleet-core, where the fleet simulator models the same admissions).
 //! - [`engine`]: one step = schedule, batched forward, sample, publish KV events.
 //! - [`gguf`]: GGUF model files (config from metadata, weights kept quantized).
 //! - [`model`]: a Llama-family decoder on candle-core whose attention reads K/V
@@ -34,7 +35,7 @@ pub mod block_pool;
 pub mod constrained;
 #[cfg(feature = "cuda")]
 pub mod cuda;
-pub mod decode_reserve;
+pub use kvfleet_core::decode_reserve;
 pub mod device;
 pub mod engine;
 pub mod error;
