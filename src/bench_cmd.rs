@@ -667,6 +667,7 @@ fn run_sweep_cmd(a: SweepArgs) -> Result<()> {
         peer_pull_min_blocks: a.peer_pull_min_blocks,
         hold_blocks: a.pool.hold_blocks,
         hits_at_admission: a.pool.hits_at_admission,
+        decode_reserve: a.pool.decode_reserve()?,
     };
     let wall = std::time::Instant::now();
     let rows = run_sweep(&cfg)?;

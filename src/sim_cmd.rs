@@ -8,6 +8,7 @@ use kvfleet_bench::report::{sim_markdown, write_sim_report};
 use kvfleet_bench::sim::cost_model::CostModel;
 use kvfleet_bench::sim::{simulate, SimConfig, SimPolicy, TierScoring};
 use kvfleet_bench::Trace;
+use kvfleet_core::decode_reserve::DecodeReserveConfig;
 use kvfleet_routing::policy::{default_peer_pull_min_blocks, CacheAwareConfig, PullTrigger};
 use std::path::PathBuf;
 
@@ -119,6 +120,14 @@ pub struct PoolModelArgs {
     /// queued ahead of a new one before they happen).
     #[arg(long)]
     pub hits_at_admission: bool,
+    /// With --hold-blocks, admit and grow as the engine's scheduler does: a request's
+    /// output takes blocks as it is generated, and a prefill starts only while the
+    /// free blocks cover it and this share of what the running requests may still
+    /// generate, relaxing to 0.1 while nothing is preempted (a worker's
+    /// --decode-reserve-ratio; 0.3 is its default). Without it, each request's whole
+    /// output is booked when its prefill starts.
+    #[arg(long)]
+    pub decode_reserve_ratio: Option<f64>,
 }
 
 impl PoolModelArgs {
@@ -131,7 +140,33 @@ impl PoolModelArgs {
         if self.hits_at_admission {
             s.push_str(" --hits-at-admission");
         }
+        if let Some(r) = self.decode_reserve_ratio {
+            s.push_str(&format!(" --decode-reserve-ratio {r}"));
+        }
         s
+    }
+
+    /// The engine's memory rule these flags ask for, as the worker's defaults set it
+    /// apart from the ratio; an error for a ratio outside [0, 1] or one given without
+    /// --hold-blocks.
+    pub fn decode_reserve(&self) -> Result<Option<DecodeReserveConfig>> {
+        let Some(ratio) = self.decode_reserve_ratio else {
+            return Ok(None);
+        };
+        anyhow::ensure!(
+            (0.0..=1.0).contains(&ratio),
+            "--decode-reserve-ratio must be between 0 and 1, not {ratio}"
+        );
+        anyhow::ensure!(
+            self.hold_blocks,
+            "--decode-reserve-ratio models how an engine holds blocks: it needs --hold-blocks"
+        );
+        let d = DecodeReserveConfig::default();
+        Ok(Some(DecodeReserveConfig {
+            init_ratio: ratio,
+            min_ratio: d.min_ratio.min(ratio),
+            ..d
+        }))
     }
 }
 
@@ -181,6 +216,7 @@ pub fn run(args: SimArgs) -> Result<()> {
         cfg.tier_scoring = args.tier_scoring;
         cfg.hold_blocks = args.pool.hold_blocks;
         cfg.hits_at_admission = args.pool.hits_at_admission;
+        cfg.decode_reserve = args.pool.decode_reserve()?;
         cfg.router.cache_aware = cache_aware.clone();
         cfg.peer_pull_min_blocks = args
             .peer_pull_min_blocks

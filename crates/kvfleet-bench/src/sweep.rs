@@ -79,6 +79,9 @@ pub struct SweepConfig {
     /// Simulate with each request's hits taken when its prefill starts
     /// ([`SimConfig::hits_at_admission`](crate::sim::SimConfig::hits_at_admission)).
     pub hits_at_admission: bool,
+    /// Simulate with the engine's memory rule
+    /// ([`SimConfig::decode_reserve`](crate::sim::SimConfig::decode_reserve)).
+    pub decode_reserve: Option<kvfleet_core::decode_reserve::DecodeReserveConfig>,
 }
 
 /// The generated family for a fleet of `workers`, each with its memory budget.
@@ -256,6 +259,7 @@ pub fn run_sweep(cfg: &SweepConfig) -> Result<Vec<MatrixRow>> {
                 comparison_pull_min_blocks(*p, cfg.peer_pull_min_blocks, j.scaled.block_size());
             sc.hold_blocks = cfg.hold_blocks;
             sc.hits_at_admission = cfg.hits_at_admission;
+            sc.decode_reserve = cfg.decode_reserve;
             let result = simulate(&j.scaled, &sc)?;
             Ok(MatrixRow {
                 trace: j.trace.clone(),

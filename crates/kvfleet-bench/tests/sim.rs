@@ -5,6 +5,7 @@ use kvfleet_bench::sim::cost_model::CostModel;
 use kvfleet_bench::sim::{simulate, SimConfig, SimPolicy};
 use kvfleet_bench::trace_gen::{generate, GenConfig};
 use kvfleet_bench::{Trace, TraceRecord};
+use kvfleet_core::decode_reserve::DecodeReserveConfig;
 use kvfleet_routing::PolicyKind;
 use std::path::PathBuf;
 
@@ -199,6 +200,7 @@ fn the_sweep_checks_cache_aware_against_the_best_other_policy() {
         peer_pull_min_blocks: Some(0),
         hold_blocks: false,
         hits_at_admission: false,
+        decode_reserve: None,
     };
     let rows = run_sweep(&cfg).unwrap();
     assert_eq!(rows.len(), 2 * 3);
@@ -264,6 +266,7 @@ fn short_fork_children_do_not_wait_behind_their_siblings_overheads() {
         peer_pull_min_blocks: None,
         hold_blocks: false,
         hits_at_admission: false,
+        decode_reserve: None,
     };
     let rows = run_sweep(&cfg).unwrap();
     assert_eq!(rows.len(), 1);
@@ -701,6 +704,88 @@ fn with_held_blocks_a_wait_no_pool_could_spare_is_not_avoidable() {
         r.ttft_samples
     );
     assert_eq!(r.avoidable_waits, 0);
+}
+
+/// With the engine's memory rule (`decode_reserve`), a request is admitted beside a
+/// running one when the free blocks cover its prompt and the share of both outputs the
+/// reserve expects, not their whole outputs; their outputs then take blocks as they
+/// are generated, and a growth that finds every block held is counted where the
+/// engine would preempt. Reserving whole outputs admits as plain `hold_blocks` does.
+#[test]
+fn the_engine_memory_rule_admits_on_expected_growth_and_counts_preemptions() {
+    // A pool of 7 blocks of 512 tokens. A: 2 prompt blocks, 600 output tokens (4
+    // blocks in all). B, 1 ms later: 3 prompt blocks, 600 output tokens (5 in all).
+    let t = Trace {
+        records: vec![
+            record(0, 0, vec![1, 2], 1024, 600, None),
+            record(1, 1, vec![7, 8, 9], 1536, 600, None),
+        ],
+    };
+    let run = |reserve: Option<f64>| {
+        let mut cfg = SimConfig::new(1, 7, SimPolicy::Kvfleet(PolicyKind::CacheAware));
+        cfg.hold_blocks = true;
+        cfg.decode_reserve = reserve.map(|r| DecodeReserveConfig {
+            init_ratio: r,
+            min_ratio: r,
+            ..DecodeReserveConfig::default()
+        });
+        simulate(&t, &cfg).unwrap()
+    };
+    let cost = CostModel::h200_llama8b();
+    let a_decode = cost.decode_step_ms(1) * 599.0;
+    let b_ttft =
+        |r: &kvfleet_bench::sim::SimResult| r.ttft_samples.iter().copied().fold(0.0, f64::max);
+    // Expecting a tenth of each output (60 tokens, a block each): 2 + 1 + 3 + 1 = 7
+    // blocks fit, so B starts right after A's prefill; the outputs then need 9.
+    let tenth = run(Some(0.1));
+    assert!(b_ttft(&tenth) < 1_000.0, "{:?}", tenth.ttft_samples);
+    assert!(tenth.preemptions >= 1, "{}", tenth.preemptions);
+    // Expecting whole outputs (2 blocks each) B waits for A, and nothing is preempted.
+    let whole = run(Some(1.0));
+    assert!(b_ttft(&whole) > a_decode, "{:?}", whole.ttft_samples);
+    assert_eq!(whole.preemptions, 0);
+    // As plain `hold_blocks` books them.
+    let booked = run(None);
+    assert!(b_ttft(&booked) > a_decode, "{:?}", booked.ttft_samples);
+    assert_eq!(booked.preemptions, 0);
+    // Every run served both requests with the same hits (none).
+    for r in [&tenth, &whole, &booked] {
+        assert_eq!((r.hit_blocks, r.total_blocks), (0, 5));
+    }
+}
+
+/// A running request's generated tokens take pool blocks as they come, evicting the
+/// least recently used free prefix only then: a prompt asked for again before the
+/// running request has grown still finds it cached, and one asked for after the
+/// growth does not. Booked whole (plain `hold_blocks`), the output evicts nothing.
+#[test]
+fn the_engine_memory_rule_evicts_for_generated_tokens_as_they_are_generated() {
+    // A pool of 4 blocks of 512 tokens. P caches [1, 2] and ends. A (1 block of 256
+    // tokens, 1,300 output tokens: 4 blocks in all) then runs alone; its prompt block
+    // holds its first 256 tokens, its next blocks come with tokens 257, 769 and 1,281
+    // (about 4, 10 and 16.5 s in). Q asks for [1, 2] at 2 s, R at 20 s.
+    let t = Trace {
+        records: vec![
+            record(0, 0, vec![1, 2], 1024, 1, None),
+            record(1, 1_000, vec![5], 256, 1_300, None),
+            record(2, 2_000, vec![1, 2], 1024, 1, None),
+            record(3, 20_000, vec![1, 2], 1024, 1, None),
+        ],
+    };
+    let run = |reserve: Option<DecodeReserveConfig>| {
+        let mut cfg = SimConfig::new(1, 4, SimPolicy::Kvfleet(PolicyKind::CacheAware));
+        cfg.hold_blocks = true;
+        cfg.decode_reserve = reserve;
+        simulate(&t, &cfg).unwrap()
+    };
+    // Q finds both blocks; A's second and third blocks evict [2], then [1], so R finds
+    // none.
+    let grown = run(Some(DecodeReserveConfig::default()));
+    assert_eq!(grown.hit_blocks, 2, "{:?}", grown.ttft_samples);
+    assert_eq!(grown.preemptions, 0);
+    // Booked whole, A's output takes no room from cached prefixes: R finds both.
+    let booked = run(None);
+    assert_eq!(booked.hit_blocks, 4, "{:?}", booked.ttft_samples);
 }
 
 /// What the session figures count, on conversations under memory pressure: SGLang's

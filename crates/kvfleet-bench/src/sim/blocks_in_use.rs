@@ -25,6 +25,11 @@ impl BlocksInUse {
         self.output += output;
     }
 
+    /// A running sequence takes `n` more blocks for its generated tokens.
+    pub fn take_output(&mut self, n: usize) {
+        self.output += n;
+    }
+
     /// A sequence started with [`hold`](Self::hold) finished.
     pub fn release(&mut self, prompt: &[BlockHash], output: usize) {
         for h in prompt {

@@ -9,6 +9,10 @@
 //! used, when its last holder lets go ([`LruBlockCache::unpin_chain`]). When every
 //! block is pinned, a new one is cached beyond the capacity rather than evict a
 //! held one (where an engine would make the request wait for blocks).
+//!
+//! A running sequence's blocks for its generated tokens are *anonymous*
+//! ([`LruBlockCache::occupy`]): they take room in the pool, evicting as a new block
+//! does, but no prefix can hit them.
 
 use kvfleet_core::kv_events::Medium;
 use kvfleet_core::{BlockHash, BlockHashMap};
@@ -60,6 +64,8 @@ pub struct LruBlockCache {
     head: u32,
     /// Least recently used.
     tail: u32,
+    /// Blocks held without a hash ([`Self::occupy`]).
+    anonymous: usize,
 }
 
 impl LruBlockCache {
@@ -72,7 +78,69 @@ impl LruBlockCache {
             free: Vec::new(),
             head: NIL,
             tail: NIL,
+            anonymous: 0,
         }
+    }
+
+    /// Blocks taken: cached ones and anonymous ones.
+    fn used(&self) -> usize {
+        self.map.len() + self.anonymous
+    }
+
+    /// Whether one more block can be taken without going past the capacity: a free
+    /// slot, or an unpinned block to evict.
+    pub fn has_room(&self) -> bool {
+        self.used() < self.capacity || self.tail != NIL
+    }
+
+    /// Takes one anonymous block (a running sequence's next block of generated
+    /// tokens), evicting the least recently used unpinned block when the pool is
+    /// full. Returns whether it fit and the block it evicted; when every block is
+    /// pinned it is taken beyond the capacity (where an engine would preempt).
+    pub fn occupy(&mut self) -> (bool, Option<BlockHash>) {
+        let mut fit = true;
+        let mut evicted = None;
+        if self.used() >= self.capacity {
+            if self.tail == NIL {
+                fit = false;
+            } else {
+                evicted = Some(self.evict_tail());
+            }
+        }
+        self.anonymous += 1;
+        (fit, evicted)
+    }
+
+    /// Gives back `n` anonymous blocks; a pool grown past its capacity evicts back
+    /// down to it (returned).
+    pub fn vacate(&mut self, n: usize) -> Vec<BlockHash> {
+        self.anonymous = self.anonymous.saturating_sub(n);
+        self.evict_to_capacity()
+    }
+
+    /// Turns `blocks.len()` anonymous blocks into cached, unpinned ones named
+    /// `blocks`, each made the most recently used in turn (a finished sequence's full
+    /// blocks of generated tokens: the engine keeps them cached, though no trace's
+    /// prompt asks for them). Returns what a pool over its capacity evicted.
+    pub fn settle(&mut self, blocks: &[BlockHash]) -> Vec<BlockHash> {
+        self.anonymous = self.anonymous.saturating_sub(blocks.len());
+        let mut evicted = Vec::new();
+        for &h in blocks {
+            if !self.touch(h) {
+                evicted.extend(self.push_new(h));
+            }
+        }
+        evicted.extend(self.evict_to_capacity());
+        evicted
+    }
+
+    /// Evicts unpinned blocks while the pool is over its capacity.
+    fn evict_to_capacity(&mut self) -> Vec<BlockHash> {
+        let mut evicted = Vec::new();
+        while self.used() > self.capacity && self.tail != NIL {
+            evicted.push(self.evict_tail());
+        }
+        evicted
     }
 
     /// Capacity in blocks.
@@ -206,11 +274,7 @@ impl LruBlockCache {
                 }
             }
         }
-        let mut evicted = Vec::new();
-        while self.map.len() > self.capacity && self.tail != NIL {
-            evicted.push(self.evict_tail());
-        }
-        evicted
+        self.evict_to_capacity()
     }
 
     /// Evicts the least recently used unpinned block (the list must not be empty).
@@ -252,7 +316,7 @@ impl LruBlockCache {
         let mut evicted = None;
         // Every listed block gone (the rest pinned or detached): cache beyond the
         // capacity rather than evict a held one.
-        if self.map.len() >= self.capacity && self.tail != NIL {
+        if self.used() >= self.capacity && self.tail != NIL {
             evicted = Some(self.evict_tail());
         }
         let node = Node {
@@ -332,6 +396,24 @@ mod tests {
         assert_eq!(c.len(), 4);
         assert_eq!(c.match_prefix(&h(&[10, 11, 12, 13, 14])), 4);
         assert_eq!(ch.removed.len(), 4);
+    }
+
+    #[test]
+    fn anonymous_blocks_take_room_evicting_the_least_recent_and_give_it_back() {
+        let mut c = LruBlockCache::new(3);
+        c.insert_chain(&h(&[1, 2]));
+        // One free slot: no eviction; then the chain's tail goes first.
+        assert_eq!(c.occupy(), (true, None));
+        assert_eq!(c.occupy(), (true, Some(BlockHash(2))));
+        // Every cached block pinned: taken beyond the capacity, reported as not fitting.
+        c.pin_chain(&h(&[1]));
+        assert_eq!(c.occupy(), (false, None));
+        // Given back: the pool is at its capacity again without evicting (1 cached +
+        // 2 anonymous), and 2 more free slots let a new chain in whole.
+        assert!(c.vacate(1).is_empty());
+        assert!(c.vacate(2).is_empty());
+        assert!(c.insert_chain(&h(&[7, 8])).removed.is_empty());
+        assert_eq!(c.len(), 3);
     }
 
     #[test]

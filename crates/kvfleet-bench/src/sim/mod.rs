@@ -51,6 +51,20 @@
 //! `fork`), so it overstates what a pool loses and understates how long a request
 //! waits for memory.
 //!
+//! `--hold-blocks` alone books a request's whole output when its prefill starts. With
+//! [`SimConfig::decode_reserve`] (`--decode-reserve-ratio`) the worker follows the
+//! engine's scheduler instead ([`engine_memory`]): the output takes blocks as it is
+//! generated, a request is admitted while the free blocks cover it and the share of
+//! the running requests' remaining output the decode reserve expects, and a growth
+//! that finds no free block preempts the newest decoding request, which computes its
+//! prompt's uncached part and its generated tokens again when admitted anew. A
+//! finished (or preempted) request's full blocks of generated tokens stay cached
+//! behind its prompt's, as the engine keeps them. Against a live fleet of
+//! `--engine sim` workers replaying 8-turn conversations under memory pressure
+//! (`scripts/bench_engine_sim.sh`, docs/policy-sweep.head.md, "2026-12-06, the
+//! engine's memory rule") it is the one configuration whose preemptions and TTFT
+//! percentiles follow the live fleet's at both 4 and 64 workers.
+//!
 //! # Tiers
 //!
 //! With `host_blocks` / `disk_blocks` a worker keeps two more LRU caches below its
@@ -76,6 +90,7 @@
 pub mod blocks_in_use;
 pub mod cost_model;
 pub mod dynamo_kv_cost;
+pub mod engine_memory;
 pub mod kvfleet_policy;
 pub mod lru;
 pub mod sglang_cache_aware;
@@ -86,6 +101,8 @@ use crate::trace::Trace;
 use blocks_in_use::BlocksInUse;
 use cost_model::CostModel;
 use dynamo_kv_cost::{DynamoConfig, DynamoKvCost, DynamoMetric};
+use engine_memory::EngineMemory;
+use kvfleet_core::decode_reserve::DecodeReserveConfig;
 use kvfleet_core::kv_events::Medium;
 use kvfleet_core::BlockHash;
 use kvfleet_routing::policy::default_peer_pull_min_blocks;
@@ -183,6 +200,9 @@ pub struct SimWorker {
     pub active_blocks: usize,
     /// Blocks the running sequences hold, as the engine's pool counts them.
     in_use: BlocksInUse,
+    /// The engine's memory rule for its running sequences, when the simulation
+    /// follows it ([`SimConfig::decode_reserve`]).
+    memory: Option<EngineMemory>,
     /// Queued requests holding the leading blocks of their chain in the pool, as the
     /// engine's waiting sequences hold their cached prefix: (how many, how many of
     /// them nobody else held when taken). The second counts against the cap of half
@@ -217,6 +237,7 @@ impl SimWorker {
             decoding: 0,
             active_blocks: 0,
             in_use: BlocksInUse::default(),
+            memory: None,
             held: HashMap::new(),
             inflight: 0,
             prefill_computed: 0,
@@ -356,6 +377,20 @@ impl SimWorker {
         }
     }
 
+    /// The youngest queued request holding a prefix lets go of it (a running
+    /// sequence found no free block); `None` if no queued request holds one.
+    fn release_youngest_hold(&mut self, chains: &[Vec<BlockHash>]) -> Option<ChainChange> {
+        let &j = self
+            .queue
+            .iter()
+            .rev()
+            .find(|j| self.held.contains_key(j))?;
+        let mut change = ChainChange::default();
+        self.release_held(j, &chains[j], &mut change);
+        self.demote_removed(&mut change);
+        Some(change)
+    }
+
     fn dequeue(&mut self, chain: &[BlockHash]) {
         self.queue.pop_front();
         if self.queued_blocks.is_empty() {
@@ -433,27 +468,70 @@ impl SimWorker {
         }
     }
 
-    /// A request that held `chain` (see [`SimConfig::hold_blocks`]) finished: its
-    /// blocks may be evicted again, and a pool that had grown past its capacity while
-    /// every block was held evicts back down to it (demoting as `admit` does).
-    fn release(&mut self, chain: &[BlockHash]) -> ChainChange {
+    /// A request that held `chain` (see [`SimConfig::hold_blocks`]) and `anonymous`
+    /// blocks of generated tokens finished or was preempted: its blocks may be evicted
+    /// again, and a pool that had grown past its capacity while every block was held
+    /// evicts back down to it (demoting as `admit` does). Released tail first, as the
+    /// engine releases them: `generated`, its full blocks of generated tokens, last
+    /// first, stay cached behind its prompt's blocks; the rest of `anonymous` is freed.
+    fn release(
+        &mut self,
+        chain: &[BlockHash],
+        anonymous: usize,
+        generated: &[BlockHash],
+    ) -> ChainChange {
+        let mut removed = self.lru.vacate(anonymous.saturating_sub(generated.len()));
+        removed.extend(self.lru.settle(generated));
+        removed.extend(self.lru.unpin_chain(chain));
         let mut change = ChainChange {
-            removed: self.lru.unpin_chain(chain),
+            removed,
             ..ChainChange::default()
         };
         self.demote_removed(&mut change);
         change
     }
 
-    /// Whether the prefill of a request with `chain` and `output` more blocks may
-    /// start: the blocks running sequences hold plus its own fit the pool, or nothing
-    /// runs (a lone request always starts).
-    fn fits(&self, chain: &[BlockHash], output: usize) -> bool {
+    /// Whether the prefill of a request with `chain` (`input` tokens, `output` to
+    /// generate of which it had generated `generated` before a preemption,
+    /// `output_blocks` blocks beyond its chain in all) may start at `now_ms`,
+    /// or nothing runs (a lone request always starts). Under the engine's rule
+    /// ([`EngineMemory::admits`]) its blocks and the running sequences' expected
+    /// growth fit the free blocks; otherwise the blocks running sequences hold plus
+    /// its whole output fit the pool.
+    fn fits(
+        &self,
+        chain: &[BlockHash],
+        input: usize,
+        output: usize,
+        generated: usize,
+        output_blocks: usize,
+        now_ms: f64,
+    ) -> bool {
         if self.in_use.is_empty() {
             return true;
         }
-        let own = chain.iter().filter(|h| !self.in_use.holds(h)).count() + output;
-        self.in_use.len() + own <= self.lru.capacity()
+        let new = chain.iter().filter(|h| !self.in_use.holds(h)).count();
+        match &self.memory {
+            Some(m) => {
+                let free = self.lru.capacity().saturating_sub(self.in_use.len());
+                m.admits(input, output, generated, new, free, now_ms)
+            }
+            None => self.in_use.len() + new + output_blocks <= self.lru.capacity(),
+        }
+    }
+
+    /// A running sequence takes one more block for its generated tokens (the engine's
+    /// rule): what the pool evicted for it (beyond the capacity when every block is
+    /// held: the caller preempts first where the engine would).
+    fn grow_output(&mut self) -> ChainChange {
+        let (_, evicted) = self.lru.occupy();
+        self.in_use.take_output(1);
+        let mut change = ChainChange {
+            removed: evicted.into_iter().collect(),
+            ..ChainChange::default()
+        };
+        self.demote_removed(&mut change);
+        change
     }
 
     /// Moves `h`, just evicted from the device, to the host tier (or straight to disk
@@ -618,6 +696,12 @@ pub struct SimConfig {
     /// admission, a router routing behind a queue sees the pool as it is, prefixes
     /// the queue will evict included.
     pub hits_at_admission: bool,
+    /// With [`hold_blocks`](Self::hold_blocks): admit and grow as the engine's
+    /// scheduler does ([`engine_memory`]): a request's output takes blocks as it is
+    /// generated, and a lane starts a request only while the free blocks cover it and
+    /// this share of what the running requests may still generate. `None` (the
+    /// default): each request's whole output is booked when its prefill starts.
+    pub decode_reserve: Option<DecodeReserveConfig>,
 }
 
 /// The pull threshold of `policy` in a comparison of policies (the sweep, the
@@ -654,6 +738,7 @@ impl SimConfig {
             timeline_buckets: 20,
             hold_blocks: false,
             hits_at_admission: false,
+            decode_reserve: None,
         }
     }
 }
@@ -711,6 +796,10 @@ pub struct SimResult {
     /// worker's pool (`(prompt tokens + 1) ÷ block size`, rounded up), as the engine
     /// refuses them. They count in no other figure; their children still run.
     pub rejected: usize,
+    /// Under the engine's memory rule ([`SimConfig::decode_reserve`]): times a running
+    /// request's growth found every block held, where the engine would preempt (0
+    /// otherwise).
+    pub preemptions: usize,
     /// Prompt blocks (hash ids) over all requests.
     pub total_blocks: u64,
     /// Leading blocks found cached, in any tier.
@@ -788,7 +877,11 @@ pub struct SimResult {
 enum Ev {
     Arrive(usize),
     PrefillDone(usize),
-    DecodeDone(usize),
+    /// Request `.0`'s last token, in its attempt `.1` (a preemption ends an attempt).
+    DecodeDone(usize, u32),
+    /// Request `.0`'s generated tokens need one more block (the engine's memory rule),
+    /// in its attempt `.1`.
+    Grow(usize, u32),
     /// A load poll of worker `.0` while it prefills request `.1`.
     Poll(usize, usize),
 }
@@ -824,6 +917,15 @@ struct ReqState {
     /// Blocks it holds beyond its prompt's full blocks while it runs (its partial
     /// last block and its output).
     output_blocks: usize,
+    /// Tokens it generates.
+    output_tokens: usize,
+    /// Its attempt: how many times it was preempted.
+    epoch: u32,
+    /// Tokens it had generated when it was last preempted.
+    generated: usize,
+    /// Queued again after a preemption: its hits were counted at its first admission,
+    /// its first token already came.
+    recompute: bool,
     /// It has taken its hits and stored its chain (see [`SimConfig::hits_at_admission`]).
     admitted: bool,
     done: bool,
@@ -875,8 +977,16 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
     let bs = trace.block_size();
     let chains = chains(trace);
     let recs = &trace.records;
+    anyhow::ensure!(
+        cfg.decode_reserve.is_none() || cfg.hold_blocks,
+        "the engine's memory rule (--decode-reserve-ratio) needs --hold-blocks"
+    );
     let mut workers: Vec<SimWorker> = (0..cfg.workers)
-        .map(|_| SimWorker::new(cfg.cache_blocks, cfg.host_blocks, cfg.disk_blocks))
+        .map(|_| {
+            let mut w = SimWorker::new(cfg.cache_blocks, cfg.host_blocks, cfg.disk_blocks);
+            w.memory = cfg.decode_reserve.map(|c| EngineMemory::new(c, bs));
+            w
+        })
         .collect();
     let parent = trace.parent_indices();
     let mut parked: HashMap<usize, Vec<usize>> = HashMap::new();
@@ -904,6 +1014,7 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
     // Workers whose prefill lane is busy, kept up to date on every start and finish.
     let mut prefilling = 0usize;
     let mut avoidable_waits = 0usize;
+    let mut preemptions = 0usize;
     let mut own_prefix_waits = 0usize;
     let pulls = cfg.peer_pull_min_blocks > 0;
     let hold = cfg.hold_blocks;
@@ -946,7 +1057,16 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                 // request either.
                 let idle_elsewhere = if hold {
                     workers.iter().any(|x| {
-                        x.prefilling.is_none() && x.queue.is_empty() && x.fits(chain, output_blocks)
+                        x.prefilling.is_none()
+                            && x.queue.is_empty()
+                            && x.fits(
+                                chain,
+                                r.input_length,
+                                r.output_length,
+                                0,
+                                output_blocks,
+                                now,
+                            )
                     })
                 } else {
                     prefilling < workers.len()
@@ -1000,6 +1120,10 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                     own_prefix_ms,
                     computing: Vec::new(),
                     output_blocks,
+                    output_tokens: r.output_length,
+                    epoch: 0,
+                    generated: 0,
+                    recompute: false,
                     admitted: false,
                     done: false,
                 };
@@ -1030,22 +1154,33 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                 // A margin for the rounding of event times (`now - sent_ms` of a
                 // request that never queued can exceed its prefill by an ulp).
                 let cold = cfg.cost.prefill_ms(recs[i].input_length) + ROUNDING_MS;
-                if st[i].idle_elsewhere && took > cold {
+                let first = !st[i].recompute;
+                if first && st[i].idle_elsewhere && took > cold {
                     if took - st[i].own_prefix_ms > cold {
                         avoidable_waits += 1;
                     } else {
                         own_prefix_waits += 1;
                     }
                 }
-                ttft.push(took);
+                if first {
+                    ttft.push(took);
+                }
                 wk.decoding += 1;
                 let step = cfg.cost.decode_step_ms(wk.decoding);
-                let steps = recs[i].output_length.saturating_sub(1);
-                if steps > 0 {
+                // This prefill's end brings token `generated + 1`.
+                let generated = st[i].generated;
+                let steps = recs[i].output_length.saturating_sub(1 + generated);
+                if first && steps > 0 {
                     itl.push(step);
                 }
+                let epoch = st[i].epoch;
+                st[i].recompute = false;
                 adm.events
-                    .push(now + step * steps as f64, Ev::DecodeDone(i));
+                    .push(now + step * steps as f64, Ev::DecodeDone(i, epoch));
+                let grow = wk.memory.as_mut();
+                if let Some(t) = grow.and_then(|m| m.decode_started(i, generated, now, step)) {
+                    adm.events.push(t, Ev::Grow(i, epoch));
+                }
                 wk.report_ms = now;
                 // Its blocks are reported before the next request's admission
                 // evicts any of them.
@@ -1057,16 +1192,39 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                 }
                 adm.router.on_load_changed(w, &workers);
             }
-            Ev::DecodeDone(i) => {
+            Ev::DecodeDone(i, epoch) => {
+                if epoch != st[i].epoch {
+                    continue;
+                }
                 let w = st[i].worker;
                 let wk = &mut workers[w];
                 wk.report_ms = now;
                 wk.decoding -= 1;
                 wk.inflight -= 1;
                 wk.active_blocks -= chains[i].len();
-                wk.in_use.release(&chains[i], st[i].output_blocks);
+                let (output, anonymous) = match wk.memory.as_mut() {
+                    Some(m) => {
+                        let grown = m.finish(i);
+                        (grown, grown)
+                    }
+                    None => (st[i].output_blocks, 0),
+                };
+                wk.in_use.release(&chains[i], output);
                 if hold {
-                    let change = wk.release(&chains[i]);
+                    let r = &st[i];
+                    let generated = if anonymous > 0 {
+                        generated_blocks(
+                            i,
+                            r,
+                            recs[i].output_length,
+                            chains[i].len(),
+                            anonymous,
+                            bs,
+                        )
+                    } else {
+                        Vec::new()
+                    };
+                    let change = wk.release(&chains[i], anonymous, &generated);
                     adm.router.on_enqueued(w, &change, &workers);
                     // A lane waiting for memory may start now.
                     if adm.begin(&mut workers, w, &mut st, now) {
@@ -1081,6 +1239,59 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                         adm.events.push(now, Ev::Arrive(k));
                     }
                 }
+            }
+            Ev::Grow(i, epoch) => {
+                if st[i].done || epoch != st[i].epoch {
+                    continue;
+                }
+                let w = st[i].worker;
+                let step = cfg.cost.decode_step_ms(workers[w].decoding.max(1));
+                let Some(m) = workers[w].memory.as_mut() else {
+                    continue;
+                };
+                m.relax_to(now, step);
+                // No block free: a waiting request's held prefix yields first, then the
+                // newest decoding request is preempted, as the engine's scheduler does.
+                let mut preempted_self = false;
+                while !workers[w].lru.has_room() {
+                    if let Some(change) = workers[w].release_youngest_hold(&chains) {
+                        adm.router.on_enqueued(w, &change, &workers);
+                        continue;
+                    }
+                    let victim = workers[w].memory.as_ref().and_then(|m| m.victim());
+                    let Some(v) = victim.filter(|&v| v != i || workers[w].decoding > 1) else {
+                        // Alone it outgrew the pool: it takes the block beyond it.
+                        break;
+                    };
+                    let change = preempt(
+                        &mut workers[w],
+                        &mut st,
+                        &chains,
+                        v,
+                        now,
+                        cfg.hits_at_admission,
+                        bs,
+                    );
+                    preemptions += 1;
+                    adm.router.on_enqueued(w, &change, &workers);
+                    if v == i {
+                        preempted_self = true;
+                        break;
+                    }
+                }
+                if !preempted_self {
+                    let wk = &mut workers[w];
+                    let next = wk.memory.as_mut().and_then(|m| m.grew(i));
+                    let change = wk.grow_output();
+                    if let Some(t) = next {
+                        adm.events.push(t, Ev::Grow(i, epoch));
+                    }
+                    if !change.removed.is_empty() {
+                        adm.router.on_enqueued(w, &change, &workers);
+                    }
+                }
+                workers[w].report_ms = now;
+                adm.router.on_load_changed(w, &workers);
             }
             Ev::Poll(w, i) => {
                 let wk = &mut workers[w];
@@ -1136,6 +1347,7 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
         cost_model: cfg.cost.name.clone(),
         requests: recs.len(),
         rejected,
+        preemptions,
         total_blocks,
         hit_blocks,
         host_hit_blocks,
@@ -1278,7 +1490,25 @@ impl Admitter<'_> {
             return false;
         };
         let hold = self.cfg.hold_blocks;
-        if wk.prefilling.is_some() || (hold && !wk.fits(&self.chains[i], st[i].output_blocks)) {
+        if wk.prefilling.is_some() {
+            return false;
+        }
+        let step = self.cfg.cost.decode_step_ms(wk.decoding.max(1));
+        if let Some(m) = workers[w].memory.as_mut() {
+            m.relax_to(now, step);
+        }
+        let wk = &workers[w];
+        let r = &st[i];
+        if hold
+            && !wk.fits(
+                &self.chains[i],
+                r.input_tokens,
+                r.output_tokens,
+                r.generated,
+                r.output_blocks,
+                now,
+            )
+        {
             return false;
         }
         if !st[i].admitted {
@@ -1289,10 +1519,14 @@ impl Admitter<'_> {
             let hits = workers[w].tiered_match(&self.chains[i]);
             self.take_hits(workers, w, st, i, hits);
         }
-        let Some(t) = start_prefill(&mut workers[w], st, self.chains, &self.cfg.cost, now, hold)
+        let Some((t, evicted)) =
+            start_prefill(&mut workers[w], st, self.chains, &self.cfg.cost, now, hold)
         else {
             return false;
         };
+        if !evicted.removed.is_empty() {
+            self.router.on_enqueued(w, &evicted, workers);
+        }
         self.events.push(now + t, Ev::PrefillDone(w));
         if t > LOAD_POLL_MS {
             self.events.push(now + LOAD_POLL_MS, Ev::Poll(w, i));
@@ -1333,6 +1567,21 @@ impl Admitter<'_> {
         let r = &mut st[i];
         let hits = tier_hits.total() + peer;
         let uncached = uncached_tokens(r.input_tokens, hits, bs);
+        if r.recompute {
+            // Admitted again after a preemption: its hits were counted the first time;
+            // it computes what is not cached of its prompt and every token it had
+            // generated.
+            let lane_tokens = uncached + r.generated;
+            wk.queued_prefill_tokens = wk.queued_prefill_tokens - r.lane_tokens + lane_tokens;
+            wk.prefill_computed += lane_tokens as u64;
+            r.uncached = lane_tokens;
+            r.load_ms = 0.0;
+            r.lane_tokens = lane_tokens;
+            r.computing = change.stored.clone();
+            r.admitted = true;
+            self.router.on_enqueued(w, &change, workers);
+            return;
+        }
         let cached = r.input_tokens - uncached;
         let moved = moved_tokens(tier_hits, peer, bs, cached);
         let load_ms = cfg.cost.host_load_ms(moved.host)
@@ -1367,7 +1616,8 @@ impl Admitter<'_> {
 const ROUNDING_MS: f64 = 1e-6;
 
 /// Starts the next queued prefill of `wk` at `now` (its hits already taken): its
-/// duration, ms; `None` if, holding blocks, they do not fit yet.
+/// duration, ms, and what taking its blocks evicted; `None` if, holding blocks, they
+/// do not fit yet.
 fn start_prefill(
     wk: &mut SimWorker,
     st: &[ReqState],
@@ -1375,14 +1625,43 @@ fn start_prefill(
     cost: &CostModel,
     now: f64,
     hold: bool,
-) -> Option<f64> {
+) -> Option<(f64, ChainChange)> {
     let &i = wk.queue.front()?;
-    if hold && !wk.fits(&chains[i], st[i].output_blocks) {
+    let r = &st[i];
+    if hold
+        && !wk.fits(
+            &chains[i],
+            r.input_tokens,
+            r.output_tokens,
+            r.generated,
+            r.output_blocks,
+            now,
+        )
+    {
         return None;
     }
     wk.dequeue(&chains[i]);
     wk.prefilling = Some(i);
-    wk.in_use.hold(&chains[i], st[i].output_blocks);
+    let mut evicted = ChainChange::default();
+    match wk.memory.as_mut() {
+        // The engine's rule: the prompt's blocks now, the output's as it is generated.
+        Some(m) => {
+            let initial = m.start(
+                i,
+                r.input_tokens,
+                r.output_tokens,
+                chains[i].len(),
+                r.generated,
+            );
+            wk.in_use.hold(&chains[i], 0);
+            for _ in 0..initial {
+                let change = wk.grow_output();
+                evicted.removed.extend(change.removed);
+                evicted.lower.extend(change.lower);
+            }
+        }
+        None => wk.in_use.hold(&chains[i], r.output_blocks),
+    }
     if hold {
         wk.lru.pin_chain(&chains[i]);
     }
@@ -1390,7 +1669,76 @@ fn start_prefill(
     wk.prefilling_tokens = st[i].lane_tokens;
     wk.prefill_started = now;
     wk.prefill_until = now + t;
-    Some(t)
+    Some((t, evicted))
+}
+
+/// Preempts request `v`, decoding on `wk`, as the engine's scheduler does when a
+/// running sequence finds no free block: its blocks are released (its prompt's stay
+/// cached until evicted), the reserve's share rises, and it waits at the head of the
+/// queue to compute its prompt's uncached part and the tokens it generated again.
+/// Returns what releasing its blocks evicted.
+fn preempt(
+    wk: &mut SimWorker,
+    st: &mut [ReqState],
+    chains: &[Vec<BlockHash>],
+    v: usize,
+    now: f64,
+    hits_at_admission: bool,
+    bs: usize,
+) -> ChainChange {
+    let (generated, grown) = match wk.memory.as_mut() {
+        Some(m) => {
+            let generated = m.generated(v, now);
+            m.preempted();
+            (generated, m.finish(v))
+        }
+        None => (0, 0),
+    };
+    wk.in_use.release(&chains[v], grown);
+    let kept = generated_blocks(v, &st[v], generated, chains[v].len(), grown, bs);
+    let change = wk.release(&chains[v], grown, &kept);
+    wk.decoding -= 1;
+    let hits = wk.lru.match_prefix(&chains[v]);
+    let r = &mut st[v];
+    r.epoch += 1;
+    r.generated = generated;
+    r.recompute = true;
+    r.admitted = false;
+    r.pull = None;
+    // Its place in the backlog until it takes its hits again.
+    r.lane_tokens = uncached_tokens(r.input_tokens, hits, bs) + generated;
+    wk.queued_prefill_tokens += r.lane_tokens;
+    wk.enqueue(v, &chains[v], hits_at_admission);
+    // The engine queues it by arrival: ahead of every request that came after it.
+    wk.queue.pop_back();
+    wk.queue.push_front(v);
+    change
+}
+
+/// Names for the full blocks of generated tokens request `i` (attempt `r.epoch`)
+/// leaves cached when it releases `grown` blocks beyond its `prompt_blocks`, having
+/// generated `generated` tokens: unique to it, as its output is, and last block first
+/// (the order the engine releases them in).
+fn generated_blocks(
+    i: usize,
+    r: &ReqState,
+    generated: usize,
+    prompt_blocks: usize,
+    grown: usize,
+    bs: usize,
+) -> Vec<BlockHash> {
+    let full = kvfleet_core::full_blocks(r.input_tokens + generated, bs)
+        .saturating_sub(prompt_blocks)
+        .min(grown);
+    // A tag no trace's chained hash is built from, then the request, attempt, block.
+    const GENERATED: u64 = 0x6765_6e65_7261_7465;
+    (0..full as u64)
+        .rev()
+        .map(|k| {
+            let key = GENERATED ^ ((i as u64) << 24) ^ (u64::from(r.epoch) << 16) ^ k;
+            BlockHash(kvfleet_routing::policy::mix64(key))
+        })
+        .collect()
 }
 
 /// The prompt tokens of an `input`-token request with `hits` cached blocks of `bs`
@@ -1589,7 +1937,7 @@ mod tests {
         wk.queue.push_back(0);
         wk.queued_prefill_tokens = 8_000;
         let chains = [h(&[1])];
-        let t = start_prefill(&mut wk, &st, &chains, &cost, 0.0, false).unwrap();
+        let (t, _) = start_prefill(&mut wk, &st, &chains, &cost, 0.0, false).unwrap();
         wk.report_ms = 0.0;
         assert_eq!(wk.load_report().queued_prefill_tokens, 8_000);
         wk.report_ms = t / 2.0;
