@@ -748,10 +748,19 @@ fn the_engine_memory_rule_admits_on_expected_growth_and_counts_preemptions() {
     let booked = run(None);
     assert!(b_ttft(&booked) > a_decode, "{:?}", booked.ttft_samples);
     assert_eq!(booked.preemptions, 0);
-    // Every run served both requests with the same hits (none).
+    // Every run served both requests with the same hits (none), each counted once
+    // with one TTFT, the preempted one too.
     for r in [&tenth, &whole, &booked] {
         assert_eq!((r.hit_blocks, r.total_blocks), (0, 5));
+        assert_eq!(r.ttft_samples.len(), 2);
     }
+    // The preempted request computed its prompt and its generated tokens again.
+    assert!(
+        tenth.prefill_tokens > whole.prefill_tokens,
+        "{} vs {}",
+        tenth.prefill_tokens,
+        whole.prefill_tokens
+    );
 }
 
 /// A running request's generated tokens take pool blocks as they come, evicting the
