@@ -6,7 +6,9 @@
 # replay`, runs `kvfleet sim` (policy cache-aware) on the same trace with the same
 # workers, blocks per worker and block size in each of its four configurations (hits
 # taken when a request is queued, the default, or at admission, `--hits-at-admission`;
-# running sequences' blocks evictable, the default, or held, `--hold-blocks`), prints
+# running sequences' blocks evictable, the default, or held, `--hold-blocks`) and with
+# the engine's memory rule (held at admission, outputs growing into the pool, the
+# decode reserve and preemption: `--decode-reserve-ratio`), prints
 # each one's figures over the live fleet's (and its session moves beside the live
 # fleet's: turns served away from the turn before), and stops every process it started.
 #
@@ -21,7 +23,8 @@
 # started per second; higher queues more), BIN (a built kvfleet; default
 # target/debug/kvfleet, built if missing), OUT (results directory), COST_MODEL (cost
 # model file for the workers and the simulator), WORKER_ARGS (more `kvfleet worker`
-# flags, e.g. `--decode-reserve-ratio 0`).
+# flags, e.g. `--decode-reserve-ratio 0`), SIM_RESERVE (the reserve ratio of the
+# simulator's engine rule: 0.3, the workers' default).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -93,7 +96,8 @@ echo "router $URL in front of $WORKERS sim workers ($BLOCKS blocks of $BLOCK_SIZ
 curl -s --max-time 10 "$URL/fleet" > "$OUT/fleet.json" || true
 # The simulator in its four configurations (see the header).
 SIMS=(sim "" sim-admission --hits-at-admission sim-hold --hold-blocks
-  sim-both "--hold-blocks --hits-at-admission")
+  sim-both "--hold-blocks --hits-at-admission"
+  sim-engine "--hold-blocks --hits-at-admission --decode-reserve-ratio ${SIM_RESERVE:-0.3}")
 for ((k = 0; k < ${#SIMS[@]}; k += 2)); do
   # shellcheck disable=SC2086 # the flags are split on purpose
   "$BIN" sim --trace "$OUT/trace.jsonl" --workers "$WORKERS" --cache-blocks "$BLOCKS" \
@@ -122,7 +126,7 @@ print(f"kvfleet sim (cache-aware):          hit ratio {x['hit_ratio']:.4f} "
 try:
     fleet = json.load(open(f"{out}/fleet.json"))
     pre = [w["load"]["preemptions"] for w in fleet["workers"]]
-    print(f"live preemptions per worker: {pre}; replay took {r['duration_s']:.1f} s")
+    print(f"live preemptions per worker: {pre} ({sum(pre)} in all); replay took {r['duration_s']:.1f} s")
 except (OSError, ValueError, KeyError):
     print("live preemptions: /fleet not read")
 # Side by side: each simulator configuration's figures over the live fleet's.
@@ -133,6 +137,7 @@ for stem, flags in sims:
           f"{x['cached_token_ratio'] / max(r['cached_token_ratio'], 1e-9):.3f}, "
           f"TTFT p50 {x['ttft_ms']['p50'] / max(r['ttft_ms']['p50'], 1e-9):.3f}, "
           f"TTFT p99 {x['ttft_ms']['p99'] / max(r['ttft_ms']['p99'], 1e-9):.3f}; "
-          f"session moves {x['session_moves']} (live {r['session_moves']})")
+          f"session moves {x['session_moves']} (live {r['session_moves']}), "
+          f"preemptions {x['preemptions']}")
 PY
 echo "results in $OUT"
