@@ -18,8 +18,14 @@
 //! ([`EngineMemory::victim`]): its blocks are released, it waits at the head of the
 //! queue, and when admitted again it computes its prompt's uncached part and every
 //! token it had generated, then generates the rest (counted in
-//! [`SimResult::preemptions`](super::SimResult::preemptions)). A preemption raises the
-//! share.
+//! [`SimResult::preemptions`](super::SimResult::preemptions)); past a whole cached
+//! prompt it reuses the blocks of generated tokens its first attempt left cached. A
+//! preemption raises the share.
+//!
+//! Not modelled: the engine's last prompt block, partly filled, is completed by
+//! generated tokens and so never matches the next turn's prompt, where the simulator's
+//! chain names it by the trace's hash id; and the victim is the newest *decoding*
+//! sequence, where the engine may preempt one still in its prefill.
 
 use kvfleet_core::blocks_needed;
 use kvfleet_core::decode_reserve::{DecodeReserve, DecodeReserveConfig};

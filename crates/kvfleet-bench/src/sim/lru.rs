@@ -87,6 +87,21 @@ impl LruBlockCache {
         self.map.len() + self.anonymous
     }
 
+    /// Takes the unpinned cached block `h` out of the cache without evicting it (a
+    /// sequence makes it its own again: its blocks are anonymous); returns whether it
+    /// was there.
+    pub fn take(&mut self, h: BlockHash) -> bool {
+        match self.map.get(&h) {
+            Some(&n) if self.nodes[n as usize].pins == 0 => {
+                self.unlink(n);
+                self.map.remove(&h);
+                self.free.push(n);
+                true
+            }
+            _ => false,
+        }
+    }
+
     /// Whether one more block can be taken without going past the capacity: a free
     /// slot, or an unpinned block to evict.
     pub fn has_room(&self) -> bool {
@@ -414,6 +429,13 @@ mod tests {
         assert!(c.vacate(2).is_empty());
         assert!(c.insert_chain(&h(&[7, 8])).removed.is_empty());
         assert_eq!(c.len(), 3);
+        // A sequence takes a cached block back as its own: it leaves the cache
+        // without an eviction; a pinned or absent one cannot be taken.
+        assert!(c.take(BlockHash(8)));
+        assert!(!c.contains(BlockHash(8)));
+        assert!(!c.take(BlockHash(1)), "pinned");
+        assert!(!c.take(BlockHash(8)), "gone");
+        assert_eq!(c.len(), 2);
     }
 
     #[test]

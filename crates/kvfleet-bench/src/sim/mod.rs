@@ -1568,10 +1568,20 @@ impl Admitter<'_> {
         let hits = tier_hits.total() + peer;
         let uncached = uncached_tokens(r.input_tokens, hits, bs);
         if r.recompute {
-            // Admitted again after a preemption: its hits were counted the first time;
-            // it computes what is not cached of its prompt and every token it had
-            // generated.
-            let lane_tokens = uncached + r.generated;
+            // Admitted again after a preemption: its hits were counted the first time.
+            // Past a whole cached prompt it reuses the blocks of generated tokens its
+            // first attempt left cached (they are its own again: they leave the free
+            // pool), and computes the rest of its prompt and of its generated tokens.
+            let reused = if tier_hits.device == chain.len() {
+                let mut k = 0;
+                while k * bs < r.generated && wk.lru.take(generated_block(i, k)) {
+                    k += 1;
+                }
+                k
+            } else {
+                0
+            };
+            let lane_tokens = uncached + r.generated.saturating_sub(reused * bs);
             wk.queued_prefill_tokens = wk.queued_prefill_tokens - r.lane_tokens + lane_tokens;
             wk.prefill_computed += lane_tokens as u64;
             r.uncached = lane_tokens;
@@ -1715,10 +1725,11 @@ fn preempt(
     change
 }
 
-/// Names for the full blocks of generated tokens request `i` (attempt `r.epoch`)
-/// leaves cached when it releases `grown` blocks beyond its `prompt_blocks`, having
-/// generated `generated` tokens: unique to it, as its output is, and last block first
-/// (the order the engine releases them in).
+/// Names for the full blocks of generated tokens request `i` leaves cached when it
+/// releases `grown` blocks beyond its `prompt_blocks`, having generated `generated`
+/// tokens, last block first (the order the engine releases them in). They are its
+/// own, as its output is; a preempted request generates the same tokens again, so
+/// its second attempt finds its first attempt's blocks under the same names.
 fn generated_blocks(
     i: usize,
     r: &ReqState,
@@ -1730,15 +1741,16 @@ fn generated_blocks(
     let full = kvfleet_core::full_blocks(r.input_tokens + generated, bs)
         .saturating_sub(prompt_blocks)
         .min(grown);
-    // A tag no trace's chained hash is built from, then the request, attempt, block.
+    (0..full).rev().map(|k| generated_block(i, k)).collect()
+}
+
+/// The name of request `i`'s `k`-th full block of generated tokens.
+fn generated_block(i: usize, k: usize) -> BlockHash {
+    // A tag no trace's chained hash is built from, then the request and the block.
     const GENERATED: u64 = 0x6765_6e65_7261_7465;
-    (0..full as u64)
-        .rev()
-        .map(|k| {
-            let key = GENERATED ^ ((i as u64) << 24) ^ (u64::from(r.epoch) << 16) ^ k;
-            BlockHash(kvfleet_routing::policy::mix64(key))
-        })
-        .collect()
+    BlockHash(kvfleet_routing::policy::mix64(
+        GENERATED ^ ((i as u64) << 20) ^ k as u64,
+    ))
 }
 
 /// The prompt tokens of an `input`-token request with `hits` cached blocks of `bs`
