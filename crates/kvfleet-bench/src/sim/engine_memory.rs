@@ -22,10 +22,12 @@
 //! prompt it reuses the blocks of generated tokens its first attempt left cached. A
 //! preemption raises the share.
 //!
-//! Not modelled: the engine's last prompt block, partly filled, is completed by
-//! generated tokens and so never matches the next turn's prompt, where the simulator's
-//! chain names it by the trace's hash id; and the victim is the newest *decoding*
-//! sequence, where the engine may preempt one still in its prefill.
+//! Not modelled: the victim is the newest *decoding* sequence, where the engine may
+//! preempt one still in its prefill; and a live worker's per-request overhead outside
+//! the cost model (HTTP, gRPC, tokenizing), which keeps its requests in flight longer.
+//! (A prompt's partly filled last block, which the engine completes with generated
+//! tokens, needs nothing here: `kvfleet bench gen` gives the next turn a new id for
+//! it, so the chains stop matching where the live prefix cache does.)
 
 use kvfleet_core::blocks_needed;
 use kvfleet_core::decode_reserve::{DecodeReserve, DecodeReserveConfig};

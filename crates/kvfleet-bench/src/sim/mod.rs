@@ -63,7 +63,7 @@
 //! `--engine sim` workers replaying 8-turn conversations under memory pressure
 //! (`scripts/bench_engine_sim.sh`, docs/policy-sweep.head.md, "2026-12-06, the
 //! engine's memory rule") it is the one configuration whose preemptions and p99 TTFT
-//! follow the live fleet's at both 4 and 64 workers; its cached share is still 8–12%
+//! follow the live fleet's at both 4 and 64 workers; its cached share is still 10–12%
 //! high there, and 41% low at 4 workers of 40 blocks.
 //!
 //! # Tiers
