@@ -147,26 +147,18 @@ impl PoolModelArgs {
     }
 
     /// The engine's memory rule these flags ask for, as the worker's defaults set it
-    /// apart from the ratio; an error for a ratio outside [0, 1] or one given without
-    /// --hold-blocks.
+    /// apart from the ratio; an error for a ratio outside [0, 1] (the simulation
+    /// itself refuses one without --hold-blocks).
     pub fn decode_reserve(&self) -> Result<Option<DecodeReserveConfig>> {
         let Some(ratio) = self.decode_reserve_ratio else {
             return Ok(None);
         };
-        anyhow::ensure!(
-            (0.0..=1.0).contains(&ratio),
-            "--decode-reserve-ratio must be between 0 and 1, not {ratio}"
-        );
-        anyhow::ensure!(
-            self.hold_blocks,
-            "--decode-reserve-ratio models how an engine holds blocks: it needs --hold-blocks"
-        );
-        let d = DecodeReserveConfig::default();
-        Ok(Some(DecodeReserveConfig {
+        let c = DecodeReserveConfig {
             init_ratio: ratio,
-            min_ratio: d.min_ratio.min(ratio),
-            ..d
-        }))
+            ..DecodeReserveConfig::default()
+        };
+        c.validate().map_err(anyhow::Error::msg)?;
+        Ok(Some(c))
     }
 }
 

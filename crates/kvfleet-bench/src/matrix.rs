@@ -67,8 +67,8 @@ pub struct MatrixRow {
     pub load_pooled: f64,
     /// The bounds.
     pub bounds: Bounds,
-    /// TTFT at this load in one queue shared by the fleet's prefill lanes, every
-    /// request getting the ceiling's hits ([`crate::bounds::pooled_queue`]).
+    /// TTFT at this load in one queue shared by the fleet's prefill lanes, with the
+    /// fleet's memory as one LRU cache ([`crate::bounds::pooled_queue`]).
     pub pooled_queue_ms: Percentiles,
     /// The result.
     pub result: SimResult,

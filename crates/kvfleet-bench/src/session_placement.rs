@@ -49,11 +49,6 @@ impl<W: Clone + Eq + Hash> SessionPlacement<W> {
         self.moves
     }
 
-    /// How many distinct sessions `worker` served.
-    pub fn sessions_of(&self, worker: &W) -> usize {
-        self.pairs.iter().filter(|(_, w)| w == worker).count()
-    }
-
     /// Distinct sessions per worker, for the workers that served any.
     pub fn per_worker(&self) -> HashMap<W, usize> {
         let mut n = HashMap::new();
@@ -87,8 +82,6 @@ mod tests {
             p.served(s, w);
         }
         assert_eq!(p.moves(), 2);
-        assert_eq!(p.sessions_of(&"a"), 1);
-        assert_eq!(p.sessions_of(&"b"), 2);
         assert_eq!(p.per_worker(), HashMap::from([("a", 1), ("b", 2)]));
         assert_eq!(max_over_mean(&[1, 2, 3]), 1.5);
         assert_eq!(max_over_mean(&[0, 0]), 1.0);

@@ -72,6 +72,18 @@ impl DecodeReserveConfig {
     pub fn enabled(&self) -> bool {
         self.init_ratio > 0.0
     }
+
+    /// An error for a ratio outside [0, 1] (the worker's and the simulator's check).
+    pub fn validate(&self) -> Result<(), String> {
+        if (0.0..=1.0).contains(&self.init_ratio) && (0.0..=1.0).contains(&self.min_ratio) {
+            Ok(())
+        } else {
+            Err(format!(
+                "decode reserve ratios must be in [0, 1], got {} and {}",
+                self.init_ratio, self.min_ratio
+            ))
+        }
+    }
 }
 
 /// The current estimate of [`DecodeReserveConfig`]'s ratio.

@@ -170,13 +170,9 @@ impl WorkerConfig {
                 )));
             }
         }
-        let r = &self.decode_reserve;
-        if !((0.0..=1.0).contains(&r.init_ratio) && (0.0..=1.0).contains(&r.min_ratio)) {
-            return Err(WorkerError::Config(format!(
-                "decode reserve ratios must be in [0, 1], got {} and {}",
-                r.init_ratio, r.min_ratio
-            )));
-        }
+        self.decode_reserve
+            .validate()
+            .map_err(WorkerError::Config)?;
         if !(0.0..=1.0).contains(&self.pin_pool_fraction) {
             return Err(WorkerError::Config(format!(
                 "pin_pool_fraction must be in [0, 1], got {}",

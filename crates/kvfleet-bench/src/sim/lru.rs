@@ -110,20 +110,12 @@ impl LruBlockCache {
 
     /// Takes one anonymous block (a running sequence's next block of generated
     /// tokens), evicting the least recently used unpinned block when the pool is
-    /// full. Returns whether it fit and the block it evicted; when every block is
-    /// pinned it is taken beyond the capacity (where an engine would preempt).
-    pub fn occupy(&mut self) -> (bool, Option<BlockHash>) {
-        let mut fit = true;
-        let mut evicted = None;
-        if self.used() >= self.capacity {
-            if self.tail == NIL {
-                fit = false;
-            } else {
-                evicted = Some(self.evict_tail());
-            }
-        }
+    /// full; returns the block it evicted. When every block is pinned it is taken
+    /// beyond the capacity (where an engine would preempt: see [`Self::has_room`]).
+    pub fn occupy(&mut self) -> Option<BlockHash> {
+        let evicted = (self.used() >= self.capacity && self.tail != NIL).then(|| self.evict_tail());
         self.anonymous += 1;
-        (fit, evicted)
+        evicted
     }
 
     /// Gives back `n` anonymous blocks; a pool grown past its capacity evicts back
@@ -418,11 +410,13 @@ mod tests {
         let mut c = LruBlockCache::new(3);
         c.insert_chain(&h(&[1, 2]));
         // One free slot: no eviction; then the chain's tail goes first.
-        assert_eq!(c.occupy(), (true, None));
-        assert_eq!(c.occupy(), (true, Some(BlockHash(2))));
+        assert_eq!(c.occupy(), None);
+        assert!(c.has_room());
+        assert_eq!(c.occupy(), Some(BlockHash(2)));
         // Every cached block pinned: taken beyond the capacity, reported as not fitting.
         c.pin_chain(&h(&[1]));
-        assert_eq!(c.occupy(), (false, None));
+        assert!(!c.has_room());
+        assert_eq!(c.occupy(), None);
         // Given back: the pool is at its capacity again without evicting (1 cached +
         // 2 anonymous), and 2 more free slots let a new chain in whole.
         assert!(c.vacate(1).is_empty());

@@ -492,6 +492,33 @@ impl SimWorker {
         change
     }
 
+    /// Request `i` (state `r`, prompt `chain`) stops running, finished or preempted,
+    /// having generated `generated` tokens: it lets go of its blocks as the engine
+    /// does. Returns what the pool evicted (nothing unless blocks are held: `hold`).
+    fn stop_running(
+        &mut self,
+        i: usize,
+        r: &ReqState,
+        chain: &[BlockHash],
+        generated: usize,
+        bs: usize,
+        hold: bool,
+    ) -> ChainChange {
+        let (output, anonymous) = match self.memory.as_mut() {
+            Some(m) => {
+                let grown = m.finish(i);
+                (grown, grown)
+            }
+            None => (r.output_blocks, 0),
+        };
+        self.in_use.release(chain, output);
+        if !hold {
+            return ChainChange::default();
+        }
+        let kept = generated_blocks(i, r, generated, chain.len(), anonymous, bs);
+        self.release(chain, anonymous, &kept)
+    }
+
     /// Whether the prefill of a request with `chain` (`input` tokens, `output` to
     /// generate of which it had generated `generated` before a preemption,
     /// `output_blocks` blocks beyond its chain in all) may start at `now_ms`,
@@ -525,7 +552,7 @@ impl SimWorker {
     /// rule): what the pool evicted for it (beyond the capacity when every block is
     /// held: the caller preempts first where the engine would).
     fn grow_output(&mut self) -> ChainChange {
-        let (_, evicted) = self.lru.occupy();
+        let evicted = self.lru.occupy();
         self.in_use.take_output(1);
         let mut change = ChainChange {
             removed: evicted.into_iter().collect(),
@@ -1203,29 +1230,9 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                 wk.decoding -= 1;
                 wk.inflight -= 1;
                 wk.active_blocks -= chains[i].len();
-                let (output, anonymous) = match wk.memory.as_mut() {
-                    Some(m) => {
-                        let grown = m.finish(i);
-                        (grown, grown)
-                    }
-                    None => (st[i].output_blocks, 0),
-                };
-                wk.in_use.release(&chains[i], output);
+                let change =
+                    wk.stop_running(i, &st[i], &chains[i], recs[i].output_length, bs, hold);
                 if hold {
-                    let r = &st[i];
-                    let generated = if anonymous > 0 {
-                        generated_blocks(
-                            i,
-                            r,
-                            recs[i].output_length,
-                            chains[i].len(),
-                            anonymous,
-                            bs,
-                        )
-                    } else {
-                        Vec::new()
-                    };
-                    let change = wk.release(&chains[i], anonymous, &generated);
                     adm.router.on_enqueued(w, &change, &workers);
                     // A lane waiting for memory may start now.
                     if adm.begin(&mut workers, w, &mut st, now) {
@@ -1568,7 +1575,7 @@ impl Admitter<'_> {
         let r = &mut st[i];
         let hits = tier_hits.total() + peer;
         let uncached = uncached_tokens(r.input_tokens, hits, bs);
-        if r.recompute {
+        let (uncached, load_ms) = if r.recompute {
             // Admitted again after a preemption: its hits were counted the first time.
             // Past a whole cached prompt it reuses the blocks of generated tokens its
             // first attempt left cached (they are its own again: they leave the free
@@ -1582,35 +1589,28 @@ impl Admitter<'_> {
             } else {
                 0
             };
-            let lane_tokens = uncached + r.generated.saturating_sub(reused * bs);
-            wk.queued_prefill_tokens = wk.queued_prefill_tokens - r.lane_tokens + lane_tokens;
-            wk.prefill_computed += lane_tokens as u64;
-            r.uncached = lane_tokens;
-            r.load_ms = 0.0;
-            r.lane_tokens = lane_tokens;
-            r.computing = change.stored.clone();
-            r.admitted = true;
-            self.router.on_enqueued(w, &change, workers);
-            return;
-        }
-        let cached = r.input_tokens - uncached;
-        let moved = moved_tokens(tier_hits, peer, bs, cached);
-        let load_ms = cfg.cost.host_load_ms(moved.host)
-            + cfg.cost.disk_load_ms(moved.disk)
-            + cfg.cost.peer_load_ms(moved.peer);
+            (uncached + r.generated.saturating_sub(reused * bs), 0.0)
+        } else {
+            let cached = r.input_tokens - uncached;
+            let moved = moved_tokens(tier_hits, peer, bs, cached);
+            let load_ms = cfg.cost.host_load_ms(moved.host)
+                + cfg.cost.disk_load_ms(moved.disk)
+                + cfg.cost.peer_load_ms(moved.peer);
+            let tally = &mut self.tally;
+            tally.peer_hit_blocks += peer as u64;
+            tally.peer_pulls += u64::from(peer > 0);
+            tally.host_hit_blocks += tier_hits.host as u64;
+            tally.disk_hit_blocks += tier_hits.disk as u64;
+            tally.tier_load_ms += load_ms;
+            tally.hit_blocks += hits as u64;
+            tally.total_blocks += chain.len() as u64;
+            tally.cached_tokens += cached as u64;
+            tally.prompt_tokens += r.input_tokens as u64;
+            tally.arrivals.push((r.sent_ms, hits, chain.len()));
+            (uncached, load_ms)
+        };
         let lane_tokens =
             uncached + (load_ms * cfg.cost.prefill_tokens_per_s / 1000.0).ceil() as usize;
-        let tally = &mut self.tally;
-        tally.peer_hit_blocks += peer as u64;
-        tally.peer_pulls += u64::from(peer > 0);
-        tally.host_hit_blocks += tier_hits.host as u64;
-        tally.disk_hit_blocks += tier_hits.disk as u64;
-        tally.tier_load_ms += load_ms;
-        tally.hit_blocks += hits as u64;
-        tally.total_blocks += chain.len() as u64;
-        tally.cached_tokens += cached as u64;
-        tally.prompt_tokens += r.input_tokens as u64;
-        tally.arrivals.push((r.sent_ms, hits, chain.len()));
         // The backlog carried its expected prefill until now.
         wk.queued_prefill_tokens = wk.queued_prefill_tokens - r.lane_tokens + lane_tokens;
         wk.prefill_computed += uncached as u64;
@@ -1697,17 +1697,12 @@ fn preempt(
     hits_at_admission: bool,
     bs: usize,
 ) -> ChainChange {
-    let (generated, grown) = match wk.memory.as_mut() {
-        Some(m) => {
-            let generated = m.generated(v, now);
-            m.preempted();
-            (generated, m.finish(v))
-        }
-        None => (0, 0),
-    };
-    wk.in_use.release(&chains[v], grown);
-    let kept = generated_blocks(v, &st[v], generated, chains[v].len(), grown, bs);
-    let change = wk.release(&chains[v], grown, &kept);
+    let generated = wk.memory.as_mut().map_or(0, |m| {
+        m.preempted();
+        m.generated(v, now)
+    });
+    // Only the engine's rule preempts, and it holds blocks.
+    let change = wk.stop_running(v, &st[v], &chains[v], generated, bs, true);
     wk.decoding -= 1;
     let hits = wk.lru.match_prefix(&chains[v]);
     let r = &mut st[v];
