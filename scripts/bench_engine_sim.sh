@@ -97,7 +97,8 @@ curl -s --max-time 10 "$URL/fleet" > "$OUT/fleet.json" || true
 # The simulator in its four configurations (see the header).
 SIMS=(sim "" sim-admission --hits-at-admission sim-hold --hold-blocks
   sim-both "--hold-blocks --hits-at-admission"
-  sim-engine "--hold-blocks --hits-at-admission --decode-reserve-ratio ${SIM_RESERVE:-0.3}")
+  sim-engine "--hold-blocks --hits-at-admission --decode-reserve-ratio ${SIM_RESERVE:-0.3}"
+  sim-steps "--hold-blocks --hits-at-admission --decode-reserve-ratio ${SIM_RESERVE:-0.3} --mixed-steps")
 for ((k = 0; k < ${#SIMS[@]}; k += 2)); do
   # shellcheck disable=SC2086 # the flags are split on purpose
   "$BIN" sim --trace "$OUT/trace.jsonl" --workers "$WORKERS" --cache-blocks "$BLOCKS" \

@@ -668,6 +668,7 @@ fn run_sweep_cmd(a: SweepArgs) -> Result<()> {
         hold_blocks: a.pool.hold_blocks,
         hits_at_admission: a.pool.hits_at_admission,
         decode_reserve: a.pool.decode_reserve()?,
+        mixed_steps: a.pool.mixed_steps,
     };
     let wall = std::time::Instant::now();
     let rows = run_sweep(&cfg)?;

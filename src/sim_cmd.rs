@@ -128,6 +128,13 @@ pub struct PoolModelArgs {
     /// output is booked when its prefill starts.
     #[arg(long)]
     pub decode_reserve_ratio: Option<f64>,
+    /// Run each worker's prefills in the steps of its decoding sequences, as the
+    /// engine's continuous batching does: a prefill takes a decode step and a half
+    /// longer (the step under way, on average half, and the rows its own step runs),
+    /// and the decoding sequences wait out its time (default: a prefill lane beside
+    /// decodes that never wait for it).
+    #[arg(long)]
+    pub mixed_steps: bool,
 }
 
 impl PoolModelArgs {
@@ -142,6 +149,9 @@ impl PoolModelArgs {
         }
         if let Some(r) = self.decode_reserve_ratio {
             s.push_str(&format!(" --decode-reserve-ratio {r}"));
+        }
+        if self.mixed_steps {
+            s.push_str(" --mixed-steps");
         }
         s
     }
@@ -209,6 +219,7 @@ pub fn run(args: SimArgs) -> Result<()> {
         cfg.hold_blocks = args.pool.hold_blocks;
         cfg.hits_at_admission = args.pool.hits_at_admission;
         cfg.decode_reserve = args.pool.decode_reserve()?;
+        cfg.mixed_steps = args.pool.mixed_steps;
         cfg.router.cache_aware = cache_aware.clone();
         cfg.peer_pull_min_blocks = args
             .peer_pull_min_blocks

@@ -82,6 +82,9 @@ pub struct SweepConfig {
     /// Simulate with the engine's memory rule
     /// ([`SimConfig::decode_reserve`](crate::sim::SimConfig::decode_reserve)).
     pub decode_reserve: Option<kvfleet_core::decode_reserve::DecodeReserveConfig>,
+    /// Prefills share their worker's decode steps
+    /// ([`SimConfig::mixed_steps`](crate::sim::SimConfig::mixed_steps)).
+    pub mixed_steps: bool,
 }
 
 /// The generated family for a fleet of `workers`, each with its memory budget.
@@ -260,6 +263,7 @@ pub fn run_sweep(cfg: &SweepConfig) -> Result<Vec<MatrixRow>> {
             sc.hold_blocks = cfg.hold_blocks;
             sc.hits_at_admission = cfg.hits_at_admission;
             sc.decode_reserve = cfg.decode_reserve;
+            sc.mixed_steps = cfg.mixed_steps;
             let result = simulate(&j.scaled, &sc)?;
             Ok(MatrixRow {
                 trace: j.trace.clone(),

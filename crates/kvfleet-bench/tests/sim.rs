@@ -201,6 +201,7 @@ fn the_sweep_checks_cache_aware_against_the_best_other_policy() {
         hold_blocks: false,
         hits_at_admission: false,
         decode_reserve: None,
+        mixed_steps: false,
     };
     let rows = run_sweep(&cfg).unwrap();
     assert_eq!(rows.len(), 2 * 3);
@@ -267,6 +268,7 @@ fn short_fork_children_do_not_wait_behind_their_siblings_overheads() {
         hold_blocks: false,
         hits_at_admission: false,
         decode_reserve: None,
+        mixed_steps: false,
     };
     let rows = run_sweep(&cfg).unwrap();
     assert_eq!(rows.len(), 1);
@@ -761,6 +763,63 @@ fn the_engine_memory_rule_admits_on_expected_growth_and_counts_preemptions() {
         tenth.prefill_tokens,
         whole.prefill_tokens
     );
+}
+
+/// With `mixed_steps` a prefill shares its worker's steps with the sequences decoding
+/// there, as the engine's continuous batching runs them: it waits for the step under
+/// way (half a step on average) and its own step runs their rows too, and they wait
+/// out its own time, which the last token's time shows. Off, the prefill lane runs
+/// beside the decodes and neither waits.
+#[test]
+fn mixed_steps_make_a_prefill_and_the_decodes_beside_it_wait_for_each_other() {
+    // A: 1,024 tokens in, 101 out (100 decode steps alone). B at 500 ms, while A
+    // decodes: 400 tokens in, 1 out.
+    let t = Trace {
+        records: vec![
+            record(0, 0, vec![1, 2], 1024, 101, None),
+            record(1, 500, vec![7], 400, 1, None),
+        ],
+    };
+    let run = |mixed: bool, engine: bool| {
+        let mut cfg = SimConfig::new(1, 100, SimPolicy::Kvfleet(PolicyKind::CacheAware));
+        cfg.mixed_steps = mixed;
+        if engine {
+            cfg.hold_blocks = true;
+            cfg.decode_reserve = Some(DecodeReserveConfig::default());
+        }
+        simulate(&t, &cfg).unwrap()
+    };
+    let cost = CostModel::h200_llama8b();
+    let (a, b, step) = (
+        cost.prefill_ms(1024),
+        cost.prefill_ms(400),
+        cost.decode_step_ms(1),
+    );
+    let close = |x: f64, y: f64| (x - y).abs() < 0.01;
+    // TTFTs in ascending order: B's, then A's.
+    let ttfts = |r: &kvfleet_bench::sim::SimResult| {
+        let mut v = r.ttft_samples.clone();
+        v.sort_by(f64::total_cmp);
+        v
+    };
+    for engine in [false, true] {
+        let apart = run(false, engine);
+        let v = ttfts(&apart);
+        assert!(close(v[0], b) && close(v[1], a), "{v:?}");
+        assert!(
+            close(apart.makespan_s * 1000.0, a + 100.0 * step),
+            "{}",
+            apart.makespan_s
+        );
+        let shared = run(true, engine);
+        let v = ttfts(&shared);
+        assert!(close(v[0], b + 1.5 * step) && close(v[1], a), "{v:?}");
+        assert!(
+            close(shared.makespan_s * 1000.0, a + 100.0 * step + b),
+            "engine rule {engine}: {}",
+            shared.makespan_s
+        );
+    }
 }
 
 /// A running request's generated tokens take pool blocks as they come, evicting the

@@ -23,8 +23,10 @@
 //! preemption raises the share.
 //!
 //! Not modelled: the victim is the newest *decoding* sequence, where the engine may
-//! preempt one still in its prefill; and a live worker's per-request overhead outside
-//! the cost model (HTTP, gRPC, tokenizing), which keeps its requests in flight longer.
+//! preempt one still in its prefill. The time prefills and decodes cost each other
+//! by sharing the engine's steps is [`SimConfig::mixed_steps`](super::SimConfig::mixed_steps),
+//! a separate option; what a live request spends outside the steps (HTTP, gRPC,
+//! tokenizing: about 6 ms at the median on one machine) is left out.
 //! (A prompt's partly filled last block, which the engine completes with generated
 //! tokens, needs nothing here: `kvfleet bench gen` gives the next turn a new id for
 //! it, so the chains stop matching where the live prefix cache does.)
@@ -173,9 +175,19 @@ impl EngineMemory {
             .map(|r| r.request)
     }
 
+    /// The decoding sequences waited `ms` for a prefill sharing their steps: each
+    /// later token comes that much later.
+    pub fn stall(&mut self, ms: f64) {
+        for r in &mut self.running {
+            if let Some((from, _)) = r.decode.as_mut() {
+                *from += ms;
+            }
+        }
+    }
+
     /// When `request` next crosses a block boundary: the time of the first token
     /// whose position needs a block it does not hold.
-    fn next_growth_ms(&self, request: usize) -> Option<f64> {
+    pub fn next_growth_ms(&self, request: usize) -> Option<f64> {
         let r = self.running.iter().find(|r| r.request == request)?;
         let (from, step) = r.decode?;
         let held = r.prompt_blocks + r.grown;
@@ -262,6 +274,20 @@ mod tests {
         assert_eq!(m.start(2, 40, 64, 2, 30), 3);
         assert_eq!(m.victim(), None, "still in its prefill");
         assert_eq!(m.decode_started(2, 30, 1_000.0, 10.0), Some(1_100.0));
+    }
+
+    #[test]
+    fn a_stall_delays_every_decoding_sequences_later_tokens() {
+        let mut m = memory(0.3);
+        // As above: the next block is needed by token 9, at 180 ms.
+        m.start(1, 40, 64, 3, 0);
+        assert_eq!(m.decode_started(1, 0, 100.0, 10.0), Some(180.0));
+        // One still in its prefill has no token to delay.
+        m.start(2, 40, 64, 3, 0);
+        m.stall(25.0);
+        assert_eq!(m.next_growth_ms(1), Some(205.0));
+        assert_eq!(m.generated(1, 204.0), 8);
+        assert_eq!(m.decode_started(2, 0, 300.0, 10.0), Some(380.0));
     }
 
     #[test]

@@ -191,6 +191,9 @@ pub struct SimWorker {
     /// When the prefill in progress started and ends, ms.
     prefill_started: f64,
     prefill_until: f64,
+    /// How long its decode rows have waited for prefills sharing their steps, in all,
+    /// ms ([`SimConfig::mixed_steps`]).
+    stalled_ms: f64,
     /// The time its load is reported at, ms (set before each report).
     report_ms: f64,
     /// Uncached prompt tokens queued or being prefilled.
@@ -233,6 +236,7 @@ impl SimWorker {
             prefilling_tokens: 0,
             prefill_started: 0.0,
             prefill_until: 0.0,
+            stalled_ms: 0.0,
             report_ms: 0.0,
             queued_prefill_tokens: 0,
             decoding: 0,
@@ -492,6 +496,31 @@ impl SimWorker {
         change
     }
 
+    /// What a prefill starting now in the steps of this worker's decoding sequences
+    /// ([`SimConfig::mixed_steps`]) adds to its own time, ms: a step and a half of
+    /// theirs, as it waits for the step under way to end (half of one on average, for
+    /// an arrival at a random time) and its own step also runs their rows. 0 while
+    /// nothing decodes.
+    fn step_share_ms(&self, cost: &CostModel) -> f64 {
+        if self.decoding == 0 {
+            0.0
+        } else {
+            1.5 * cost.decode_step_ms(self.decoding)
+        }
+    }
+
+    /// A prefill of `prefill_ms` starts in the steps of this worker's decoding
+    /// sequences ([`SimConfig::mixed_steps`]): they wait that long for it, and it takes
+    /// [`Self::step_share_ms`] longer. Returns its time.
+    fn share_steps(&mut self, prefill_ms: f64, cost: &CostModel) -> f64 {
+        let own = prefill_ms + self.step_share_ms(cost);
+        self.stalled_ms += prefill_ms;
+        if let Some(m) = self.memory.as_mut() {
+            m.stall(prefill_ms);
+        }
+        own
+    }
+
     /// Request `i` (state `r`, prompt `chain`) stops running, finished or preempted,
     /// having generated `generated` tokens: it lets go of its blocks as the engine
     /// does. Returns what the pool evicted (nothing unless blocks are held: `hold`).
@@ -730,6 +759,13 @@ pub struct SimConfig {
     /// this share of what the running requests may still generate. `None` (the
     /// default): each request's whole output is booked when its prefill starts.
     pub decode_reserve: Option<DecodeReserveConfig>,
+    /// Whether a worker's prefills and decodes share its steps, as the engine's
+    /// continuous batching runs them (`kvfleet sim --mixed-steps`): a prefill on a
+    /// worker that decodes waits for the step under way to end (half a decode step on
+    /// average) and its step also runs the decode rows (one more), and every sequence
+    /// decoding there waits out the prefill's own time. Default off: a prefill lane
+    /// beside decodes that never wait for it.
+    pub mixed_steps: bool,
 }
 
 /// The pull threshold of `policy` in a comparison of policies (the sweep, the
@@ -767,6 +803,7 @@ impl SimConfig {
             hold_blocks: false,
             hits_at_admission: false,
             decode_reserve: None,
+            mixed_steps: false,
         }
     }
 }
@@ -934,8 +971,10 @@ struct ReqState {
     /// Backlog it adds to the worker: uncached tokens plus the load time in
     /// prefill-token equivalents (expected while queued, as `uncached`).
     lane_tokens: usize,
-    /// A worker's prefill lane was idle when this request arrived.
-    idle_elsewhere: bool,
+    /// A worker's prefill lane was idle when this request arrived: what its decoding
+    /// sequences would have added to this request's prefill there, ms (the least of
+    /// the idle lanes'; 0 without [`SimConfig::mixed_steps`]).
+    idle_elsewhere: Option<f64>,
     /// Time its lane spent, after it arrived, computing blocks of its prompt for
     /// requests ahead of it, ms.
     own_prefix_ms: f64,
@@ -956,6 +995,9 @@ struct ReqState {
     recompute: bool,
     /// It has taken its hits and stored its chain (see [`SimConfig::hits_at_admission`]).
     admitted: bool,
+    /// Its worker's `stalled_ms` when its last token's time was last worked out: the
+    /// stall since delays its end ([`SimConfig::mixed_steps`]).
+    stall_seen_ms: f64,
     done: bool,
 }
 
@@ -1083,21 +1125,38 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                 // A lane waiting for memory is not idle: its queue is not empty. Nor is
                 // one whose pool its running sequences hold: it could not start this
                 // request either.
+                let share = |x: &SimWorker| {
+                    if cfg.mixed_steps {
+                        x.step_share_ms(&cfg.cost)
+                    } else {
+                        0.0
+                    }
+                };
                 let idle_elsewhere = if hold {
-                    workers.iter().any(|x| {
-                        x.prefilling.is_none()
-                            && x.queue.is_empty()
-                            && x.fits(
-                                chain,
-                                r.input_length,
-                                r.output_length,
-                                0,
-                                output_blocks,
-                                now,
-                            )
-                    })
+                    workers
+                        .iter()
+                        .filter(|x| {
+                            x.prefilling.is_none()
+                                && x.queue.is_empty()
+                                && x.fits(
+                                    chain,
+                                    r.input_length,
+                                    r.output_length,
+                                    0,
+                                    output_blocks,
+                                    now,
+                                )
+                        })
+                        .map(share)
+                        .min_by(f64::total_cmp)
+                } else if cfg.mixed_steps {
+                    workers
+                        .iter()
+                        .filter(|x| x.prefilling.is_none())
+                        .map(share)
+                        .min_by(f64::total_cmp)
                 } else {
-                    prefilling < workers.len()
+                    (prefilling < workers.len()).then_some(0.0)
                 };
                 let (w, token) = adm.router.route(&req, &workers, now);
                 anyhow::ensure!(w < workers.len(), "router chose a worker out of range");
@@ -1153,6 +1212,7 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                     generated: 0,
                     recompute: false,
                     admitted: false,
+                    stall_seen_ms: 0.0,
                     done: false,
                 };
                 workers[w].report_ms = now;
@@ -1183,7 +1243,8 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                 // request that never queued can exceed its prefill by an ulp).
                 let cold = cfg.cost.prefill_ms(recs[i].input_length) + ROUNDING_MS;
                 let first = !st[i].recompute;
-                if first && st[i].idle_elsewhere && took > cold {
+                let idle = st[i].idle_elsewhere.map(|share| cold + share);
+                if let Some(cold) = idle.filter(|&cold| first && took > cold) {
                     if took - st[i].own_prefix_ms > cold {
                         avoidable_waits += 1;
                     } else {
@@ -1203,6 +1264,7 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                 }
                 let epoch = st[i].epoch;
                 st[i].recompute = false;
+                st[i].stall_seen_ms = wk.stalled_ms;
                 adm.events
                     .push(now + step * steps as f64, Ev::DecodeDone(i, epoch));
                 let grow = wk.memory.as_mut();
@@ -1226,6 +1288,13 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                 }
                 let w = st[i].worker;
                 let wk = &mut workers[w];
+                // Prefills that shared its steps since its end was set delay it.
+                let stall = wk.stalled_ms - st[i].stall_seen_ms;
+                if stall > 0.0 {
+                    st[i].stall_seen_ms = wk.stalled_ms;
+                    adm.events.push(now + stall, Ev::DecodeDone(i, epoch));
+                    continue;
+                }
                 wk.report_ms = now;
                 wk.decoding -= 1;
                 wk.inflight -= 1;
@@ -1257,6 +1326,12 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                 let Some(m) = workers[w].memory.as_mut() else {
                     continue;
                 };
+                // Prefills that shared its steps moved its next block boundary on.
+                let later = m.next_growth_ms(i).filter(|&t| cfg.mixed_steps && t > now);
+                if let Some(t) = later {
+                    adm.events.push(t, Ev::Grow(i, epoch));
+                    continue;
+                }
                 m.relax_to(now, step);
                 // No block free: a waiting request's held prefix yields first, then the
                 // newest decoding request is preempted, as the engine's scheduler does.
@@ -1527,11 +1602,15 @@ impl Admitter<'_> {
             let hits = workers[w].tiered_match(&self.chains[i]);
             self.take_hits(workers, w, st, i, hits);
         }
-        let Some((t, evicted)) =
+        let Some((mut t, evicted)) =
             start_prefill(&mut workers[w], st, self.chains, &self.cfg.cost, now, hold)
         else {
             return false;
         };
+        if self.cfg.mixed_steps && workers[w].decoding > 0 {
+            t = workers[w].share_steps(t, &self.cfg.cost);
+            workers[w].prefill_until = now + t;
+        }
         if !evicted.removed.is_empty() {
             self.router.on_enqueued(w, &evicted, workers);
         }
