@@ -8,9 +8,11 @@
 # taken when a request is queued, the default, or at admission, `--hits-at-admission`;
 # running sequences' blocks evictable, the default, or held, `--hold-blocks`) and with
 # the engine's memory rule (held at admission, outputs growing into the pool, the
-# decode reserve and preemption: `--decode-reserve-ratio`), prints
-# each one's figures over the live fleet's (and its session moves beside the live
-# fleet's: turns served away from the turn before), and stops every process it started.
+# decode reserve and preemption: `--decode-reserve-ratio`), alone and with prefills
+# sharing the decodes' steps (`--mixed-steps`), prints each one's figures over the live
+# fleet's (and its session moves beside the live fleet's: turns served away from the
+# turn before), then, request by request against the last configuration, which turns
+# each side moved and what they found cached, and stops every process it started.
 #
 #   bash scripts/bench_engine_sim.sh            # 64 workers × 256 blocks of 16 tokens
 #   WORKERS=16 BLOCKS=512 SESSIONS=32 bash scripts/bench_engine_sim.sh
@@ -94,7 +96,8 @@ echo "router $URL in front of $WORKERS sim workers ($BLOCKS blocks of $BLOCK_SIZ
 "$BIN" bench replay --trace "$OUT/trace.jsonl" --target "$URL" \
   --tokens-per-id "$BLOCK_SIZE" --no-progress --json --out "$OUT/replay" > "$OUT/replay.json"
 curl -s --max-time 10 "$URL/fleet" > "$OUT/fleet.json" || true
-# The simulator in its four configurations (see the header).
+# The simulator in each configuration (see the header); the last one also writes its
+# request outcomes, to compare with the live fleet's request by request.
 SIMS=(sim "" sim-admission --hits-at-admission sim-hold --hold-blocks
   sim-both "--hold-blocks --hits-at-admission"
   sim-engine "--hold-blocks --hits-at-admission --decode-reserve-ratio ${SIM_RESERVE:-0.3}"
@@ -103,7 +106,8 @@ for ((k = 0; k < ${#SIMS[@]}; k += 2)); do
   # shellcheck disable=SC2086 # the flags are split on purpose
   "$BIN" sim --trace "$OUT/trace.jsonl" --workers "$WORKERS" --cache-blocks "$BLOCKS" \
     --tokens-per-id "$BLOCK_SIZE" --policy cache-aware --cost-model "$COST_MODEL" \
-    --peer-pull-min-blocks 0 ${SIMS[k+1]} --json > "$OUT/${SIMS[k]}.json"
+    --peer-pull-min-blocks 0 ${SIMS[k+1]} --requests-out "$OUT/${SIMS[k]}.requests.jsonl" \
+    --json > "$OUT/${SIMS[k]}.json"
 done
 python3 - "$OUT" "${SIMS[@]}" <<'PY'
 import json, sys
@@ -140,5 +144,31 @@ for stem, flags in sims:
           f"TTFT p99 {x['ttft_ms']['p99'] / max(r['ttft_ms']['p99'], 1e-9):.3f}; "
           f"session moves {x['session_moves']} (live {r['session_moves']}), "
           f"preemptions {x['preemptions']}")
+# Request by request, the last configuration against live: which turns each moved
+# away from its session's previous worker, and the cached share of those turns.
+try:
+    recs = [json.loads(l) for l in open(f"{out}/trace.jsonl")]
+    live = {o["index"]: o for o in json.load(open(f"{out}/replay/replay.json"))["outcomes"]}
+    sim = {o["index"]: o for o in map(json.loads, open(f"{out}/{sims[-1][0]}.requests.jsonl"))}
+except (OSError, ValueError, KeyError):
+    sys.exit(0)
+prev, cells = {}, {}
+for i, rec in enumerate(recs):
+    s = rec.get("session_id")
+    if s is None or i not in live or i not in sim or not live[i]["ok"]:
+        continue
+    if s in prev:
+        pl, ps = prev[s]
+        key = ("moved" if live[i]["worker"] != pl else "stayed",
+               "moved" if sim[i]["worker"] != ps else "stayed")
+        c = cells.setdefault(key, [0, 0, 0, 0])
+        c[0] += 1
+        c[1] += live[i]["cached_tokens"]
+        c[2] += sim[i]["cached_tokens"]
+        c[3] += live[i]["prompt_tokens"]
+    prev[s] = (live[i]["worker"], sim[i]["worker"])
+print(f"turns by where they went, live / {sims[-1][0]} (turns; cached share live, simulated):")
+for (l, m), (n, cl, cs, p) in sorted(cells.items()):
+    print(f"  live {l}, simulator {m}: {n}; {cl / max(p, 1):.3f}, {cs / max(p, 1):.3f}")
 PY
 echo "results in $OUT"

@@ -6,7 +6,7 @@ use clap::Args;
 use kvfleet_bench::bounds::{bounds_with_tiers, pooled_queue};
 use kvfleet_bench::report::{sim_markdown, write_sim_report};
 use kvfleet_bench::sim::cost_model::CostModel;
-use kvfleet_bench::sim::{simulate, SimConfig, SimPolicy, TierScoring};
+use kvfleet_bench::sim::{simulate, SimConfig, SimPolicy, SimResult, TierScoring};
 use kvfleet_bench::Trace;
 use kvfleet_core::decode_reserve::DecodeReserveConfig;
 use kvfleet_routing::policy::{default_peer_pull_min_blocks, CacheAwareConfig, PullTrigger};
@@ -73,6 +73,11 @@ pub struct SimArgs {
     /// Write sim.json, sim.md and plots here.
     #[arg(long)]
     out: Option<PathBuf>,
+    /// Write every request's outcome here, one JSON line each (index, worker, sent_ms,
+    /// ttft_ms, prompt_tokens, cached_tokens, policy), to compare with `kvfleet bench
+    /// replay`'s outcomes request by request.
+    #[arg(long)]
+    requests_out: Option<PathBuf>,
     /// Print JSON instead of Markdown.
     #[arg(long)]
     json: bool,
@@ -172,6 +177,21 @@ impl PoolModelArgs {
     }
 }
 
+/// Writes every policy's request outcomes to `path` as JSON lines (`policy` added to
+/// each), then drops them from `results` so `--json` stays one summary per policy.
+fn write_requests(path: &std::path::Path, results: &mut [SimResult]) -> Result<()> {
+    let mut out = String::new();
+    for r in results.iter_mut() {
+        for o in std::mem::take(&mut r.outcomes) {
+            let mut v = serde_json::to_value(o)?;
+            v["policy"] = serde_json::Value::String(r.policy.clone());
+            out.push_str(&v.to_string());
+            out.push('\n');
+        }
+    }
+    std::fs::write(path, out).with_context(|| format!("writing {}", path.display()))
+}
+
 /// Runs `kvfleet sim`.
 pub fn run(args: SimArgs) -> Result<()> {
     anyhow::ensure!(
@@ -220,6 +240,7 @@ pub fn run(args: SimArgs) -> Result<()> {
         cfg.hits_at_admission = args.pool.hits_at_admission;
         cfg.decode_reserve = args.pool.decode_reserve()?;
         cfg.mixed_steps = args.pool.mixed_steps;
+        cfg.record_requests = args.requests_out.is_some();
         cfg.router.cache_aware = cache_aware.clone();
         cfg.peer_pull_min_blocks = args
             .peer_pull_min_blocks
@@ -239,6 +260,9 @@ pub fn run(args: SimArgs) -> Result<()> {
     }
     if let Some(dir) = &args.out {
         write_sim_report(dir, &results, &b)?;
+    }
+    if let Some(path) = &args.requests_out {
+        write_requests(path, &mut results)?;
     }
     let pooled_queue_ms = pooled_queue(&trace, args.workers, args.cache_blocks, &cost);
     if args.json {

@@ -765,6 +765,36 @@ fn the_engine_memory_rule_admits_on_expected_growth_and_counts_preemptions() {
     );
 }
 
+/// With `record_requests` every request's outcome is listed in trace order, and the
+/// outcomes add up to the run's own totals: cached tokens, prompt tokens, requests per
+/// worker, TTFTs. Off, none is kept.
+#[test]
+fn recorded_request_outcomes_add_up_to_the_run() {
+    let t = small_fork();
+    let mut cfg = SimConfig::new(4, 400, SimPolicy::Kvfleet(PolicyKind::CacheAware));
+    assert!(simulate(&t, &cfg).unwrap().outcomes.is_empty());
+    cfg.record_requests = true;
+    let r = simulate(&t, &cfg).unwrap();
+    assert_eq!(r.outcomes.len(), t.records.len());
+    let indices: Vec<usize> = r.outcomes.iter().map(|o| o.index).collect();
+    assert_eq!(indices, (0..t.records.len()).collect::<Vec<_>>());
+    let cached: u64 = r.outcomes.iter().map(|o| o.cached_tokens as u64).sum();
+    let prompt: u64 = r.outcomes.iter().map(|o| o.prompt_tokens as u64).sum();
+    assert_eq!((cached, prompt), (r.cached_tokens, r.prompt_tokens));
+    assert!(cached > 0, "fork children find their prefix");
+    let mut per_worker = vec![0u64; 4];
+    for o in &r.outcomes {
+        per_worker[o.worker] += 1;
+        assert_eq!(o.prompt_tokens, t.records[o.index].input_length);
+    }
+    assert_eq!(per_worker, r.worker_requests);
+    let mut ttfts: Vec<f64> = r.outcomes.iter().map(|o| o.ttft_ms).collect();
+    ttfts.sort_by(f64::total_cmp);
+    assert_eq!(ttfts, r.ttft_samples);
+    // The first request is sent at the trace's start.
+    assert_eq!(r.outcomes[0].sent_ms, 0.0);
+}
+
 /// With `mixed_steps` a prefill shares its worker's steps with the sequences decoding
 /// there, as the engine's continuous batching runs them: it waits for the step under
 /// way (half a step on average) and its own step runs their rows too, and they wait

@@ -766,6 +766,9 @@ pub struct SimConfig {
     /// decoding there waits out the prefill's own time. Default off: a prefill lane
     /// beside decodes that never wait for it.
     pub mixed_steps: bool,
+    /// Whether [`SimResult::outcomes`] lists every request's outcome (`kvfleet sim
+    /// --requests-out`; default off).
+    pub record_requests: bool,
 }
 
 /// The pull threshold of `policy` in a comparison of policies (the sweep, the
@@ -804,6 +807,7 @@ impl SimConfig {
             hits_at_admission: false,
             decode_reserve: None,
             mixed_steps: false,
+            record_requests: false,
         }
     }
 }
@@ -936,6 +940,28 @@ pub struct SimResult {
     /// Every TTFT in ms, sorted (for CDF plots; not serialized).
     #[serde(skip)]
     pub ttft_samples: Vec<f64>,
+    /// Every request's outcome, in trace order, with
+    /// [`SimConfig::record_requests`] (else empty and not serialized).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub outcomes: Vec<SimOutcome>,
+}
+
+/// One request's outcome in a simulation, as `kvfleet bench replay` records a live
+/// one's, to compare the two request by request.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct SimOutcome {
+    /// Its position in the trace.
+    pub index: usize,
+    /// The worker that computed its first token.
+    pub worker: usize,
+    /// When it was sent, ms after the trace's first request.
+    pub sent_ms: f64,
+    /// Time to first token, ms.
+    pub ttft_ms: f64,
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Prompt tokens it found cached.
+    pub cached_tokens: usize,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -1076,6 +1102,7 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
 
     let t0 = recs.first().map_or(0.0, |r| r.timestamp as f64);
     let mut ttft = Vec::with_capacity(recs.len());
+    let mut outcomes = Vec::new();
     let mut itl = Vec::with_capacity(recs.len());
     let mut now = t0;
     // Requests served or refused.
@@ -1253,6 +1280,16 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                 }
                 if first {
                     ttft.push(took);
+                    if cfg.record_requests {
+                        outcomes.push(SimOutcome {
+                            index: i,
+                            worker: w,
+                            sent_ms: st[i].sent_ms - t0,
+                            ttft_ms: took,
+                            prompt_tokens: st[i].input_tokens,
+                            cached_tokens: st[i].input_tokens - st[i].uncached,
+                        });
+                    }
                 }
                 wk.decoding += 1;
                 let step = cfg.cost.decode_step_ms(wk.decoding);
@@ -1472,6 +1509,10 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
         sessions_max_over_mean,
         wall_s: wall.elapsed().as_secs_f64(),
         ttft_samples: ttft,
+        outcomes: {
+            outcomes.sort_by_key(|o| o.index);
+            outcomes
+        },
     })
 }
 
