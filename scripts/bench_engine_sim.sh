@@ -102,12 +102,14 @@ SIMS=(sim "" sim-admission --hits-at-admission sim-hold --hold-blocks
   sim-both "--hold-blocks --hits-at-admission"
   sim-engine "--hold-blocks --hits-at-admission --decode-reserve-ratio ${SIM_RESERVE:-0.3}"
   sim-steps "--hold-blocks --hits-at-admission --decode-reserve-ratio ${SIM_RESERVE:-0.3} --mixed-steps")
+LAST=$((${#SIMS[@]} - 2))
 for ((k = 0; k < ${#SIMS[@]}; k += 2)); do
+  OUTCOMES=()
+  [ "$k" = "$LAST" ] && OUTCOMES=(--requests-out "$OUT/${SIMS[k]}.requests.jsonl")
   # shellcheck disable=SC2086 # the flags are split on purpose
   "$BIN" sim --trace "$OUT/trace.jsonl" --workers "$WORKERS" --cache-blocks "$BLOCKS" \
     --tokens-per-id "$BLOCK_SIZE" --policy cache-aware --cost-model "$COST_MODEL" \
-    --peer-pull-min-blocks 0 ${SIMS[k+1]} --requests-out "$OUT/${SIMS[k]}.requests.jsonl" \
-    --json > "$OUT/${SIMS[k]}.json"
+    --peer-pull-min-blocks 0 ${SIMS[k+1]} "${OUTCOMES[@]}" --json > "$OUT/${SIMS[k]}.json"
 done
 python3 - "$OUT" "${SIMS[@]}" <<'PY'
 import json, sys

@@ -178,11 +178,11 @@ impl PoolModelArgs {
 }
 
 /// Writes every policy's request outcomes to `path` as JSON lines (`policy` added to
-/// each), then drops them from `results` so `--json` stays one summary per policy.
-fn write_requests(path: &std::path::Path, results: &mut [SimResult]) -> Result<()> {
+/// each).
+fn write_requests(path: &std::path::Path, results: &[SimResult]) -> Result<()> {
     let mut out = String::new();
-    for r in results.iter_mut() {
-        for o in std::mem::take(&mut r.outcomes) {
+    for r in results {
+        for o in &r.outcomes {
             let mut v = serde_json::to_value(o)?;
             v["policy"] = serde_json::Value::String(r.policy.clone());
             out.push_str(&v.to_string());
@@ -262,7 +262,7 @@ pub fn run(args: SimArgs) -> Result<()> {
         write_sim_report(dir, &results, &b)?;
     }
     if let Some(path) = &args.requests_out {
-        write_requests(path, &mut results)?;
+        write_requests(path, &results)?;
     }
     let pooled_queue_ms = pooled_queue(&trace, args.workers, args.cache_blocks, &cost);
     if args.json {

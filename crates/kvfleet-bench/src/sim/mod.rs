@@ -940,9 +940,9 @@ pub struct SimResult {
     /// Every TTFT in ms, sorted (for CDF plots; not serialized).
     #[serde(skip)]
     pub ttft_samples: Vec<f64>,
-    /// Every request's outcome, in trace order, with
-    /// [`SimConfig::record_requests`] (else empty and not serialized).
-    #[serde(skip_serializing_if = "Vec::is_empty")]
+    /// Every request's outcome, in trace order, with [`SimConfig::record_requests`]
+    /// (else empty; not serialized: `kvfleet sim --requests-out` writes them apart).
+    #[serde(skip)]
     pub outcomes: Vec<SimOutcome>,
 }
 
