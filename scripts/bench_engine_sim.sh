@@ -26,7 +26,9 @@
 # target/debug/kvfleet, built if missing), OUT (results directory), COST_MODEL (cost
 # model file for the workers and the simulator), WORKER_ARGS (more `kvfleet worker`
 # flags, e.g. `--decode-reserve-ratio 0`), SIM_RESERVE (the reserve ratio of the
-# simulator's engine rule: 0.3, the workers' default).
+# simulator's engine rule: 0.3, the workers' default), RTT (the client's round trip
+# the simulator adds before a turn's child arrives, ms; default: measured on the live
+# run, see below).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -96,6 +98,35 @@ echo "router $URL in front of $WORKERS sim workers ($BLOCKS blocks of $BLOCK_SIZ
 "$BIN" bench replay --trace "$OUT/trace.jsonl" --target "$URL" \
   --tokens-per-id "$BLOCK_SIZE" --no-progress --json --out "$OUT/replay" > "$OUT/replay.json"
 curl -s --max-time 10 "$URL/fleet" > "$OUT/fleet.json" || true
+# The client's round trip on this machine, for the simulator's --client-rtt-ms (the
+# time from a turn's last token at its worker to its child's arrival there): the
+# median, over requests alone on their worker from send to first token (nothing else
+# queued, prefilling or decoding there), of their TTFT over the prefill the cost
+# model prices; 1 ms if too few ran alone. RTT=… overrides it.
+if [ -z "${RTT:-}" ]; then
+  RTT=$(python3 - "$OUT/replay/replay.json" "$COST_MODEL" <<'PY'
+import json, statistics, sys
+from collections import defaultdict
+r = json.load(open(sys.argv[1]))
+c = json.load(open(sys.argv[2]))
+spans = defaultdict(list)
+for o in r["outcomes"]:
+    if o["ok"]:
+        s = o["sent_s"] * 1000
+        spans[o["worker"]].append((s, s + o["ttft_ms"], s + o["latency_ms"], o))
+excess = []
+for v in spans.values():
+    for s, f, _, o in v:
+        if any(s2 < f and e2 > s for s2, _, e2, o2 in v if o2 is not o):
+            continue
+        uncached = o["prompt_tokens"] - o["cached_tokens"]
+        prefill = c["prefill_overhead_ms"] + uncached * 1000 / c["prefill_tokens_per_s"]
+        excess.append(o["ttft_ms"] - prefill)
+print(f"{max(statistics.median(excess), 0):.2f}" if len(excess) >= 10 else "1")
+PY
+)
+fi
+echo "client round trip: $RTT ms (the simulator's --client-rtt-ms)"
 # The simulator in each configuration (see the header); the last one also writes its
 # request outcomes, to compare with the live fleet's request by request.
 SIMS=(sim "" sim-admission --hits-at-admission sim-hold --hold-blocks
@@ -109,7 +140,8 @@ for ((k = 0; k < ${#SIMS[@]}; k += 2)); do
   # shellcheck disable=SC2086 # the flags are split on purpose
   "$BIN" sim --trace "$OUT/trace.jsonl" --workers "$WORKERS" --cache-blocks "$BLOCKS" \
     --tokens-per-id "$BLOCK_SIZE" --policy cache-aware --cost-model "$COST_MODEL" \
-    --peer-pull-min-blocks 0 ${SIMS[k+1]} "${OUTCOMES[@]}" --json > "$OUT/${SIMS[k]}.json"
+    --peer-pull-min-blocks 0 --client-rtt-ms "$RTT" ${SIMS[k+1]} "${OUTCOMES[@]}" \
+    --json > "$OUT/${SIMS[k]}.json"
 done
 python3 - "$OUT" "${SIMS[@]}" <<'PY'
 import json, sys

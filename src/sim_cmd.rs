@@ -78,6 +78,11 @@ pub struct SimArgs {
     /// replay`'s outcomes request by request.
     #[arg(long)]
     requests_out: Option<PathBuf>,
+    /// Time from a request's last token at its worker to its child's arrival, ms (the
+    /// answer's way to the client and the next request's way back); `bench replay`'s
+    /// client on the same machine takes about 1.
+    #[arg(long, default_value_t = 0.0)]
+    client_rtt_ms: f64,
     /// Print JSON instead of Markdown.
     #[arg(long)]
     json: bool,
@@ -134,10 +139,10 @@ pub struct PoolModelArgs {
     #[arg(long)]
     pub decode_reserve_ratio: Option<f64>,
     /// Run each worker's prefills in the steps of its decoding sequences, as the
-    /// engine's continuous batching does: a prefill takes a decode step and a half
-    /// longer (the step under way, on average half, and the rows its own step runs),
-    /// and the decoding sequences wait out its time (default: a prefill lane beside
-    /// decodes that never wait for it).
+    /// engine's continuous batching does: a prefill waits for the step under way to
+    /// end and takes one decode step longer (the rows its own step runs), and the
+    /// decoding sequences wait out its time (default: a prefill lane beside decodes
+    /// that never wait for it).
     #[arg(long)]
     pub mixed_steps: bool,
 }
@@ -240,6 +245,7 @@ pub fn run(args: SimArgs) -> Result<()> {
         cfg.hits_at_admission = args.pool.hits_at_admission;
         cfg.decode_reserve = args.pool.decode_reserve()?;
         cfg.mixed_steps = args.pool.mixed_steps;
+        cfg.client_rtt_ms = args.client_rtt_ms;
         cfg.record_requests = args.requests_out.is_some();
         cfg.router.cache_aware = cache_aware.clone();
         cfg.peer_pull_min_blocks = args

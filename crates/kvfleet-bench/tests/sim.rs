@@ -797,9 +797,9 @@ fn recorded_request_outcomes_add_up_to_the_run() {
 
 /// With `mixed_steps` a prefill shares its worker's steps with the sequences decoding
 /// there, as the engine's continuous batching runs them: it waits for the step under
-/// way (half a step on average) and its own step runs their rows too, and they wait
-/// out its own time, which the last token's time shows. Off, the prefill lane runs
-/// beside the decodes and neither waits.
+/// way to end and its own step runs their rows too, and they wait out its own time,
+/// which the last token's time shows. Off, the prefill lane runs beside the decodes
+/// and neither waits.
 #[test]
 fn mixed_steps_make_a_prefill_and_the_decodes_beside_it_wait_for_each_other() {
     // A: 1,024 tokens in, 101 out (100 decode steps alone). B at 500 ms, while A
@@ -843,13 +843,95 @@ fn mixed_steps_make_a_prefill_and_the_decodes_beside_it_wait_for_each_other() {
         );
         let shared = run(true, engine);
         let v = ttfts(&shared);
-        assert!(close(v[0], b + 1.5 * step) && close(v[1], a), "{v:?}");
+        // A's steps run from the end of its prefill: B waits for the one under way
+        // at 500 ms (11 ms of it), then its own step runs A's row.
+        let wait = a + (((500.0 - a) / step).floor() + 1.0) * step - 500.0;
+        assert!(wait > 10.0 && wait < step, "{wait}");
+        assert!(close(v[0], b + wait + step) && close(v[1], a), "{v:?}");
         assert!(
             close(shared.makespan_s * 1000.0, a + 100.0 * step + b),
             "engine rule {engine}: {}",
             shared.makespan_s
         );
     }
+}
+
+/// A turn sent when its parent's last token comes has missed that step boundary: the
+/// engine has started the next step of the sequences still decoding, so the turn waits
+/// a whole step of theirs, then its own step runs their rows (an arrival at a random
+/// time waits half a step on average). With a client round trip, it arrives that much
+/// later and waits that much less.
+#[test]
+fn a_turn_sent_at_its_parents_end_waits_a_whole_step_of_the_decodes_beside_it() {
+    // A: 1,024 tokens in, 101 out, decoding throughout. P at 200 ms: 512 tokens, 2
+    // out (one decode step after its prefill). C, P's child: 512 tokens of its own.
+    let t = Trace {
+        records: vec![
+            record(0, 0, vec![1, 2], 1024, 101, None),
+            record(1, 200, vec![5], 512, 2, None),
+            record(2, 200, vec![9], 512, 1, Some(1)),
+        ],
+    };
+    let cost = CostModel::h200_llama8b();
+    let run = |rtt: f64| {
+        let mut cfg = SimConfig::new(1, 100, SimPolicy::Kvfleet(PolicyKind::CacheAware));
+        cfg.mixed_steps = true;
+        cfg.client_rtt_ms = rtt;
+        cfg.record_requests = true;
+        simulate(&t, &cfg).unwrap()
+    };
+    let (a, p) = (cost.prefill_ms(1024), cost.prefill_ms(512));
+    let (step1, step2) = (cost.decode_step_ms(1), cost.decode_step_ms(2));
+    // P waits for A's step under way at 200 ms; its own step runs A's row; then one
+    // step of both.
+    let p_wait = a + (((200.0 - a) / step1).floor() + 1.0) * step1 - 200.0;
+    let p_end = 200.0 + p_wait + p + step1 + step2;
+    let close = |x: f64, y: f64| (x - y).abs() < 0.01;
+    let r = run(0.0);
+    let c = &r.outcomes[2];
+    assert!(close(c.sent_ms, p_end), "{c:?}");
+    assert!(close(c.ttft_ms, step1 + p + step1), "{c:?}");
+    let r = run(1.0);
+    let c = &r.outcomes[2];
+    assert!(close(c.sent_ms, p_end + 1.0), "{c:?}");
+    assert!(close(c.ttft_ms, step1 - 1.0 + p + step1), "{c:?}");
+    // A negative round trip is refused.
+    let mut cfg = SimConfig::new(1, 100, SimPolicy::Kvfleet(PolicyKind::CacheAware));
+    cfg.client_rtt_ms = -1.0;
+    assert!(simulate(&t, &cfg).is_err());
+}
+
+/// Where a worker is in its decode step is luck no router sees: a request that waits
+/// longer for its worker's step under way than it would have on an idle lane elsewhere
+/// has not waited avoidably. Both workers decode one sequence, at different phases.
+#[test]
+fn waiting_for_the_step_under_way_is_no_avoidable_wait() {
+    // Round-robin: A on worker 0, B on worker 1, C on worker 0 at 500 ms, where the
+    // step under way has 11 ms left against 3.9 ms on worker 1.
+    let t = Trace {
+        records: vec![
+            record(0, 0, vec![1, 2], 1024, 101, None),
+            record(1, 5, vec![3, 4], 1024, 101, None),
+            record(2, 500, vec![7], 400, 1, None),
+        ],
+    };
+    let mut cfg = SimConfig::new(2, 100, SimPolicy::Kvfleet(PolicyKind::RoundRobin));
+    cfg.mixed_steps = true;
+    cfg.record_requests = true;
+    let r = simulate(&t, &cfg).unwrap();
+    let cost = CostModel::h200_llama8b();
+    let (a, c, step) = (
+        cost.prefill_ms(1024),
+        cost.prefill_ms(400),
+        cost.decode_step_ms(1),
+    );
+    let wait0 = a + (((500.0 - a) / step).floor() + 1.0) * step - 500.0;
+    let wait1 = 5.0 + a + (((495.0 - a) / step).floor() + 1.0) * step - 500.0;
+    assert!(wait0 > wait1 + 5.0, "{wait0} {wait1}");
+    let o = &r.outcomes[2];
+    assert_eq!(o.worker, 0);
+    assert!((o.ttft_ms - (c + wait0 + step)).abs() < 0.01, "{o:?}");
+    assert_eq!(r.avoidable_waits, 0);
 }
 
 /// A running request's generated tokens take pool blocks as they come, evicting the

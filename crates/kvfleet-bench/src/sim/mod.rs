@@ -194,6 +194,10 @@ pub struct SimWorker {
     /// How long its decode rows have waited for prefills sharing their steps, in all,
     /// ms ([`SimConfig::mixed_steps`]).
     stalled_ms: f64,
+    /// The end of its latest step the simulation knows of (a prefill's end, a
+    /// sequence's last token or its next block), ms: its decoding sequences' next
+    /// steps follow from there ([`SimConfig::mixed_steps`]).
+    step_anchor_ms: f64,
     /// The time its load is reported at, ms (set before each report).
     report_ms: f64,
     /// Uncached prompt tokens queued or being prefilled.
@@ -237,6 +241,7 @@ impl SimWorker {
             prefill_started: 0.0,
             prefill_until: 0.0,
             stalled_ms: 0.0,
+            step_anchor_ms: 0.0,
             report_ms: 0.0,
             queued_prefill_tokens: 0,
             decoding: 0,
@@ -496,29 +501,65 @@ impl SimWorker {
         change
     }
 
-    /// What a prefill starting now in the steps of this worker's decoding sequences
-    /// ([`SimConfig::mixed_steps`]) adds to its own time, ms: a step and a half of
-    /// theirs, as it waits for the step under way to end (half of one on average, for
-    /// an arrival at a random time) and its own step also runs their rows. 0 while
+    /// How long a prefill starting at `now` on this worker waits for the step of its
+    /// decoding sequences under way to end ([`SimConfig::mixed_steps`]), ms; 0 while
     /// nothing decodes.
-    fn step_share_ms(&self, cost: &CostModel) -> f64 {
+    ///
+    /// A request already queued (`queued`) starts at the step boundary where its lane
+    /// frees. One just sent misses a boundary that falls at the same instant: its
+    /// message takes time to arrive, and the engine starts the next step at once. So a
+    /// turn sent when its parent's last token comes waits a whole step of the
+    /// sequences still decoding, where an arrival at a random time waits half of one.
+    fn step_wait_ms(&self, now: f64, queued: bool, cost: &CostModel) -> f64 {
+        if self.decoding == 0 {
+            return 0.0;
+        }
+        let step = cost.decode_step_ms(self.decoding);
+        let steps = ((now - self.step_anchor_ms) / step).max(0.0);
+        let next = if queued {
+            // A boundary within rounding of `now` is `now` itself.
+            (steps - ROUNDING_MS / step).ceil()
+        } else {
+            steps.floor() + 1.0
+        };
+        (self.step_anchor_ms + next * step - now).max(0.0)
+    }
+
+    /// What the rows of this worker's decoding sequences add to the step a prefill
+    /// runs in ([`SimConfig::mixed_steps`]), ms: one decode step, or 0 while nothing
+    /// decodes.
+    fn step_rows_ms(&self, cost: &CostModel) -> f64 {
         if self.decoding == 0 {
             0.0
         } else {
-            1.5 * cost.decode_step_ms(self.decoding)
+            cost.decode_step_ms(self.decoding)
         }
     }
 
-    /// A prefill of `prefill_ms` starts in the steps of this worker's decoding
-    /// sequences ([`SimConfig::mixed_steps`]): they wait that long for it, and it takes
-    /// [`Self::step_share_ms`] longer. Returns its time.
-    fn share_steps(&mut self, prefill_ms: f64, cost: &CostModel) -> f64 {
-        let own = prefill_ms + self.step_share_ms(cost);
+    /// A prefill of `prefill_ms` starts at `now` in the steps of this worker's decoding
+    /// sequences ([`SimConfig::mixed_steps`]): they wait that long for it, and it waits
+    /// for their step under way and runs with their rows. Returns its time and the
+    /// part of it spent waiting for the step under way.
+    fn share_steps(
+        &mut self,
+        prefill_ms: f64,
+        now: f64,
+        queued: bool,
+        cost: &CostModel,
+    ) -> (f64, f64) {
+        let wait = self.step_wait_ms(now, queued, cost);
+        let own = prefill_ms + wait + self.step_rows_ms(cost);
         self.stalled_ms += prefill_ms;
         if let Some(m) = self.memory.as_mut() {
             m.stall(prefill_ms);
         }
-        own
+        (own, wait)
+    }
+
+    /// A step of this worker ended at `now`: its decoding sequences' steps follow on
+    /// from it ([`SimConfig::mixed_steps`]).
+    fn step_ended(&mut self, now: f64) {
+        self.step_anchor_ms = now;
     }
 
     /// Request `i` (state `r`, prompt `chain`) stops running, finished or preempted,
@@ -761,11 +802,18 @@ pub struct SimConfig {
     pub decode_reserve: Option<DecodeReserveConfig>,
     /// Whether a worker's prefills and decodes share its steps, as the engine's
     /// continuous batching runs them (`kvfleet sim --mixed-steps`): a prefill on a
-    /// worker that decodes waits for the step under way to end (half a decode step on
-    /// average) and its step also runs the decode rows (one more), and every sequence
-    /// decoding there waits out the prefill's own time. Default off: a prefill lane
-    /// beside decodes that never wait for it.
+    /// worker that decodes waits for the step under way to end (its steps follow on
+    /// from the last step end the simulation knows of) and its step also runs the
+    /// decode rows (one more), and every sequence decoding there waits out the
+    /// prefill's own time. Default off: a prefill lane beside decodes that never wait
+    /// for it.
     pub mixed_steps: bool,
+    /// Time from a request's last token at its worker to its child's arrival, ms: the
+    /// answer's way back to the client and the next request's way in (`kvfleet sim
+    /// --client-rtt-ms`). Default 0: the child arrives with its parent's last token.
+    /// A live replay's client on one machine takes about a millisecond, which decides
+    /// whether the child finds the worker before or after the events of that instant.
+    pub client_rtt_ms: f64,
     /// Whether [`SimResult::outcomes`] lists every request's outcome (`kvfleet sim
     /// --requests-out`; default off).
     pub record_requests: bool,
@@ -807,6 +855,7 @@ impl SimConfig {
             hits_at_admission: false,
             decode_reserve: None,
             mixed_steps: false,
+            client_rtt_ms: 0.0,
             record_requests: false,
         }
     }
@@ -998,9 +1047,13 @@ struct ReqState {
     /// prefill-token equivalents (expected while queued, as `uncached`).
     lane_tokens: usize,
     /// A worker's prefill lane was idle when this request arrived: what its decoding
-    /// sequences would have added to this request's prefill there, ms (the least of
-    /// the idle lanes'; 0 without [`SimConfig::mixed_steps`]).
+    /// sequences' rows would have added to this request's prefill there, ms (the
+    /// least of the idle lanes'; 0 without [`SimConfig::mixed_steps`]).
     idle_elsewhere: Option<f64>,
+    /// Time its prefill spent waiting for its worker's step under way to end, ms
+    /// ([`SimConfig::mixed_steps`]). Left out of the avoidable-wait test, as the same
+    /// wait on the idle lane is: no router sees where a worker is in its step.
+    step_wait_ms: f64,
     /// Time its lane spent, after it arrived, computing blocks of its prompt for
     /// requests ahead of it, ms.
     own_prefix_ms: f64,
@@ -1068,6 +1121,10 @@ pub fn make_router(cfg: &SimConfig, block_size: usize) -> anyhow::Result<Box<dyn
 pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
     anyhow::ensure!(cfg.workers > 0, "--workers must be at least 1");
     anyhow::ensure!(cfg.cache_blocks > 0, "--cache-blocks must be at least 1");
+    anyhow::ensure!(
+        cfg.client_rtt_ms >= 0.0 && cfg.client_rtt_ms.is_finite(),
+        "--client-rtt-ms must be a finite number of milliseconds, at least 0"
+    );
     cfg.cost.validate()?;
     let wall = std::time::Instant::now();
     let bs = trace.block_size();
@@ -1136,7 +1193,7 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                     st[i].done = true;
                     finished += 1;
                     for k in parked.remove(&i).unwrap_or_default() {
-                        adm.events.push(now, Ev::Arrive(k));
+                        adm.events.push(now + cfg.client_rtt_ms, Ev::Arrive(k));
                     }
                     continue;
                 }
@@ -1154,7 +1211,7 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                 // request either.
                 let share = |x: &SimWorker| {
                     if cfg.mixed_steps {
-                        x.step_share_ms(&cfg.cost)
+                        x.step_rows_ms(&cfg.cost)
                     } else {
                         0.0
                     }
@@ -1231,6 +1288,7 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                     load_ms: 0.0,
                     lane_tokens: uncached,
                     idle_elsewhere,
+                    step_wait_ms: 0.0,
                     own_prefix_ms,
                     computing: Vec::new(),
                     output_blocks,
@@ -1271,8 +1329,9 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                 let cold = cfg.cost.prefill_ms(recs[i].input_length) + ROUNDING_MS;
                 let first = !st[i].recompute;
                 let idle = st[i].idle_elsewhere.map(|share| cold + share);
-                if let Some(cold) = idle.filter(|&cold| first && took > cold) {
-                    if took - st[i].own_prefix_ms > cold {
+                let waited = took - st[i].step_wait_ms;
+                if let Some(cold) = idle.filter(|&cold| first && waited > cold) {
+                    if waited - st[i].own_prefix_ms > cold {
                         avoidable_waits += 1;
                     } else {
                         own_prefix_waits += 1;
@@ -1291,6 +1350,7 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                         });
                     }
                 }
+                wk.step_ended(now);
                 wk.decoding += 1;
                 let step = cfg.cost.decode_step_ms(wk.decoding);
                 // This prefill's end brings token `generated + 1`.
@@ -1333,6 +1393,7 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                     continue;
                 }
                 wk.report_ms = now;
+                wk.step_ended(now);
                 wk.decoding -= 1;
                 wk.inflight -= 1;
                 wk.active_blocks -= chains[i].len();
@@ -1350,7 +1411,7 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                 adm.router.on_finished(w, st[i].token, &workers, now);
                 if let Some(kids) = parked.remove(&i) {
                     for k in kids {
-                        adm.events.push(now, Ev::Arrive(k));
+                        adm.events.push(now + cfg.client_rtt_ms, Ev::Arrive(k));
                     }
                 }
             }
@@ -1370,6 +1431,7 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                     continue;
                 }
                 m.relax_to(now, step);
+                workers[w].step_ended(now);
                 // No block free: a waiting request's held prefix yields first, then the
                 // newest decoding request is preempted, as the engine's scheduler does.
                 let mut preempted_self = false;
@@ -1649,7 +1711,11 @@ impl Admitter<'_> {
             return false;
         };
         if self.cfg.mixed_steps && workers[w].decoding > 0 {
-            t = workers[w].share_steps(t, &self.cfg.cost);
+            // Queued earlier, or again after a preemption: it is in the engine's queue.
+            let queued = st[i].sent_ms < now || st[i].recompute;
+            let (own, wait) = workers[w].share_steps(t, now, queued, &self.cfg.cost);
+            t = own;
+            st[i].step_wait_ms = wait;
             workers[w].prefill_until = now + t;
         }
         if !evicted.removed.is_empty() {
