@@ -140,9 +140,10 @@ pub struct PoolModelArgs {
     pub decode_reserve_ratio: Option<f64>,
     /// Run each worker's prefills in the steps of its decoding sequences, as the
     /// engine's continuous batching does: a prefill waits for the step under way to
-    /// end and takes one decode step longer (the rows its own step runs), and the
-    /// decoding sequences wait out its time (default: a prefill lane beside decodes
-    /// that never wait for it).
+    /// end and takes one decode step longer (the rows its own step runs), the
+    /// decoding sequences wait out its time, and the queued prefills that fit one
+    /// step's token budget run in it together (default: a prefill lane beside
+    /// decodes that never wait for it).
     #[arg(long)]
     pub mixed_steps: bool,
 }

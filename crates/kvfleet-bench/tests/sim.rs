@@ -901,6 +901,55 @@ fn a_turn_sent_at_its_parents_end_waits_a_whole_step_of_the_decodes_beside_it() 
     assert!(simulate(&t, &cfg).is_err());
 }
 
+/// With `mixed_steps` the prefills that fit one step run in it together, as the
+/// engine admits every waiting request at a step boundary: a fork's children, sent
+/// together when their parent ends, get their first tokens from one step while
+/// another sequence decodes there. With nothing decoding the first child starts at
+/// once, alone, and the other two share the next step.
+#[test]
+fn prefills_that_fit_one_step_run_in_it_together() {
+    // P (512 tokens, 2 out, or 1 out) and its three children, 512 tokens of their own
+    // each; A (1,024 tokens, 101 out) decodes beside them, or is absent.
+    let fork = |with_a: bool| {
+        let mut records = vec![
+            record(1, 200, vec![5], 512, if with_a { 2 } else { 1 }, None),
+            record(2, 200, vec![8], 512, 1, Some(1)),
+            record(3, 200, vec![9], 512, 1, Some(1)),
+            record(4, 200, vec![10], 512, 1, Some(1)),
+        ];
+        if with_a {
+            records.insert(0, record(0, 0, vec![1, 2], 1024, 101, None));
+        }
+        Trace { records }
+    };
+    let run = |t: &Trace| {
+        let mut cfg = SimConfig::new(1, 100, SimPolicy::Kvfleet(PolicyKind::CacheAware));
+        cfg.mixed_steps = true;
+        cfg.record_requests = true;
+        simulate(t, &cfg).unwrap()
+    };
+    let cost = CostModel::h200_llama8b();
+    let (p, step) = (cost.prefill_ms(512), cost.decode_step_ms(1));
+    let close = |x: f64, y: f64| (x - y).abs() < 0.01;
+    // A decodes: the children miss the boundary at P's end, wait a step, then run
+    // in the next one with A's row.
+    let r = run(&fork(true));
+    let kids: Vec<f64> = r.outcomes[2..].iter().map(|o| o.ttft_ms).collect();
+    assert!(
+        kids.iter().all(|&t| close(t, step + 3.0 * p + step)),
+        "{kids:?}"
+    );
+    // Nothing decodes: the first child starts at once; the others wait for its step.
+    let r = run(&fork(false));
+    let kids: Vec<f64> = r.outcomes[1..].iter().map(|o| o.ttft_ms).collect();
+    assert!(close(kids[0], p), "{kids:?}");
+    assert!(
+        close(kids[1], 3.0 * p) && close(kids[2], 3.0 * p),
+        "{kids:?}"
+    );
+    assert_eq!(r.avoidable_waits, 0);
+}
+
 /// Where a worker is in its decode step is luck no router sees: a request that waits
 /// longer for its worker's step under way than it would have on an idle lane elsewhere
 /// has not waited avoidably. Both workers decode one sequence, at different phases.

@@ -11,7 +11,8 @@
 //! ([`cost_model`]), shared by the fleet simulator and the simulated engine; reading
 //! its JSON file is this crate's one other file read. Likewise the engine scheduler's
 //! decode reserve ([`decode_reserve`]), which the simulator's engine memory model
-//! follows.
+//! follows, and its default step budget ([`step_budget`]), by which the simulator
+//! batches prefills.
 
 pub mod anthropic;
 pub mod block_hash;
@@ -22,6 +23,7 @@ pub mod decode_reserve;
 pub mod incremental_tokenizer;
 pub mod kv_events;
 pub mod openai;
+pub mod step_budget;
 pub mod structured_output;
 pub mod sync;
 pub mod tokenizer;
@@ -33,5 +35,6 @@ pub use block_hash::{
 };
 pub use chat::{ChatError, ChatMessage, ChatTemplate, Role, ToolDefinition};
 pub use cost_model::{CostModel, CostModelError};
+pub use step_budget::{DEFAULT_MAX_BATCHED_TOKENS, DEFAULT_MAX_PREFILL_CHUNK};
 pub use tokenizer::{ByteTokenizer, HfTokenizer, StreamDecoder, Tokenizer, TokenizerError};
 pub use tokens::{blocks_needed, blocks_to_start, full_blocks, TokenId};

@@ -57,8 +57,8 @@ impl Default for EngineConfig {
             model_id: "tiny".to_string(),
             block_size: kvfleet_core::DEFAULT_BLOCK_SIZE,
             max_num_seqs: 64,
-            max_batched_tokens: 2048,
-            max_prefill_chunk: 1024,
+            max_batched_tokens: kvfleet_core::DEFAULT_MAX_BATCHED_TOKENS,
+            max_prefill_chunk: kvfleet_core::DEFAULT_MAX_PREFILL_CHUNK,
             decode_reserve: Default::default(),
         }
     }

@@ -186,7 +186,16 @@ pub struct SimWorker {
     /// a request queued behind them will find them computed.
     queued_blocks: HashMap<BlockHash, u32>,
     prefilling: Option<usize>,
-    /// The lane tokens of the prefill in progress.
+    /// Requests whose prefills run in the same step as `prefilling`'s and end with it,
+    /// as the engine admits the waiting requests that fit its step's token budget
+    /// together ([`SimConfig::mixed_steps`]).
+    riders: Vec<usize>,
+    /// When the step of the prefill in progress starts, ms: a request sent before then
+    /// may still ride in it.
+    step_starts_ms: f64,
+    /// Uncached prompt tokens of the prefills in that step.
+    step_tokens: usize,
+    /// The lane tokens of the prefill in progress (with its riders').
     prefilling_tokens: usize,
     /// When the prefill in progress started and ends, ms.
     prefill_started: f64,
@@ -237,6 +246,9 @@ impl SimWorker {
             queue: VecDeque::new(),
             queued_blocks: HashMap::new(),
             prefilling: None,
+            riders: Vec::new(),
+            step_starts_ms: 0.0,
+            step_tokens: 0,
             prefilling_tokens: 0,
             prefill_started: 0.0,
             prefill_until: 0.0,
@@ -676,7 +688,7 @@ impl SimWorker {
     /// The load report a real worker would send.
     pub fn load_report(&self) -> kvfleet_routing::WorkerLoad {
         kvfleet_routing::WorkerLoad {
-            running: self.decoding + usize::from(self.prefilling.is_some()),
+            running: self.decoding + usize::from(self.prefilling.is_some()) + self.riders.len(),
             waiting: self.queue.len(),
             queued_prefill_tokens: self.prefill_backlog_at(self.report_ms),
             // Blocks no running sequence holds, cached or not, as an engine counts
@@ -805,8 +817,10 @@ pub struct SimConfig {
     /// worker that decodes waits for the step under way to end (its steps follow on
     /// from the last step end the simulation knows of) and its step also runs the
     /// decode rows (one more), and every sequence decoding there waits out the
-    /// prefill's own time. Default off: a prefill lane beside decodes that never wait
-    /// for it.
+    /// prefill's own time. The queued prefills that fit the engine's step budget
+    /// ([`kvfleet_core::step_budget`]) run in one step and get their first tokens
+    /// when it ends. Default off: a prefill lane beside decodes that never wait for
+    /// it.
     pub mixed_steps: bool,
     /// Time from a request's last token at its worker to its child's arrival, ms: the
     /// answer's way back to the client and the next request's way in (`kvfleet sim
@@ -1306,75 +1320,92 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                 }
                 if adm.begin(&mut workers, w, &mut st, now) {
                     prefilling += 1;
+                } else {
+                    // Sent before the step under way begins, it may still run in it.
+                    adm.ride(&mut workers, w, &mut st, now);
                 }
                 adm.router.on_load_changed(w, &workers);
             }
             Ev::PrefillDone(w) => {
                 let wk = &mut workers[w];
-                let Some(i) = wk.prefilling.take() else {
+                // A request that rode in the step since moved its end on.
+                if wk.prefill_until > now + ROUNDING_MS {
+                    continue;
+                }
+                let Some(head) = wk.prefilling.take() else {
                     continue;
                 };
                 prefilling -= 1;
-                wk.queued_prefill_tokens -= st[i].lane_tokens;
-                let computed = std::mem::take(&mut st[i].computing);
-                if pulls {
-                    for (_, run) in &computed {
-                        wk.mark_ready(run);
+                wk.step_tokens = 0;
+                let batch: Vec<usize> = std::iter::once(head).chain(wk.riders.drain(..)).collect();
+                // A request whose prefill brought its last token ends at this instant:
+                // sharing steps, the next prefill starts once it has (its
+                // `DecodeDone` starts it), not with a decode row of it.
+                let mut ending_now = false;
+                for i in batch {
+                    let wk = &mut workers[w];
+                    wk.queued_prefill_tokens -= st[i].lane_tokens;
+                    let computed = std::mem::take(&mut st[i].computing);
+                    if pulls {
+                        for (_, run) in &computed {
+                            wk.mark_ready(run);
+                        }
+                    }
+                    let gone = wk.evicted_of(&computed);
+                    let took = now - st[i].sent_ms;
+                    // A margin for the rounding of event times (`now - sent_ms` of a
+                    // request that never queued can exceed its prefill by an ulp).
+                    let cold = cfg.cost.prefill_ms(recs[i].input_length) + ROUNDING_MS;
+                    let first = !st[i].recompute;
+                    let idle = st[i].idle_elsewhere.map(|share| cold + share);
+                    let waited = took - st[i].step_wait_ms;
+                    if let Some(cold) = idle.filter(|&cold| first && waited > cold) {
+                        if waited - st[i].own_prefix_ms > cold {
+                            avoidable_waits += 1;
+                        } else {
+                            own_prefix_waits += 1;
+                        }
+                    }
+                    if first {
+                        ttft.push(took);
+                        if cfg.record_requests {
+                            outcomes.push(SimOutcome {
+                                index: i,
+                                worker: w,
+                                sent_ms: st[i].sent_ms - t0,
+                                ttft_ms: took,
+                                prompt_tokens: st[i].input_tokens,
+                                cached_tokens: st[i].input_tokens - st[i].uncached,
+                            });
+                        }
+                    }
+                    wk.step_ended(now);
+                    wk.decoding += 1;
+                    let step = cfg.cost.decode_step_ms(wk.decoding);
+                    // This prefill's end brings token `generated + 1`.
+                    let generated = st[i].generated;
+                    let steps = recs[i].output_length.saturating_sub(1 + generated);
+                    ending_now |= steps == 0;
+                    if first && steps > 0 {
+                        itl.push(step);
+                    }
+                    let epoch = st[i].epoch;
+                    st[i].recompute = false;
+                    st[i].stall_seen_ms = wk.stalled_ms;
+                    adm.events
+                        .push(now + step * steps as f64, Ev::DecodeDone(i, epoch));
+                    let grow = wk.memory.as_mut();
+                    if let Some(t) = grow.and_then(|m| m.decode_started(i, generated, now, step)) {
+                        adm.events.push(t, Ev::Grow(i, epoch));
+                    }
+                    wk.report_ms = now;
+                    // Its blocks are reported before the next request's admission
+                    // evicts any of them.
+                    if !computed.is_empty() {
+                        adm.router.on_computed(w, &computed, &gone, &workers);
                     }
                 }
-                let gone = wk.evicted_of(&computed);
-                let took = now - st[i].sent_ms;
-                // A margin for the rounding of event times (`now - sent_ms` of a
-                // request that never queued can exceed its prefill by an ulp).
-                let cold = cfg.cost.prefill_ms(recs[i].input_length) + ROUNDING_MS;
-                let first = !st[i].recompute;
-                let idle = st[i].idle_elsewhere.map(|share| cold + share);
-                let waited = took - st[i].step_wait_ms;
-                if let Some(cold) = idle.filter(|&cold| first && waited > cold) {
-                    if waited - st[i].own_prefix_ms > cold {
-                        avoidable_waits += 1;
-                    } else {
-                        own_prefix_waits += 1;
-                    }
-                }
-                if first {
-                    ttft.push(took);
-                    if cfg.record_requests {
-                        outcomes.push(SimOutcome {
-                            index: i,
-                            worker: w,
-                            sent_ms: st[i].sent_ms - t0,
-                            ttft_ms: took,
-                            prompt_tokens: st[i].input_tokens,
-                            cached_tokens: st[i].input_tokens - st[i].uncached,
-                        });
-                    }
-                }
-                wk.step_ended(now);
-                wk.decoding += 1;
-                let step = cfg.cost.decode_step_ms(wk.decoding);
-                // This prefill's end brings token `generated + 1`.
-                let generated = st[i].generated;
-                let steps = recs[i].output_length.saturating_sub(1 + generated);
-                if first && steps > 0 {
-                    itl.push(step);
-                }
-                let epoch = st[i].epoch;
-                st[i].recompute = false;
-                st[i].stall_seen_ms = wk.stalled_ms;
-                adm.events
-                    .push(now + step * steps as f64, Ev::DecodeDone(i, epoch));
-                let grow = wk.memory.as_mut();
-                if let Some(t) = grow.and_then(|m| m.decode_started(i, generated, now, step)) {
-                    adm.events.push(t, Ev::Grow(i, epoch));
-                }
-                wk.report_ms = now;
-                // Its blocks are reported before the next request's admission
-                // evicts any of them.
-                if !computed.is_empty() {
-                    adm.router.on_computed(w, &computed, &gone, &workers);
-                }
-                if adm.begin(&mut workers, w, &mut st, now) {
+                if !(cfg.mixed_steps && ending_now) && adm.begin(&mut workers, w, &mut st, now) {
                     prefilling += 1;
                 }
                 adm.router.on_load_changed(w, &workers);
@@ -1401,10 +1432,11 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                     wk.stop_running(i, &st[i], &chains[i], recs[i].output_length, bs, hold);
                 if hold {
                     adm.router.on_enqueued(w, &change, &workers);
-                    // A lane waiting for memory may start now.
-                    if adm.begin(&mut workers, w, &mut st, now) {
-                        prefilling += 1;
-                    }
+                }
+                // A lane waiting for memory may start now, or one left for this
+                // request to end first (sharing steps).
+                if (hold || cfg.mixed_steps) && adm.begin(&mut workers, w, &mut st, now) {
+                    prefilling += 1;
                 }
                 st[i].done = true;
                 finished += 1;
@@ -1710,21 +1742,97 @@ impl Admitter<'_> {
         else {
             return false;
         };
-        if self.cfg.mixed_steps && workers[w].decoding > 0 {
-            // Queued earlier, or again after a preemption: it is in the engine's queue.
-            let queued = st[i].sent_ms < now || st[i].recompute;
-            let (own, wait) = workers[w].share_steps(t, now, queued, &self.cfg.cost);
-            t = own;
+        if self.cfg.mixed_steps {
+            let mut wait = 0.0;
+            if workers[w].decoding > 0 {
+                // Queued earlier, or again after a preemption: it is in the engine's
+                // queue.
+                let queued = st[i].sent_ms < now || st[i].recompute;
+                let (own, w8) = workers[w].share_steps(t, now, queued, &self.cfg.cost);
+                (t, wait) = (own, w8);
+                workers[w].prefill_until = now + t;
+            }
             st[i].step_wait_ms = wait;
-            workers[w].prefill_until = now + t;
+            let wk = &mut workers[w];
+            wk.step_starts_ms = now + wait;
+            wk.step_tokens = st[i].uncached;
         }
         if !evicted.removed.is_empty() {
             self.router.on_enqueued(w, &evicted, workers);
         }
-        self.events.push(now + t, Ev::PrefillDone(w));
+        // The requests queued behind it that fit its step run in it.
+        while self.ride(workers, w, st, now) {}
+        self.events
+            .push(workers[w].prefill_until, Ev::PrefillDone(w));
         if t > LOAD_POLL_MS {
             self.events.push(now + LOAD_POLL_MS, Ev::Poll(w, i));
         }
+        true
+    }
+
+    /// Lets worker `w`'s next queued request run in the step of the prefill in
+    /// progress ([`SimConfig::mixed_steps`]), as the engine admits at a step boundary
+    /// every waiting request that fits: one sent before that step starts, whose
+    /// uncached prompt fits one sequence's chunk and the step's token budget left by
+    /// the decode rows, and (holding blocks) whose blocks fit. Its prefill lengthens the
+    /// step, and its first token comes when the step ends. Returns whether it rode.
+    fn ride(&mut self, workers: &mut [SimWorker], w: usize, st: &mut [ReqState], now: f64) -> bool {
+        let wk = &workers[w];
+        if !self.cfg.mixed_steps || wk.prefilling.is_none() {
+            return false;
+        }
+        let Some(&i) = wk.queue.front() else {
+            return false;
+        };
+        let r = &st[i];
+        let budget = kvfleet_core::DEFAULT_MAX_BATCHED_TOKENS.saturating_sub(wk.decoding);
+        if r.sent_ms >= wk.step_starts_ms
+            || r.uncached > kvfleet_core::DEFAULT_MAX_PREFILL_CHUNK
+            || wk.step_tokens + r.uncached > budget
+        {
+            return false;
+        }
+        let hold = self.cfg.hold_blocks;
+        if hold
+            && !wk.fits(
+                &self.chains[i],
+                r.input_tokens,
+                r.output_tokens,
+                r.generated,
+                r.output_blocks,
+                now,
+            )
+        {
+            return false;
+        }
+        if !st[i].admitted {
+            let released = workers[w].admit_holds(i, self.chains, hold);
+            if !released.removed.is_empty() {
+                self.router.on_enqueued(w, &released, workers);
+            }
+            let hits = workers[w].tiered_match(&self.chains[i]);
+            self.take_hits(workers, w, st, i, hits);
+        }
+        let evicted = admit_to_lane(&mut workers[w], st, self.chains, i, hold);
+        let t = prefill_time(&st[i], &self.cfg.cost);
+        let wk = &mut workers[w];
+        wk.riders.push(i);
+        wk.step_tokens += st[i].uncached;
+        wk.prefilling_tokens += st[i].lane_tokens;
+        wk.prefill_until += t;
+        if wk.decoding > 0 {
+            // The decoding sequences wait for it too.
+            wk.stalled_ms += t;
+            if let Some(m) = wk.memory.as_mut() {
+                m.stall(t);
+            }
+        }
+        st[i].step_wait_ms = (wk.step_starts_ms - now).max(0.0);
+        let until = wk.prefill_until;
+        if !evicted.removed.is_empty() {
+            self.router.on_enqueued(w, &evicted, workers);
+        }
+        self.events.push(until, Ev::PrefillDone(w));
         true
     }
 
@@ -1837,8 +1945,27 @@ fn start_prefill(
     {
         return None;
     }
-    wk.dequeue(&chains[i]);
+    let evicted = admit_to_lane(wk, st, chains, i, hold);
     wk.prefilling = Some(i);
+    let t = prefill_time(&st[i], cost);
+    wk.prefilling_tokens = st[i].lane_tokens;
+    wk.prefill_started = now;
+    wk.prefill_until = now + t;
+    Some((t, evicted))
+}
+
+/// Request `i`, at the head of `wk`'s queue, leaves it for the prefill lane: it holds
+/// its prompt's blocks (and, as the engine's rule has it, the first of its output's)
+/// from now to its last token. Returns what taking them evicted.
+fn admit_to_lane(
+    wk: &mut SimWorker,
+    st: &[ReqState],
+    chains: &[Vec<BlockHash>],
+    i: usize,
+    hold: bool,
+) -> ChainChange {
+    let r = &st[i];
+    wk.dequeue(&chains[i]);
     let mut evicted = ChainChange::default();
     match wk.memory.as_mut() {
         // The engine's rule: the prompt's blocks now, the output's as it is generated.
@@ -1862,11 +1989,7 @@ fn start_prefill(
     if hold {
         wk.lru.pin_chain(&chains[i]);
     }
-    let t = prefill_time(&st[i], cost);
-    wk.prefilling_tokens = st[i].lane_tokens;
-    wk.prefill_started = now;
-    wk.prefill_until = now + t;
-    Some((t, evicted))
+    evicted
 }
 
 /// Preempts request `v`, decoding on `wk`, as the engine's scheduler does when a
@@ -1976,10 +2099,16 @@ fn own_prefix_ahead(
                 .is_some_and(|h| reused.contains(h))
         }
     };
-    let running = wk
+    let running = if wk
         .prefilling
-        .filter(|&j| computes_ours(j))
-        .map_or(0.0, |_| (wk.prefill_until - now).max(0.0));
+        .iter()
+        .chain(&wk.riders)
+        .any(|&j| computes_ours(j))
+    {
+        (wk.prefill_until - now).max(0.0)
+    } else {
+        0.0
+    };
     running
         + wk.queue
             .iter()
