@@ -1715,27 +1715,8 @@ impl Admitter<'_> {
         if let Some(m) = workers[w].memory.as_mut() {
             m.relax_to(now, step);
         }
-        let wk = &workers[w];
-        let r = &st[i];
-        if hold
-            && !wk.fits(
-                &self.chains[i],
-                r.input_tokens,
-                r.output_tokens,
-                r.generated,
-                r.output_blocks,
-                now,
-            )
-        {
+        if !self.take_the_lane(workers, w, st, i, now) {
             return false;
-        }
-        if !st[i].admitted {
-            let released = workers[w].admit_holds(i, self.chains, hold);
-            if !released.removed.is_empty() {
-                self.router.on_enqueued(w, &released, workers);
-            }
-            let hits = workers[w].tiered_match(&self.chains[i]);
-            self.take_hits(workers, w, st, i, hits);
         }
         let Some((mut t, evicted)) =
             start_prefill(&mut workers[w], st, self.chains, &self.cfg.cost, now, hold)
@@ -1792,27 +1773,10 @@ impl Admitter<'_> {
         {
             return false;
         }
-        let hold = self.cfg.hold_blocks;
-        if hold
-            && !wk.fits(
-                &self.chains[i],
-                r.input_tokens,
-                r.output_tokens,
-                r.generated,
-                r.output_blocks,
-                now,
-            )
-        {
+        if !self.take_the_lane(workers, w, st, i, now) {
             return false;
         }
-        if !st[i].admitted {
-            let released = workers[w].admit_holds(i, self.chains, hold);
-            if !released.removed.is_empty() {
-                self.router.on_enqueued(w, &released, workers);
-            }
-            let hits = workers[w].tiered_match(&self.chains[i]);
-            self.take_hits(workers, w, st, i, hits);
-        }
+        let hold = self.cfg.hold_blocks;
         let evicted = admit_to_lane(&mut workers[w], st, self.chains, i, hold);
         let t = prefill_time(&st[i], &self.cfg.cost);
         let wk = &mut workers[w];
@@ -1833,6 +1797,42 @@ impl Admitter<'_> {
             self.router.on_enqueued(w, &evicted, workers);
         }
         self.events.push(until, Ev::PrefillDone(w));
+        true
+    }
+
+    /// Whether request `i`, at the head of worker `w`'s queue, may start its prefill
+    /// now: holding blocks, only if they fit. If it may, it takes its hits first
+    /// unless it took them when it arrived.
+    fn take_the_lane(
+        &mut self,
+        workers: &mut [SimWorker],
+        w: usize,
+        st: &mut [ReqState],
+        i: usize,
+        now: f64,
+    ) -> bool {
+        let hold = self.cfg.hold_blocks;
+        let r = &st[i];
+        if hold
+            && !workers[w].fits(
+                &self.chains[i],
+                r.input_tokens,
+                r.output_tokens,
+                r.generated,
+                r.output_blocks,
+                now,
+            )
+        {
+            return false;
+        }
+        if !st[i].admitted {
+            let released = workers[w].admit_holds(i, self.chains, hold);
+            if !released.removed.is_empty() {
+                self.router.on_enqueued(w, &released, workers);
+            }
+            let hits = workers[w].tiered_match(&self.chains[i]);
+            self.take_hits(workers, w, st, i, hits);
+        }
         true
     }
 
