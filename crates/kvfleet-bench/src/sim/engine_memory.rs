@@ -25,8 +25,8 @@
 //! Not modelled: the victim is the newest *decoding* sequence, where the engine may
 //! preempt one still in its prefill. The time prefills and decodes cost each other
 //! by sharing the engine's steps is [`SimConfig::mixed_steps`](super::SimConfig::mixed_steps),
-//! a separate option; what a live request spends outside the steps (HTTP, gRPC,
-//! tokenizing: about 6 ms at the median on one machine) is left out.
+//! a separate option, and a live client's round trip between a turn and the next is
+//! [`SimConfig::client_rtt_ms`](super::SimConfig::client_rtt_ms).
 //! (A prompt's partly filled last block, which the engine completes with generated
 //! tokens, needs nothing here: `kvfleet bench gen` gives the next turn a new id for
 //! it, so the chains stop matching where the live prefix cache does.)

@@ -561,11 +561,17 @@ impl SimWorker {
     ) -> (f64, f64) {
         let wait = self.step_wait_ms(now, queued, cost);
         let own = prefill_ms + wait + self.step_rows_ms(cost);
-        self.stalled_ms += prefill_ms;
-        if let Some(m) = self.memory.as_mut() {
-            m.stall(prefill_ms);
-        }
+        self.stall(prefill_ms);
         (own, wait)
+    }
+
+    /// Its decoding sequences wait `ms` for a prefill run in their steps: each of
+    /// their later tokens comes that much later.
+    fn stall(&mut self, ms: f64) {
+        self.stalled_ms += ms;
+        if let Some(m) = self.memory.as_mut() {
+            m.stall(ms);
+        }
     }
 
     /// A step of this worker ended at `now`: its decoding sequences' steps follow on
@@ -1724,17 +1730,19 @@ impl Admitter<'_> {
             return false;
         };
         if self.cfg.mixed_steps {
-            let mut wait = 0.0;
-            if workers[w].decoding > 0 {
+            let wk = &mut workers[w];
+            let wait = if wk.decoding > 0 {
                 // Queued earlier, or again after a preemption: it is in the engine's
                 // queue.
                 let queued = st[i].sent_ms < now || st[i].recompute;
-                let (own, w8) = workers[w].share_steps(t, now, queued, &self.cfg.cost);
-                (t, wait) = (own, w8);
-                workers[w].prefill_until = now + t;
-            }
+                let (own, wait) = wk.share_steps(t, now, queued, &self.cfg.cost);
+                t = own;
+                wk.prefill_until = now + t;
+                wait
+            } else {
+                0.0
+            };
             st[i].step_wait_ms = wait;
-            let wk = &mut workers[w];
             wk.step_starts_ms = now + wait;
             wk.step_tokens = st[i].uncached;
         }
@@ -1786,10 +1794,7 @@ impl Admitter<'_> {
         wk.prefill_until += t;
         if wk.decoding > 0 {
             // The decoding sequences wait for it too.
-            wk.stalled_ms += t;
-            if let Some(m) = wk.memory.as_mut() {
-                m.stall(t);
-            }
+            wk.stall(t);
         }
         st[i].step_wait_ms = (wk.step_starts_ms - now).max(0.0);
         let until = wk.prefill_until;
