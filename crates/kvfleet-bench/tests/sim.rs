@@ -841,6 +841,9 @@ fn mixed_steps_make_a_prefill_and_the_decodes_beside_it_wait_for_each_other() {
             "{}",
             apart.makespan_s
         );
+        // A's inter-token latency, as a client measures it: its 100 steps alone, and
+        // with B's prefill stalling them.
+        assert!(close(apart.itl_ms.mean, step), "{:?}", apart.itl_ms);
         let shared = run(true, engine);
         let v = ttfts(&shared);
         // A's steps run from the end of its prefill: B waits for the one under way
@@ -852,6 +855,11 @@ fn mixed_steps_make_a_prefill_and_the_decodes_beside_it_wait_for_each_other() {
             close(shared.makespan_s * 1000.0, a + 100.0 * step + b),
             "engine rule {engine}: {}",
             shared.makespan_s
+        );
+        assert!(
+            close(shared.itl_ms.mean, step + b / 100.0),
+            "{:?}",
+            shared.itl_ms
         );
     }
 }

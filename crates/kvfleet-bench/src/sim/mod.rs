@@ -973,7 +973,9 @@ pub struct SimResult {
     pub work_max_over_mean: f64,
     /// Time to first token.
     pub ttft_ms: Percentiles,
-    /// Inter-token latency.
+    /// Inter-token latency: each request's time from its first token to its last over
+    /// the tokens between, as `kvfleet bench replay` measures it (with
+    /// [`SimConfig::mixed_steps`], the prefills that stalled its steps included).
     pub itl_ms: Percentiles,
     /// Simulated time from the first arrival to the last completion, s.
     pub makespan_s: f64,
@@ -1097,6 +1099,9 @@ struct ReqState {
     /// Its worker's `stalled_ms` when its last token's time was last worked out: the
     /// stall since delays its end ([`SimConfig::mixed_steps`]).
     stall_seen_ms: f64,
+    /// When its first token came, ms: its inter-token latency runs from there to its
+    /// last token, stalls and preemptions included, as a client measures it.
+    first_token_ms: f64,
     done: bool,
 }
 
@@ -1318,6 +1323,7 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                     recompute: false,
                     admitted: false,
                     stall_seen_ms: 0.0,
+                    first_token_ms: 0.0,
                     done: false,
                 };
                 workers[w].report_ms = now;
@@ -1373,6 +1379,7 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                         }
                     }
                     if first {
+                        st[i].first_token_ms = now;
                         ttft.push(took);
                         if cfg.record_requests {
                             outcomes.push(SimOutcome {
@@ -1392,9 +1399,6 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                     let generated = st[i].generated;
                     let steps = recs[i].output_length.saturating_sub(1 + generated);
                     ending_now |= steps == 0;
-                    if first && steps > 0 {
-                        itl.push(step);
-                    }
                     let epoch = st[i].epoch;
                     st[i].recompute = false;
                     st[i].stall_seen_ms = wk.stalled_ms;
@@ -1428,6 +1432,10 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                     st[i].stall_seen_ms = wk.stalled_ms;
                     adm.events.push(now + stall, Ev::DecodeDone(i, epoch));
                     continue;
+                }
+                let tokens = recs[i].output_length;
+                if tokens > 1 {
+                    itl.push((now - st[i].first_token_ms) / (tokens - 1) as f64);
                 }
                 wk.report_ms = now;
                 wk.step_ended(now);
