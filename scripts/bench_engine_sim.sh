@@ -208,7 +208,9 @@ if spread:
           f"{spread[-1][0]} ms: cached-token share median {statistics.median(shares):.3f} "
           f"(min {min(shares):.3f}, max {max(shares):.3f})")
 # Request by request, the last configuration against live: which turns each moved
-# away from its session's previous worker, and the cached share of those turns.
+# away from its session's previous worker, and the cached share of those turns. After
+# the first reordering (see the spread above) the two runs place most requests
+# differently, so these cells compare counts and shares, not the same decisions.
 try:
     recs = [json.loads(l) for l in open(f"{out}/trace.jsonl")]
     live = {o["index"]: o for o in json.load(open(f"{out}/replay/replay.json"))["outcomes"]}
