@@ -158,7 +158,7 @@ for ((i = 0; i < SPREAD; i++)); do
   "$BIN" sim --trace "$OUT/trace.jsonl" --workers "$WORKERS" --cache-blocks "$BLOCKS" \
     --tokens-per-id "$BLOCK_SIZE" --policy cache-aware --cost-model "$COST_MODEL" \
     --peer-pull-min-blocks 0 --client-rtt-ms "$r" ${SIMS[LAST+1]} \
-    --json > "$OUT/spread/$r.json"
+    --json > "$OUT/spread/${i}_$r.json"
 done
 python3 - "$OUT" "${SIMS[@]}" <<'PY'
 import json, sys
@@ -199,9 +199,10 @@ for stem, flags in sims:
           f"preemptions {x['preemptions']}")
 # The last configuration over the spread of round trips.
 import glob, statistics
-spread = sorted((float(f.rsplit("/", 1)[1][:-5]),
+# Each file is named INDEX_RTT.json (the index keeps equal round trips apart: RTT=0).
+spread = sorted((float(f.rsplit("_", 1)[1][:-5]),
                  json.load(open(f))["results"][0]["cached_token_ratio"] / max(r["cached_token_ratio"], 1e-9))
-                for f in glob.glob(f"{out}/spread/*.json"))
+                for f in glob.glob(f"{out}/spread/*_*.json"))
 if spread:
     shares = [v for _, v in spread]
     print(f"sim {sims[-1][1]} / replay over {len(spread)} round trips from {spread[0][0]} to "

@@ -1332,9 +1332,11 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                 }
                 if adm.begin(&mut workers, w, &mut st, now) {
                     prefilling += 1;
-                } else {
-                    // Sent before the step under way begins, it may still run in it.
-                    adm.ride(&mut workers, w, &mut st, now);
+                } else if adm.ride(&mut workers, w, &mut st, now) {
+                    // Sent before the step under way begins, it runs in it, which now
+                    // ends later (the event at its old end is skipped).
+                    adm.events
+                        .push(workers[w].prefill_until, Ev::PrefillDone(w));
                 }
                 adm.router.on_load_changed(w, &workers);
             }
@@ -1349,12 +1351,13 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                 };
                 prefilling -= 1;
                 wk.step_tokens = 0;
-                let batch: Vec<usize> = std::iter::once(head).chain(wk.riders.drain(..)).collect();
+                // Taken out for the loop and put back empty, keeping its allocation.
+                let mut riders = std::mem::take(&mut wk.riders);
                 // A request whose prefill brought its last token ends at this instant:
                 // sharing steps, the next prefill starts once it has (its
                 // `DecodeDone` starts it), not with a decode row of it.
                 let mut ending_now = false;
-                for i in batch {
+                for &i in std::iter::once(&head).chain(&riders) {
                     let wk = &mut workers[w];
                     wk.queued_prefill_tokens -= st[i].lane_tokens;
                     let computed = std::mem::take(&mut st[i].computing);
@@ -1415,6 +1418,8 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                         adm.router.on_computed(w, &computed, &gone, &workers);
                     }
                 }
+                riders.clear();
+                workers[w].riders = riders;
                 if !(cfg.mixed_steps && ending_now) && adm.begin(&mut workers, w, &mut st, now) {
                     prefilling += 1;
                 }
@@ -1772,7 +1777,8 @@ impl Admitter<'_> {
     /// every waiting request that fits: one sent before that step starts, whose
     /// uncached prompt fits one sequence's chunk and the step's token budget left by
     /// the decode rows, and (holding blocks) whose blocks fit. Its prefill lengthens the
-    /// step, and its first token comes when the step ends. Returns whether it rode.
+    /// step, and its first token comes when the step ends. Returns whether it rode; the
+    /// caller schedules the step's new end.
     fn ride(&mut self, workers: &mut [SimWorker], w: usize, st: &mut [ReqState], now: f64) -> bool {
         let wk = &workers[w];
         if !self.cfg.mixed_steps || wk.prefilling.is_none() {
@@ -1805,11 +1811,9 @@ impl Admitter<'_> {
             wk.stall(t);
         }
         st[i].step_wait_ms = (wk.step_starts_ms - now).max(0.0);
-        let until = wk.prefill_until;
         if !evicted.removed.is_empty() {
             self.router.on_enqueued(w, &evicted, workers);
         }
-        self.events.push(until, Ev::PrefillDone(w));
         true
     }
 
