@@ -343,6 +343,10 @@ pub struct SweepArgs {
     /// the trace's blocks); the baselines never pull.
     #[arg(long)]
     peer_pull_min_blocks: Option<usize>,
+    /// The SGLang baselines' settings as a JSON object, inline or in a file, as
+    /// `kvfleet sim --sglang-config` takes them.
+    #[arg(long, value_parser = crate::sglang_args::parse_sglang_config)]
+    sglang_config: Option<kvfleet_bench::sim::sglang_cache_aware::SglangConfig>,
     #[command(flatten)]
     pool: crate::sim_cmd::PoolModelArgs,
     /// Write the Markdown page here (default: print it).
@@ -669,6 +673,7 @@ fn run_sweep_cmd(a: SweepArgs) -> Result<()> {
         hits_at_admission: a.pool.hits_at_admission,
         decode_reserve: a.pool.decode_reserve()?,
         mixed_steps: a.pool.mixed_steps,
+        sglang: a.sglang_config.clone().unwrap_or_default(),
     };
     let wall = std::time::Instant::now();
     let rows = run_sweep(&cfg)?;

@@ -45,13 +45,19 @@ impl CacheAwareOverrides {
     }
 }
 
+/// The JSON text of a flag that takes inline JSON or a file's path: `s` itself when it
+/// starts with `{` or `[`, else the file `s` names.
+pub fn json_text(s: &str) -> Result<String, String> {
+    if s.trim_start().starts_with(['{', '[']) {
+        Ok(s.to_string())
+    } else {
+        std::fs::read_to_string(s).map_err(|e| format!("reading {s:?}: {e}"))
+    }
+}
+
 /// Parses `--cache-aware-config`: inline JSON or a file's path (see the module docs).
 pub fn parse_cache_aware_config(s: &str) -> Result<CacheAwareOverrides, String> {
-    let text = if s.trim_start().starts_with(['{', '[']) {
-        s.to_string()
-    } else {
-        std::fs::read_to_string(s).map_err(|e| format!("reading {s:?}: {e}"))?
-    };
+    let text = json_text(s)?;
     let fields = match serde_json::from_str::<Value>(&text) {
         Ok(Value::Object(m)) => m,
         Ok(_) => return Err("expected a JSON object of cache-aware weights".into()),

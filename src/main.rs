@@ -9,6 +9,7 @@ mod router_cmd;
 mod router_scale;
 mod security_args;
 mod serve_args;
+mod sglang_args;
 mod sim_cmd;
 mod tls_args;
 mod trace_cmd;

@@ -49,6 +49,11 @@ pub struct SimArgs {
     /// router --cache-aware-config` takes them.
     #[arg(long, value_parser = crate::cache_aware_args::parse_cache_aware_config)]
     cache_aware_config: Option<crate::cache_aware_args::CacheAwareOverrides>,
+    /// The SGLang baselines' settings as a JSON object, inline or in a file (e.g.
+    /// `'{"idle_guard": true}'`, an experiment that is not SGLang's: see
+    /// docs/policy-sweep.md).
+    #[arg(long, value_parser = crate::sglang_args::parse_sglang_config)]
+    sglang_config: Option<kvfleet_bench::sim::sglang_cache_aware::SglangConfig>,
     #[command(flatten)]
     pool: PoolModelArgs,
     /// Policies, comma-separated or repeated: cache-aware, round-robin, least-loaded,
@@ -249,6 +254,9 @@ pub fn run(args: SimArgs) -> Result<()> {
         cfg.client_rtt_ms = args.client_rtt_ms;
         cfg.record_requests = args.requests_out.is_some();
         cfg.router.cache_aware = cache_aware.clone();
+        if let Some(sglang) = &args.sglang_config {
+            cfg.sglang = sglang.clone();
+        }
         cfg.peer_pull_min_blocks = args
             .peer_pull_min_blocks
             .unwrap_or_else(|| default_peer_pull_min_blocks(trace.block_size()));

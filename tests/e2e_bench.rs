@@ -173,3 +173,72 @@ fn sim_with_host_and_disk_tiers_raises_the_hit_ratio() {
     assert!(err.contains("load-time, discount, device-only"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn sims_idle_guard_takes_the_waits_out_of_sglangs_rule_and_the_hits_they_bought() {
+    // Conversations on 4 workers whose turns queue behind each other on their holder.
+    let dir = std::env::temp_dir().join(format!("kvfleet-e2e-guard-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let trace = dir.join("conversation.jsonl");
+    let trace_s = trace.to_str().unwrap();
+    support::run_kvfleet(&[
+        "bench",
+        "gen",
+        "--out",
+        trace_s,
+        "--sessions",
+        "24",
+        "--fork-k",
+        "0",
+        "--parent-turns",
+        "6",
+        "--system-tokens",
+        "2048",
+        "--tools-tokens",
+        "1024",
+        "--history-tokens",
+        "1024",
+        "--turn-tokens",
+        "768",
+        "--output-tokens",
+        "64",
+        "--turn-gap-ms",
+        "1000",
+        "--session-rate",
+        "4",
+    ]);
+    let sim = |sglang: &str| -> serde_json::Value {
+        let out: serde_json::Value = serde_json::from_str(&support::run_kvfleet(&[
+            "sim",
+            "--trace",
+            trace_s,
+            "--workers",
+            "4",
+            "--cache-blocks",
+            "80",
+            "--policy",
+            "sglang-spill",
+            "--sglang-config",
+            sglang,
+            "--json",
+        ]))
+        .unwrap();
+        out["results"][0].clone()
+    };
+    let (rule, guarded) = (sim("{}"), sim(r#"{"idle_guard": true}"#));
+    let waits = |r: &serde_json::Value| r["avoidable_waits"].as_u64().unwrap();
+    let hits = |r: &serde_json::Value| r["hit_ratio"].as_f64().unwrap();
+    assert!(waits(&rule) > 0, "{rule}");
+    assert_eq!(waits(&guarded), 0, "{guarded}");
+    assert!(hits(&guarded) < hits(&rule), "{guarded} vs {rule}");
+    // A misspelt field is refused by name, before anything runs.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvfleet"))
+        .args(["sim", "--trace", trace_s, "--sglang-config"])
+        .arg(r#"{"idle_gaurd": true}"#)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("unknown field `idle_gaurd`"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

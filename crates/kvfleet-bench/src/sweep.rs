@@ -25,6 +25,7 @@
 use crate::bounds::{bounds, distinct_blocks_of, pooled_queue};
 use crate::matrix::{LoadCalibration, MatrixRow};
 use crate::sim::cost_model::CostModel;
+use crate::sim::sglang_cache_aware::SglangConfig;
 use crate::sim::{comparison_pull_min_blocks, simulate, SimConfig, SimPolicy};
 use crate::trace::Trace;
 use crate::trace_gen::{generate, Arrival, GenConfig};
@@ -85,6 +86,8 @@ pub struct SweepConfig {
     /// Prefills share their worker's decode steps
     /// ([`SimConfig::mixed_steps`](crate::sim::SimConfig::mixed_steps)).
     pub mixed_steps: bool,
+    /// The SGLang baselines' settings.
+    pub sglang: SglangConfig,
 }
 
 /// The generated family for a fleet of `workers`, each with its memory budget.
@@ -264,6 +267,7 @@ pub fn run_sweep(cfg: &SweepConfig) -> Result<Vec<MatrixRow>> {
             sc.hits_at_admission = cfg.hits_at_admission;
             sc.decode_reserve = cfg.decode_reserve;
             sc.mixed_steps = cfg.mixed_steps;
+            sc.sglang = cfg.sglang.clone();
             let result = simulate(&j.scaled, &sc)?;
             Ok(MatrixRow {
                 trace: j.trace.clone(),

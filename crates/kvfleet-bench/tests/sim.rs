@@ -202,6 +202,7 @@ fn the_sweep_checks_cache_aware_against_the_best_other_policy() {
         hits_at_admission: false,
         decode_reserve: None,
         mixed_steps: false,
+        sglang: Default::default(),
     };
     let rows = run_sweep(&cfg).unwrap();
     assert_eq!(rows.len(), 2 * 3);
@@ -269,6 +270,7 @@ fn short_fork_children_do_not_wait_behind_their_siblings_overheads() {
         hits_at_admission: false,
         decode_reserve: None,
         mixed_steps: false,
+        sglang: Default::default(),
     };
     let rows = run_sweep(&cfg).unwrap();
     assert_eq!(rows.len(), 1);

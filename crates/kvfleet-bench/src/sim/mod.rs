@@ -1124,9 +1124,11 @@ pub fn make_router(cfg: &SimConfig, block_size: usize) -> anyhow::Result<Box<dyn
             kind,
             cfg.workers,
         )?),
-        SimPolicy::SglangCacheAware => {
-            Box::new(SglangCacheAware::new(cfg.sglang.clone(), cfg.workers))
-        }
+        SimPolicy::SglangCacheAware => Box::new(SglangCacheAware::new(
+            cfg.sglang.clone(),
+            cfg.workers,
+            overhead_tokens(&cfg.cost),
+        )),
         SimPolicy::DynamoKvCost => Box::new(DynamoKvCost::new(cfg.dynamo.clone())),
         SimPolicy::SglangSpill => Box::new(SglangCacheAware::new(
             SglangConfig {
@@ -1134,12 +1136,19 @@ pub fn make_router(cfg: &SimConfig, block_size: usize) -> anyhow::Result<Box<dyn
                 ..cfg.sglang.clone()
             },
             cfg.workers,
+            overhead_tokens(&cfg.cost),
         )),
         SimPolicy::DynamoLmetric => Box::new(DynamoKvCost::new(DynamoConfig {
             metric: DynamoMetric::Lmetric,
             ..cfg.dynamo.clone()
         })),
     })
+}
+
+/// The fixed overhead of one prefill under `cost`, in prompt tokens at its prefill
+/// rate, as `cache-aware` prices it.
+fn overhead_tokens(cost: &CostModel) -> f64 {
+    cost_model::tier_pricing(cost, Default::default(), 0).prefill_overhead_tokens()
 }
 
 /// Runs one simulation of `trace`.

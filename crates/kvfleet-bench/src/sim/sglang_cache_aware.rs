@@ -22,14 +22,21 @@
 //! Here prompts are chains of block hashes, so the tree is a set of chained hashes
 //! (equivalent to a radix tree over blocks) with LRU trimming, and lengths count
 //! blocks instead of characters.
+//!
+//! [`SglangConfig::idle_guard`] is not SGLang's: it is an experiment that asks how much
+//! of the rule's hit ratio comes from making requests wait. With it, a request whose
+//! chosen worker would start it later than the soonest idle prefill lane goes to that
+//! lane instead, so the rule's choices cause no avoidable wait (the sweep's `idle`
+//! target) as `cache-aware`'s must not (docs/policy-sweep.head.md, 2026-12-07).
 
 use super::lru::LruBlockCache;
 use super::{RouteReq, SimRouter, SimWorker};
 use serde::{Deserialize, Serialize};
 
-/// SGLang `cache_aware` settings.
+/// SGLang `cache_aware` settings (JSON with `kvfleet sim --sglang-config`; an unknown
+/// field is an error).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(default)]
+#[serde(default, deny_unknown_fields)]
 pub struct SglangConfig {
     /// Minimum prefix match ratio to follow the cache (0.3).
     pub cache_threshold: f64,
@@ -42,6 +49,9 @@ pub struct SglangConfig {
     pub max_tree_blocks: usize,
     /// The per-worker spill rule instead of the fleet-wide imbalance check.
     pub spill: bool,
+    /// Not SGLang's (see the module docs): send the request to the idle prefill lane
+    /// that would start it soonest when that is sooner than the rule's choice.
+    pub idle_guard: bool,
 }
 
 impl Default for SglangConfig {
@@ -52,6 +62,24 @@ impl Default for SglangConfig {
             balance_rel_threshold: 1.5,
             max_tree_blocks: (1 << 26) / 4 / 512,
             spill: false,
+            idle_guard: false,
+        }
+    }
+}
+
+impl SglangConfig {
+    /// Checks that the thresholds are finite numbers of at least 0; the error names
+    /// the first that is not.
+    pub fn validate(&self) -> Result<(), String> {
+        let fields = [
+            ("cache_threshold", self.cache_threshold),
+            ("balance_rel_threshold", self.balance_rel_threshold),
+        ];
+        match fields.iter().find(|(_, v)| !(v.is_finite() && *v >= 0.0)) {
+            Some((name, v)) => Err(format!(
+                "sglang `{name}` must be a finite number of at least 0, not {v}"
+            )),
+            None => Ok(()),
         }
     }
 }
@@ -60,20 +88,57 @@ impl Default for SglangConfig {
 pub struct SglangCacheAware {
     config: SglangConfig,
     trees: Vec<LruBlockCache>,
+    /// The fixed overhead of one prefill, in prompt tokens (for the idle guard).
+    overhead_tokens: f64,
 }
 
 impl SglangCacheAware {
-    /// A router for `workers` workers.
-    pub fn new(config: SglangConfig, workers: usize) -> Self {
+    /// A router for `workers` workers; `overhead_tokens` is the fixed cost of one
+    /// prefill in prompt tokens (the cost model's), which the idle guard counts for
+    /// each prefill queued ahead.
+    pub fn new(config: SglangConfig, workers: usize, overhead_tokens: f64) -> Self {
         let trees = (0..workers)
             .map(|_| LruBlockCache::new(config.max_tree_blocks))
             .collect();
-        Self { config, trees }
+        Self {
+            config,
+            trees,
+            overhead_tokens,
+        }
+    }
+
+    /// [`SglangConfig::idle_guard`]: the idle prefill lane that would start `req`
+    /// soonest, if that is sooner than `chosen` would, in prompt-token equivalents
+    /// (the prefill left on the lane, each queued prefill's fixed overhead, and the
+    /// prompt tokens the worker lacks).
+    fn sooner_idle_lane(
+        &self,
+        req: &RouteReq<'_>,
+        workers: &[SimWorker],
+        chosen: usize,
+        now_ms: f64,
+    ) -> Option<usize> {
+        let start = |w: &SimWorker| {
+            let ahead = w.queue.len() + usize::from(w.prefilling.is_some());
+            let lacks = req
+                .input_tokens
+                .saturating_sub(w.lru.match_prefix(req.hashes) * req.block_size);
+            w.prefill_backlog_at(now_ms) as f64 + self.overhead_tokens * ahead as f64 + lacks as f64
+        };
+        let here = start(&workers[chosen]);
+        workers
+            .iter()
+            .enumerate()
+            .filter(|(_, w)| w.prefilling.is_none() && w.queue.is_empty())
+            .map(|(k, w)| (k, start(w)))
+            .min_by(|a, b| a.1.total_cmp(&b.1))
+            .filter(|&(_, t)| t < here)
+            .map(|(k, _)| k)
     }
 }
 
 impl SimRouter for SglangCacheAware {
-    fn route(&mut self, req: &RouteReq<'_>, workers: &[SimWorker], _now_ms: f64) -> (usize, usize) {
+    fn route(&mut self, req: &RouteReq<'_>, workers: &[SimWorker], now_ms: f64) -> (usize, usize) {
         let loads = workers.iter().map(|w| w.inflight);
         let least_loaded = || argmin(workers.iter().map(|w| w.inflight));
         let (abs, rel) = (
@@ -108,6 +173,12 @@ impl SimRouter for SglangCacheAware {
             } else {
                 by_cache()
             }
+        };
+        let chosen = if self.config.idle_guard {
+            self.sooner_idle_lane(req, workers, chosen, now_ms)
+                .unwrap_or(chosen)
+        } else {
+            chosen
         };
         self.trees[chosen].insert_chain(req.hashes);
         (chosen, 0)
@@ -160,9 +231,45 @@ mod tests {
                 ..SglangConfig::default()
             },
             4,
+            0.0,
         );
         r.trees[0].insert_chain(&prompt);
         r.route(&req, &workers, 0.0).0
+    }
+
+    #[test]
+    fn the_idle_guard_sends_a_request_to_an_idle_lane_only_where_it_starts_sooner() {
+        let prompt: Vec<BlockHash> = (1..=4).map(BlockHash).collect();
+        let req = RouteReq {
+            hashes: &prompt,
+            input_tokens: 64,
+            block_size: 16,
+        };
+        // Worker 0 holds the prompt (its tree and its pool) behind `backlog` queued
+        // prompt tokens; the others are idle and hold nothing.
+        let route = |idle_guard: bool, backlog: usize| {
+            let mut workers: Vec<SimWorker> = (0..4).map(|_| SimWorker::new(100, 0, 0)).collect();
+            workers[0].lru.insert_chain(&prompt);
+            workers[0].queue.push_back(99);
+            workers[0].queued_prefill_tokens = backlog;
+            let mut r = SglangCacheAware::new(
+                SglangConfig {
+                    spill: true,
+                    idle_guard,
+                    ..SglangConfig::default()
+                },
+                4,
+                0.0,
+            );
+            r.trees[0].insert_chain(&prompt);
+            r.route(&req, &workers, 0.0).0
+        };
+        // SGLang's rule keeps it on its prefix whatever the queue there.
+        assert_eq!(route(false, 1_000), 0);
+        // 1,000 tokens of queue against a 64-token cold start: the first idle lane.
+        assert_eq!(route(true, 1_000), 1);
+        // 30 tokens of queue and nothing to compute beat the cold start: it stays.
+        assert_eq!(route(true, 30), 0);
     }
 
     #[test]
