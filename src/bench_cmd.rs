@@ -695,6 +695,12 @@ fn run_sweep_cmd(a: SweepArgs) -> Result<()> {
                 .cost_model
                 .as_ref()
                 .map(|p| format!(" --cost-model {}", p.display()))
+                .unwrap_or_default()
+            + &a
+                .sglang_config
+                .as_ref()
+                .and_then(|c| serde_json::to_string(c).ok())
+                .map(|json| format!(" --sglang-config '{json}'"))
                 .unwrap_or_default(),
         rows.len(),
         wall.elapsed().as_secs_f64(),
