@@ -4,40 +4,49 @@
 
 mod support;
 
+/// A fresh directory named for `name` and this process, with the trace `kvfleet bench
+/// gen` writes there from `gen_args` (its `--out` added): the directory, to remove at
+/// the end, and the trace's path.
+fn generated_trace(name: &str, gen_args: &[&str]) -> (std::path::PathBuf, String) {
+    let dir = std::env::temp_dir().join(format!("kvfleet-e2e-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let trace = dir.join("trace.jsonl").to_str().unwrap().to_string();
+    let mut args = vec!["bench", "gen", "--out", &trace];
+    args.extend_from_slice(gen_args);
+    support::run_kvfleet(&args);
+    (dir, trace)
+}
+
 #[test]
 fn replay_agrees_with_the_simulator() {
-    let dir = std::env::temp_dir().join(format!("kvfleet-e2e-bench-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let trace = dir.join("trace.jsonl");
-    let trace_s = trace.to_str().unwrap();
-    support::run_kvfleet(&[
+    let (dir, trace) = generated_trace(
         "bench",
-        "gen",
-        "--out",
-        trace_s,
-        "--sessions",
-        "4",
-        "--system-tokens",
-        "2048",
-        "--tools-tokens",
-        "2048",
-        "--history-tokens",
-        "2048",
-        "--turn-tokens",
-        "512",
-        "--parent-turns",
-        "2",
-        "--child-turns",
-        "2",
-        "--fork-k",
-        "3",
-        "--output-tokens",
-        "4",
-        "--session-rate",
-        "4",
-        "--turn-gap-ms",
-        "50",
-    ]);
+        &[
+            "--sessions",
+            "4",
+            "--system-tokens",
+            "2048",
+            "--tools-tokens",
+            "2048",
+            "--history-tokens",
+            "2048",
+            "--turn-tokens",
+            "512",
+            "--parent-turns",
+            "2",
+            "--child-turns",
+            "2",
+            "--fork-k",
+            "3",
+            "--output-tokens",
+            "4",
+            "--session-rate",
+            "4",
+            "--turn-gap-ms",
+            "50",
+        ],
+    );
+    let trace_s = trace.as_str();
     let cluster = support::Cluster::up(&["--workers", "4"]);
     let replay: serde_json::Value = serde_json::from_str(&support::run_kvfleet(&[
         "bench",
@@ -97,36 +106,32 @@ fn replay_agrees_with_the_simulator() {
 #[test]
 fn sim_with_host_and_disk_tiers_raises_the_hit_ratio() {
     // A conversation trace whose live sessions outgrow 2 × 40 device blocks.
-    let dir = std::env::temp_dir().join(format!("kvfleet-e2e-tiers-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let trace = dir.join("conversation.jsonl");
-    let trace_s = trace.to_str().unwrap();
-    support::run_kvfleet(&[
-        "bench",
-        "gen",
-        "--out",
-        trace_s,
-        "--sessions",
-        "40",
-        "--fork-k",
-        "0",
-        "--parent-turns",
-        "8",
-        "--system-tokens",
-        "2048",
-        "--tools-tokens",
-        "1024",
-        "--history-tokens",
-        "1024",
-        "--turn-tokens",
-        "768",
-        "--output-tokens",
-        "64",
-        "--turn-gap-ms",
-        "20000",
-        "--session-rate",
-        "2",
-    ]);
+    let (dir, trace) = generated_trace(
+        "tiers",
+        &[
+            "--sessions",
+            "40",
+            "--fork-k",
+            "0",
+            "--parent-turns",
+            "8",
+            "--system-tokens",
+            "2048",
+            "--tools-tokens",
+            "1024",
+            "--history-tokens",
+            "1024",
+            "--turn-tokens",
+            "768",
+            "--output-tokens",
+            "64",
+            "--turn-gap-ms",
+            "20000",
+            "--session-rate",
+            "2",
+        ],
+    );
+    let trace_s = trace.as_str();
     let sim = |extra: &[&str]| -> serde_json::Value {
         let mut args = vec![
             "sim",
@@ -177,36 +182,32 @@ fn sim_with_host_and_disk_tiers_raises_the_hit_ratio() {
 #[test]
 fn sims_idle_guard_takes_the_waits_out_of_sglangs_rule_and_the_hits_they_bought() {
     // Conversations on 4 workers whose turns queue behind each other on their holder.
-    let dir = std::env::temp_dir().join(format!("kvfleet-e2e-guard-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let trace = dir.join("conversation.jsonl");
-    let trace_s = trace.to_str().unwrap();
-    support::run_kvfleet(&[
-        "bench",
-        "gen",
-        "--out",
-        trace_s,
-        "--sessions",
-        "24",
-        "--fork-k",
-        "0",
-        "--parent-turns",
-        "6",
-        "--system-tokens",
-        "2048",
-        "--tools-tokens",
-        "1024",
-        "--history-tokens",
-        "1024",
-        "--turn-tokens",
-        "768",
-        "--output-tokens",
-        "64",
-        "--turn-gap-ms",
-        "1000",
-        "--session-rate",
-        "4",
-    ]);
+    let (dir, trace) = generated_trace(
+        "guard",
+        &[
+            "--sessions",
+            "24",
+            "--fork-k",
+            "0",
+            "--parent-turns",
+            "6",
+            "--system-tokens",
+            "2048",
+            "--tools-tokens",
+            "1024",
+            "--history-tokens",
+            "1024",
+            "--turn-tokens",
+            "768",
+            "--output-tokens",
+            "64",
+            "--turn-gap-ms",
+            "1000",
+            "--session-rate",
+            "4",
+        ],
+    );
+    let trace_s = trace.as_str();
     let sim = |sglang: &str| -> serde_json::Value {
         let out: serde_json::Value = serde_json::from_str(&support::run_kvfleet(&[
             "sim",
