@@ -51,8 +51,8 @@ cp "$OUT/replay/worker_load.svg" docs/plots/replay_worker_load.svg
 
 # 5. The policy sweep: every policy over the generated trace family and Mooncake at
 #    8-256 workers (docs/policy-sweep.md), and two held-out families (seeds 2 and 3) at
-#    8 and 64, and the whole sweep on the CPU cost model. About 5 minutes on 2 cores;
-#    SWEEP=0 skips it.
+#    8 and 64, and the whole sweep on the CPU cost model, without pulls and in the
+#    engine-faithful mode. About 7 minutes on 2 cores; SWEEP=0 skips it.
 [ "${SWEEP:-1}" = 0 ] && exit 0
 "$BIN" bench sweep --mooncake "$MOONCAKE" --doc docs/policy-sweep.md --json docs/bench/policy-sweep.json
 "$BIN" bench sweep --mooncake "$MOONCAKE" --seed 2 --workers 8,64 --doc docs/policy-sweep-seed2.md \
@@ -68,3 +68,10 @@ cp "$OUT/replay/worker_load.svg" docs/plots/replay_worker_load.svg
 # 2026-12-04; docs/policy-sweep-no-pulls.md), to show what pulls are worth.
 "$BIN" bench sweep --mooncake "$MOONCAKE" --peer-pull-min-blocks 0 \
   --doc docs/policy-sweep-no-pulls.md --json docs/bench/policy-sweep-no-pulls.json
+# The same in the simulator's engine-faithful mode, the one checked against live fleets
+# of `--engine sim` workers (docs/policy-sweep-engine.md): running sequences hold their
+# blocks, hits are taken at admission, the engine's memory rule admits and preempts,
+# and prefills share the decodes' steps.
+"$BIN" bench sweep --mooncake "$MOONCAKE" --hold-blocks --hits-at-admission \
+  --decode-reserve-ratio 0.3 --mixed-steps \
+  --doc docs/policy-sweep-engine.md --json docs/bench/policy-sweep-engine.json
