@@ -45,24 +45,25 @@ impl CacheAwareOverrides {
     }
 }
 
-/// The JSON text of a flag that takes inline JSON or a file's path: `s` itself when it
-/// starts with `{` or `[`, else the file `s` names.
-pub fn json_text(s: &str) -> Result<String, String> {
-    if s.trim_start().starts_with(['{', '[']) {
-        Ok(s.to_string())
+/// The JSON object of a flag that takes inline JSON or a file's path (`s` itself when
+/// it starts with `{` or `[`, else the file `s` names); anything but an object is
+/// refused, `what` naming what it should hold.
+pub fn json_object(s: &str, what: &str) -> Result<Map<String, Value>, String> {
+    let text = if s.trim_start().starts_with(['{', '[']) {
+        s.to_string()
     } else {
-        std::fs::read_to_string(s).map_err(|e| format!("reading {s:?}: {e}"))
+        std::fs::read_to_string(s).map_err(|e| format!("reading {s:?}: {e}"))?
+    };
+    match serde_json::from_str::<Value>(&text) {
+        Ok(Value::Object(m)) => Ok(m),
+        Ok(_) => Err(format!("expected a JSON object of {what}")),
+        Err(e) => Err(format!("not JSON: {e}")),
     }
 }
 
 /// Parses `--cache-aware-config`: inline JSON or a file's path (see the module docs).
 pub fn parse_cache_aware_config(s: &str) -> Result<CacheAwareOverrides, String> {
-    let text = json_text(s)?;
-    let fields = match serde_json::from_str::<Value>(&text) {
-        Ok(Value::Object(m)) => m,
-        Ok(_) => return Err("expected a JSON object of cache-aware weights".into()),
-        Err(e) => return Err(format!("not JSON: {e}")),
-    };
+    let fields = json_object(s, "cache-aware weights")?;
     if let Some((field, instead)) = FLAG_FIELDS.iter().find(|(f, _)| fields.contains_key(*f)) {
         return Err(format!("`{field}` is not set here: {instead}"));
     }

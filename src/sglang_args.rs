@@ -8,14 +8,10 @@ use kvfleet_bench::sim::sglang_cache_aware::SglangConfig;
 
 /// Parses `--sglang-config`: inline JSON or a file's path.
 pub fn parse_sglang_config(s: &str) -> Result<SglangConfig, String> {
-    let text = crate::cache_aware_args::json_text(s)?;
     // An object only: serde would also fill the struct from an array, in field order.
-    let value = match serde_json::from_str::<serde_json::Value>(&text) {
-        Ok(v @ serde_json::Value::Object(_)) => v,
-        Ok(_) => return Err("expected a JSON object of SGLang settings".into()),
-        Err(e) => return Err(format!("not JSON: {e}")),
-    };
-    let config: SglangConfig = serde_json::from_value(value).map_err(|e| e.to_string())?;
+    let fields = crate::cache_aware_args::json_object(s, "SGLang settings")?;
+    let config: SglangConfig =
+        serde_json::from_value(serde_json::Value::Object(fields)).map_err(|e| e.to_string())?;
     config.validate()?;
     Ok(config)
 }

@@ -268,6 +268,11 @@ impl SimWorker {
         }
     }
 
+    /// Whether its prefill lane is idle: nothing computing, nothing queued.
+    pub fn lane_idle(&self) -> bool {
+        self.prefilling.is_none() && self.queue.is_empty()
+    }
+
     /// Prompt tokens still to compute at `now_ms`, as an engine reports them: the
     /// queued prefills and what is left of the one in progress (its lane time spent
     /// so far counted as computed).
@@ -1254,8 +1259,7 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                     workers
                         .iter()
                         .filter(|x| {
-                            x.prefilling.is_none()
-                                && x.queue.is_empty()
+                            x.lane_idle()
                                 && x.fits(
                                     chain,
                                     r.input_length,
@@ -2106,7 +2110,7 @@ fn own_prefix_ahead(
     now: f64,
     cost: &CostModel,
 ) -> f64 {
-    if reused.is_empty() || (wk.prefilling.is_none() && wk.queue.is_empty()) {
+    if reused.is_empty() || wk.lane_idle() {
         return 0.0;
     }
     let reused: HashSet<BlockHash> = reused.iter().copied().collect();

@@ -71,16 +71,13 @@ impl SglangConfig {
     /// Checks that the thresholds are finite numbers of at least 0; the error names
     /// the first that is not.
     pub fn validate(&self) -> Result<(), String> {
-        let fields = [
-            ("cache_threshold", self.cache_threshold),
-            ("balance_rel_threshold", self.balance_rel_threshold),
-        ];
-        match fields.iter().find(|(_, v)| !(v.is_finite() && *v >= 0.0)) {
-            Some((name, v)) => Err(format!(
-                "sglang `{name}` must be a finite number of at least 0, not {v}"
-            )),
-            None => Ok(()),
-        }
+        kvfleet_routing::policy::non_negative(
+            "sglang",
+            &[
+                ("cache_threshold", self.cache_threshold),
+                ("balance_rel_threshold", self.balance_rel_threshold),
+            ],
+        )
     }
 }
 
@@ -129,7 +126,7 @@ impl SglangCacheAware {
         workers
             .iter()
             .enumerate()
-            .filter(|(_, w)| w.prefilling.is_none() && w.queue.is_empty())
+            .filter(|(_, w)| w.lane_idle())
             .map(|(k, w)| (k, start(w)))
             .min_by(|a, b| a.1.total_cmp(&b.1))
             .filter(|&(_, t)| t < here)

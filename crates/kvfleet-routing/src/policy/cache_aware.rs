@@ -265,12 +265,18 @@ impl CacheAwareConfig {
             ("near_tie_tokens", self.near_tie_tokens),
             ("near_tie_ratio", self.near_tie_ratio),
         ];
-        match fields.iter().find(|(_, v)| !(v.is_finite() && *v >= 0.0)) {
-            Some((name, v)) => Err(format!(
-                "cache-aware `{name}` must be a finite number of at least 0, not {v}"
-            )),
-            None => Ok(()),
-        }
+        non_negative("cache-aware", &fields)
+    }
+}
+
+/// Checks that every `(name, value)` of `fields` is a finite number of at least 0; the
+/// error names the first that is not, as a field of `owner`'s settings.
+pub fn non_negative(owner: &str, fields: &[(&str, f64)]) -> Result<(), String> {
+    match fields.iter().find(|(_, v)| !(v.is_finite() && *v >= 0.0)) {
+        Some((name, v)) => Err(format!(
+            "{owner} `{name}` must be a finite number of at least 0, not {v}"
+        )),
+        None => Ok(()),
     }
 }
 

@@ -19,8 +19,8 @@ mod round_robin;
 mod tier_cost;
 
 pub use cache_aware::{
-    anchor_block, prompt_anchor, rendezvous_score, ring_point, CacheAware, CacheAwareConfig,
-    PullTrigger, TIE_RING_REACH,
+    anchor_block, non_negative, prompt_anchor, rendezvous_score, ring_point, CacheAware,
+    CacheAwareConfig, PullTrigger, TIE_RING_REACH,
 };
 pub use consistent_hash::{ConsistentHash, ConsistentHashConfig};
 pub use least_loaded::LeastLoaded;
