@@ -994,6 +994,10 @@ pub struct SimResult {
     /// time a request waited for blocks of its own prompt that a request ahead of it
     /// was computing (a fork sibling computing the shared prefix) is not counted as
     /// waiting: that is the prefix's cold start, not queueing behind others' work.
+    /// Nor is a request its worker started at once: with
+    /// [`mixed_steps`](SimConfig::mixed_steps) its prefill shares steps with that
+    /// worker's decodes and may end later than on an idle lane with fewer of them,
+    /// but it did not queue.
     pub avoidable_waits: usize,
     /// Requests that would have counted as avoidable waits but for that time: they
     /// waited on their own prefix being computed, and finished no sooner on an idle
@@ -1081,6 +1085,11 @@ struct ReqState {
     /// ([`SimConfig::mixed_steps`]). Left out of the avoidable-wait test, as the same
     /// wait on the idle lane is: no router sees where a worker is in its step.
     step_wait_ms: f64,
+    /// Time from its arrival to the start of its first prefill, ms: 0 for a request
+    /// its worker started at once. Only a request that queued can have waited
+    /// avoidably; one started at once on an idle lane whose decode rows make its
+    /// steps longer than another idle lane's did not wait.
+    queued_ms: f64,
     /// Time its lane spent, after it arrived, computing blocks of its prompt for
     /// requests ahead of it, ms.
     own_prefix_ms: f64,
@@ -1327,6 +1336,7 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                     lane_tokens: uncached,
                     idle_elsewhere,
                     step_wait_ms: 0.0,
+                    queued_ms: 0.0,
                     own_prefix_ms,
                     computing: Vec::new(),
                     output_blocks,
@@ -1387,7 +1397,8 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
                     let first = !st[i].recompute;
                     let idle = st[i].idle_elsewhere.map(|share| cold + share);
                     let waited = took - st[i].step_wait_ms;
-                    if let Some(cold) = idle.filter(|&cold| first && waited > cold) {
+                    let queued = st[i].queued_ms > ROUNDING_MS;
+                    if let Some(cold) = idle.filter(|&cold| first && queued && waited > cold) {
                         if waited - st[i].own_prefix_ms > cold {
                             avoidable_waits += 1;
                         } else {
@@ -1854,6 +1865,9 @@ impl Admitter<'_> {
             )
         {
             return false;
+        }
+        if !st[i].recompute {
+            st[i].queued_ms = now - st[i].sent_ms;
         }
         if !st[i].admitted {
             let released = workers[w].admit_holds(i, self.chains, hold);
