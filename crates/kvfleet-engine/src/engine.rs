@@ -183,6 +183,9 @@ pub struct EngineLoad {
     pub total_blocks: usize,
     /// Prompt tokens not yet computed.
     pub queued_prefill_tokens: usize,
+    /// Blocks a new sequence may take now: the free blocks less the running
+    /// sequences' expected growth ([`Scheduler::admit_headroom`]).
+    pub admit_blocks: usize,
 }
 
 /// Running totals since the engine started.
@@ -491,6 +494,7 @@ impl Engine {
             cached_blocks: self.scheduler.pool.num_cached(),
             total_blocks: self.scheduler.pool.num_blocks(),
             queued_prefill_tokens: self.scheduler.queued_prefill_tokens(),
+            admit_blocks: self.scheduler.admit_headroom(),
         }
     }
 

@@ -281,15 +281,7 @@ impl Scheduler {
             self.reserve.relax();
         }
         // What the running sequences are expected to grow by, in blocks.
-        let mut reserved = if self.reserve.enabled() {
-            self.running
-                .iter()
-                .filter_map(|id| self.seqs.get(id))
-                .map(|s| self.growth_blocks(s))
-                .sum()
-        } else {
-            0
-        };
+        let mut reserved = self.reserved_growth();
         while budget > 0 && self.running.len() < self.config.max_num_seqs {
             // A sequence whose prefix is still being read from disk waits for it (it
             // is not short of blocks, so the next one in line may go first).
@@ -389,6 +381,28 @@ impl Scheduler {
         self.running.retain(|r| *r != id);
         self.waiting.retain(|r| *r != id);
         self.seqs.remove(&id)
+    }
+
+    /// Blocks a new sequence may take from the free pool now: the free blocks less
+    /// the running sequences' expected growth (with the decode reserve on; the free
+    /// blocks without it). A waiting sequence is admitted once its expected blocks
+    /// fit in this ([`Self::fits_beside`]), so a router that knows it can tell a
+    /// lane that would start a prompt from one that would queue it.
+    pub fn admit_headroom(&self) -> usize {
+        self.pool.num_free().saturating_sub(self.reserved_growth())
+    }
+
+    /// What the running sequences are expected to grow by, in blocks (0 with the
+    /// decode reserve off).
+    fn reserved_growth(&self) -> usize {
+        if !self.reserve.enabled() {
+            return 0;
+        }
+        self.running
+            .iter()
+            .filter_map(|id| self.seqs.get(id))
+            .map(|s| self.growth_blocks(s))
+            .sum()
     }
 
     /// Blocks `s` is expected to take from the free pool as it grows: its whole

@@ -867,3 +867,41 @@ fn held_prefixes_give_way_to_the_request_at_the_head_of_the_queue() {
     assert_eq!(e.stats().preemptions, 0, "nothing was preempted");
     e.check_invariants().expect("invariants");
 }
+
+#[test]
+fn the_reported_admission_headroom_says_whether_a_prompt_starts_at_once() {
+    // A router reads `admit_blocks` to tell a worker that would start a prompt from
+    // one that would queue it behind its running sequences. With the whole max_tokens
+    // reserved, one running request of 3 prompt blocks that may grow to 8 leaves
+    // 20 - 3 - 5 = 12 blocks of headroom: a waiting request expected to need 12 is
+    // admitted at the next step, one that needs 13 is not.
+    let m = model();
+    let whole = DecodeReserveConfig {
+        init_ratio: 1.0,
+        min_ratio: 1.0,
+        ..DecodeReserveConfig::default()
+    };
+    for (blocks, admitted) in [(12usize, true), (13, false)] {
+        let mut e = engine_reserving(&m, 20, 256, 4, 256, whole);
+        let idle = e.load();
+        assert_eq!(idle.admit_blocks, 20, "an idle engine's whole pool");
+        e.add_request(Request::new(1, prompt(1, 3 * BS), greedy(5 * BS)))
+            .expect("add");
+        e.step().expect("step");
+        let load = e.load();
+        assert_eq!((load.running, load.free_blocks), (1, 17));
+        assert_eq!(load.admit_blocks, 12, "17 free less 5 of expected growth");
+        // `blocks` blocks of prompt and expected output (max_tokens 2).
+        let tokens = (blocks - 1) * BS + 1;
+        e.add_request(Request::new(2, prompt(2, tokens - 2), greedy(2)))
+            .expect("add");
+        e.step().expect("step");
+        let load = e.load();
+        assert_eq!(load.running + load.waiting, 2);
+        assert_eq!(
+            load.running == 2,
+            admitted,
+            "a request of {blocks} blocks beside a headroom of 12"
+        );
+    }
+}

@@ -81,6 +81,7 @@ pub fn worker_load(l: &pb::LoadResponse) -> WorkerLoad {
         queued_prefill_tokens: l.queued_prefill_tokens as usize,
         free_blocks: l.free_blocks as usize,
         total_blocks: l.total_blocks as usize,
+        admit_blocks: l.admit_blocks.map(|b| b as usize),
         cached_blocks: l.cached_blocks as usize,
         prompt_tokens: l.prompt_tokens,
         prompt_tokens_computed: l.prompt_tokens_computed,

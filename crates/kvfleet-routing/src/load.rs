@@ -36,6 +36,10 @@ pub struct WorkerLoad {
     pub free_blocks: usize,
     /// All KV blocks of the worker (polled).
     pub total_blocks: usize,
+    /// Blocks a new sequence may take now by the worker's admission rule: its free
+    /// blocks less what its running sequences are expected to grow by. `None`: the
+    /// worker does not say (it admits whatever its pool holds, or predates the field).
+    pub admit_blocks: Option<usize>,
     /// KV blocks holding cached prefixes, free or in use (polled; shown, not scored).
     pub cached_blocks: usize,
     /// Prompt tokens received since the worker started (polled; shown, not scored).
@@ -126,6 +130,7 @@ impl WorkerLoad {
         self.queued_prefill_tokens = report.queued_prefill_tokens;
         self.free_blocks = report.free_blocks;
         self.total_blocks = report.total_blocks;
+        self.admit_blocks = report.admit_blocks;
         self.cached_blocks = report.cached_blocks;
         self.prompt_tokens = report.prompt_tokens;
         self.prompt_tokens_computed = report.prompt_tokens_computed;
@@ -158,6 +163,10 @@ impl WorkerLoad {
         self.queued_prefill_tokens = self.queued_prefill_tokens.min(pushed.queued_prefill_tokens);
         if pushed.total_blocks == self.total_blocks {
             self.free_blocks = self.free_blocks.max(pushed.free_blocks);
+            self.admit_blocks = match (self.admit_blocks, pushed.admit_blocks) {
+                (Some(a), Some(b)) => Some(a.max(b)),
+                (a, _) => a,
+            };
         }
         true
     }
@@ -217,6 +226,8 @@ pub struct CandidateLoad {
     prefill_backlog_tokens: usize,
     // u32: it takes what was padding after the two counts, so the load keeps its size.
     prefills_ahead: u32,
+    /// [`WorkerLoad::admit_blocks`], `u32::MAX` where the worker does not say.
+    admit_blocks: u32,
     usage_level: u8,
 }
 
@@ -228,8 +239,30 @@ impl CandidateLoad {
             active_sequences,
             prefill_backlog_tokens,
             prefills_ahead: 0,
+            admit_blocks: u32::MAX,
             usage_level: 0,
         }
+    }
+
+    /// This load with `blocks` blocks a new sequence may take now (saturating at
+    /// `u32::MAX`; `None`: no limit known).
+    pub fn with_admit_blocks(mut self, blocks: Option<usize>) -> Self {
+        self.admit_blocks = blocks.map_or(u32::MAX, |b| u32::try_from(b).unwrap_or(u32::MAX));
+        self
+    }
+
+    /// See [`WorkerLoad::admit_blocks`] (`u32::MAX`: not said).
+    #[inline]
+    pub fn admit_blocks(&self) -> u32 {
+        self.admit_blocks
+    }
+
+    /// Whether a new sequence needing `blocks` blocks would be admitted now: the
+    /// worker runs nothing (a lone sequence always is), or its admission headroom
+    /// holds them.
+    #[inline]
+    pub fn admits(&self, blocks: usize) -> bool {
+        self.active_sequences == 0 || blocks <= self.admit_blocks as usize
     }
 
     /// This load with `n` prefills queued or running ahead of a new request
@@ -276,6 +309,7 @@ impl From<&WorkerLoad> for CandidateLoad {
         CandidateLoad::new(l.active_sequences(), l.prefill_backlog_tokens())
             .with_usage_level(l.usage_level())
             .with_prefills_ahead(l.prefills_ahead())
+            .with_admit_blocks(l.admit_blocks)
     }
 }
 

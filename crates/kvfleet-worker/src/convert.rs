@@ -172,6 +172,7 @@ pub(crate) fn pushed_load(load: &EngineLoad, load_seq: u64) -> pb::LoadResponse 
         cached_blocks: u32_of(load.cached_blocks),
         total_blocks: u32_of(load.total_blocks),
         queued_prefill_tokens: load.queued_prefill_tokens as u64,
+        admit_blocks: Some(u32_of(load.admit_blocks)),
         ..pb::LoadResponse::default()
     }
 }

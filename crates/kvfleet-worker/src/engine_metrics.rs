@@ -14,6 +14,10 @@ pub fn describe_metrics() {
     describe_gauge!("kvfleet_worker_waiting", "Sequences queued on a worker.");
     describe_gauge!("kvfleet_worker_free_blocks", "Free KV blocks on a worker.");
     describe_gauge!(
+        "kvfleet_worker_admit_blocks",
+        "KV blocks a new sequence may take now: free blocks less the running sequences' expected growth."
+    );
+    describe_gauge!(
         "kvfleet_worker_cached_blocks",
         "Cached prefix blocks on a worker."
     );
@@ -73,6 +77,7 @@ pub(crate) struct EngineMetrics {
     running: Gauge,
     waiting: Gauge,
     free_blocks: Gauge,
+    admit_blocks: Gauge,
     cached_blocks: Gauge,
     queued_prefill_tokens: Gauge,
     prompt_tokens: Counter,
@@ -97,6 +102,7 @@ impl EngineMetrics {
             running: gauge!("kvfleet_worker_running", "worker" => w()),
             waiting: gauge!("kvfleet_worker_waiting", "worker" => w()),
             free_blocks: gauge!("kvfleet_worker_free_blocks", "worker" => w()),
+            admit_blocks: gauge!("kvfleet_worker_admit_blocks", "worker" => w()),
             cached_blocks: gauge!("kvfleet_worker_cached_blocks", "worker" => w()),
             queued_prefill_tokens: gauge!("kvfleet_worker_queued_prefill_tokens", "worker" => w()),
             prompt_tokens: counter!("kvfleet_worker_prompt_tokens_total", "worker" => w()),
@@ -124,6 +130,7 @@ impl EngineMetrics {
         self.running.set(load.running as f64);
         self.waiting.set(load.waiting as f64);
         self.free_blocks.set(load.free_blocks as f64);
+        self.admit_blocks.set(load.admit_blocks as f64);
         self.cached_blocks.set(load.cached_blocks as f64);
         self.queued_prefill_tokens
             .set(load.queued_prefill_tokens as f64);

@@ -16,7 +16,9 @@
 //! - `workers[]`: `id`, `endpoint`, `healthy`, `routed`; `hit_ratio`, `prompt_tokens`,
 //!   `cached_tokens` (cumulative) and `hit_ratio_1m`, `requests_1m` (last minute);
 //!   from the worker's last load report `running`, `waiting`, `queued_prefill_tokens`,
-//!   `free_blocks`, `cached_blocks`, `total_blocks`; from the router's index
+//!   `free_blocks`, `admit_blocks` (the blocks a new sequence may take now: free less
+//!   the running sequences' expected growth; `null` from a worker that does not say),
+//!   `cached_blocks`, `total_blocks`; from the router's index
 //!   `indexed_blocks`, `reservations`, `inflight_requests`, and `routing_load`, the
 //!   load the policy scores (`active_sequences`, `prefill_backlog_tokens`,
 //!   `prefills_ahead`: the last report, lowered by the loads the worker pushed since
@@ -193,6 +195,7 @@ pub fn snapshot(fleet: &Fleet, limit: usize) -> Value {
                 "waiting": l.waiting,
                 "queued_prefill_tokens": l.queued_prefill_tokens,
                 "free_blocks": l.free_blocks,
+                "admit_blocks": l.admit_blocks,
                 "cached_blocks": l.cached_blocks,
                 "total_blocks": l.total_blocks,
                 "indexed_blocks": r.map_or(0, |r| r.cached_blocks),
