@@ -911,11 +911,19 @@ impl KvRouter {
         if deepest == 0 {
             return 0;
         }
-        let lacks = prompt_tokens.saturating_sub(deepest * self.config.block_size);
+        let bs = self.config.block_size;
+        let lacks = prompt_tokens.saturating_sub(deepest * bs);
+        let admit = crate::policy::admit_blocks(prompt_tokens, bs);
+        // A holder that cannot admit the prompt now waits for its running sequences
+        // first, priced as the policy prices it.
         self.usable_matches(matches, exclude)
             .filter(|m| m.depth >= deepest)
             .filter_map(|m| self.scored.get(m.worker.index())?.as_ref())
-            .map(|e| e.load.prefill_backlog_tokens().saturating_add(lacks))
+            .map(|e| {
+                self.cache_aware
+                    .backlog_of(&e.load, prompt_tokens, admit)
+                    .saturating_add(lacks)
+            })
             .min()
             .unwrap_or(0)
     }

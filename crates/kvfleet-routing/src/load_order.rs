@@ -11,9 +11,13 @@
 //! one key; it takes [`USAGE_LEVELS`] + 1 values, and each lane keeps one order per
 //! level. At one level the cheapest members of a group come first in one of two
 //! orders: idle lanes by active sequences, busy lanes by `backlog + d × active` (then
-//! active sequences); a decision walks the head of each level. Workers with equal keys (a *run*:
-//! equal loads, so equal costs, typically hundreds of idle workers at light load) are
-//! ordered by id hash, which is how `cache-aware` breaks ties: by the preferred order
+//! active sequences); a decision walks the head of each level. A worker that cannot
+//! admit the prompt now (its admission headroom is short of it) costs more than its
+//! key says, by an amount that depends on the prompt: the key orders each level by
+//! the cost every worker would have were it to admit the prompt, a lower bound, and
+//! the walk stops at the first run whose bound is out of reach. Workers with equal
+//! keys and headroom (a *run*: equal loads, so equal costs, typically hundreds of idle
+//! workers at light load, whose pools hold no running sequence) are ordered by id hash, which is how `cache-aware` breaks ties: by the preferred order
 //! (the smallest id hash) and by the anchor's ring (the tied workers nearest at or
 //! after its point). Both are a range query. The router keeps the orders up to date on
 //! every load change (`O(log n)`), and a decision walks their heads run by run instead
@@ -47,17 +51,21 @@ impl Lane {
     }
 }
 
-/// A position in one lane's order: (usage level, order key, active sequences, id
-/// hash, worker). The first three are the worker's run: its load as far as cost goes.
-pub type Position = (u8, u64, u64, u64, WorkerIdx);
+/// A position in one lane's order: (usage level, order key, active sequences,
+/// admission headroom, id hash, worker). The first four are the worker's run: its
+/// load as far as cost goes.
+pub type Position = (u8, u64, u64, u32, u64, WorkerIdx);
 
-/// A run: (usage level, order key, active sequences), the load of workers that cost
-/// the same.
-pub type Run = (u8, u64, u64);
+/// A run: (usage level, order key, active sequences, admission headroom in blocks,
+/// `u32::MAX` where the worker does not say), the load of workers that cost the same.
+/// The headroom decides whether a prompt is admitted at once, which the order key
+/// leaves out (it depends on the prompt): within a level the key orders costs as if
+/// every worker admits the prompt, a lower bound of each run's cost.
+pub type Run = (u8, u64, u64, u32);
 
 /// The run of a position: workers with equal loads.
 pub fn run_of(p: &Position) -> Run {
-    (p.0, p.1, p.2)
+    (p.0, p.1, p.2, p.3)
 }
 
 /// Registered workers in two load orders, with the fleet's totals.
@@ -125,7 +133,14 @@ impl LoadOrder {
             let lane = Lane::of(&load);
             let active = load.active_sequences();
             let level = load.usage_level();
-            let pos = (level, self.key(lane, &load), active as u64, id_hash, w);
+            let pos = (
+                level,
+                self.key(lane, &load),
+                active as u64,
+                load.admit_blocks(),
+                id_hash,
+                w,
+            );
             self.lane_mut(lane).insert(pos);
             self.slot[i] = Some((lane, pos));
             self.workers += 1;
@@ -140,7 +155,7 @@ impl LoadOrder {
         let set = self.lane(lane);
         std::iter::successors(set.first().map(|p| p.0), move |&l| {
             let next = l.checked_add(1).filter(|&n| n <= USAGE_LEVELS)?;
-            set.range((next, 0, 0, 0, WorkerIdx(0))..)
+            set.range((next, 0, 0, 0, 0, WorkerIdx(0))..)
                 .next()
                 .map(|p| p.0)
         })
@@ -155,23 +170,23 @@ impl LoadOrder {
         after: Option<Position>,
     ) -> impl Iterator<Item = Position> + '_ {
         let start = after.map_or(
-            Bound::Included((level, 0, 0, 0, WorkerIdx(0))),
+            Bound::Included((level, 0, 0, 0, 0, WorkerIdx(0))),
             Bound::Excluded,
         );
-        let end = Bound::Included(LoadOrder::run_end((level, u64::MAX, u64::MAX)));
+        let end = Bound::Included(LoadOrder::run_end((level, u64::MAX, u64::MAX, u32::MAX)));
         self.lane(lane).range((start, end)).copied()
     }
 
     /// The workers of `run` in `lane` whose id hash is at least `from`, in order.
     pub fn run_from(&self, lane: Lane, run: Run, from: u64) -> impl Iterator<Item = Position> + '_ {
         self.lane(lane)
-            .range((run.0, run.1, run.2, from, WorkerIdx(0))..=LoadOrder::run_end(run))
+            .range((run.0, run.1, run.2, run.3, from, WorkerIdx(0))..=LoadOrder::run_end(run))
             .copied()
     }
 
     /// The position just past the end of `run`: walking after it starts the next run.
     pub fn run_end(run: Run) -> Position {
-        (run.0, run.1, run.2, u64::MAX, WorkerIdx(u32::MAX))
+        (run.0, run.1, run.2, run.3, u64::MAX, WorkerIdx(u32::MAX))
     }
 
     fn key(&self, lane: Lane, load: &CandidateLoad) -> u64 {
@@ -208,7 +223,7 @@ mod tests {
     fn order_of(o: &LoadOrder, lane: Lane) -> Vec<u32> {
         o.levels(lane)
             .flat_map(|l| o.walk(lane, l, None))
-            .map(|p| p.4 .0)
+            .map(|p| p.5 .0)
             .collect()
     }
 
@@ -242,7 +257,7 @@ mod tests {
         assert_eq!((o.workers(), o.active_sequences()), (3, 5));
         // Resuming after a position.
         let first = o.walk(Lane::Busy, 0, None).next();
-        let rest: Vec<u32> = o.walk(Lane::Busy, 0, first).map(|p| p.4 .0).collect();
+        let rest: Vec<u32> = o.walk(Lane::Busy, 0, first).map(|p| p.5 .0).collect();
         assert_eq!(rest, [1]);
         // A run: equal loads, ordered by id hash; found from a point on the ring.
         for w in 10..15 {
@@ -250,21 +265,21 @@ mod tests {
         }
         assert_eq!(order_of(&o, Lane::Idle), [0, 14, 13, 12, 11, 10]);
         let run = run_of(
-            &o.walk(Lane::Idle, 0, Some(LoadOrder::run_end((0, 3, 3))))
+            &o.walk(Lane::Idle, 0, Some(LoadOrder::run_end((0, 3, 3, u32::MAX))))
                 .next()
                 .unwrap(),
         );
-        assert_eq!(run, (0, 4, 4));
+        assert_eq!(run, (0, 4, 4, u32::MAX));
         let from = |h: u64| {
             o.run_from(Lane::Idle, run, h)
-                .map(|p| p.4 .0)
+                .map(|p| p.5 .0)
                 .collect::<Vec<_>>()
         };
         assert_eq!(from(88), [12, 11, 10]);
         assert!(from(91).is_empty());
         let next: Vec<u32> = o
             .walk(Lane::Idle, 0, Some(LoadOrder::run_end(run)))
-            .map(|p| p.4 .0)
+            .map(|p| p.5 .0)
             .collect();
         assert!(next.is_empty());
         // A fuller pool: another level, walked on its own.
@@ -274,7 +289,7 @@ mod tests {
         );
         assert_eq!(o.levels(Lane::Idle).collect::<Vec<_>>(), [0, 9]);
         assert_eq!(order_of(&o, Lane::Idle), [0, 14, 13, 12, 11, 10, 20]);
-        let at9: Vec<u32> = o.walk(Lane::Idle, 9, None).map(|p| p.4 .0).collect();
+        let at9: Vec<u32> = o.walk(Lane::Idle, 9, None).map(|p| p.5 .0).collect();
         assert_eq!(
             at9,
             [20],

@@ -220,6 +220,10 @@ pub struct SimWorker {
     /// The engine's memory rule for its running sequences, when the simulation
     /// follows it ([`SimConfig::decode_reserve`]).
     memory: Option<EngineMemory>,
+    /// Whether its running sequences hold their blocks and a prompt starts only
+    /// where they fit ([`SimConfig::hold_blocks`]): its load report then gives the
+    /// admission headroom, as the engine's does.
+    holds_blocks: bool,
     /// Queued requests holding the leading blocks of their chain in the pool, as the
     /// engine's waiting sequences hold their cached prefix: (how many, how many of
     /// them nobody else held when taken). The second counts against the cap of half
@@ -260,6 +264,7 @@ impl SimWorker {
             active_blocks: 0,
             in_use: BlocksInUse::default(),
             memory: None,
+            holds_blocks: false,
             held: HashMap::new(),
             inflight: 0,
             prefill_computed: 0,
@@ -706,6 +711,19 @@ impl SimWorker {
             // them free.
             free_blocks: self.lru.capacity().saturating_sub(self.in_use.len()),
             total_blocks: self.lru.capacity(),
+            // Holding blocks, the engine's rule: the free blocks less the running
+            // sequences' expected growth. Without, a prompt starts whatever the pool
+            // holds, and the worker says nothing.
+            admit_blocks: self.holds_blocks.then(|| {
+                let reserved = self
+                    .memory
+                    .as_ref()
+                    .map_or(0, |m| m.reserved_blocks(self.report_ms));
+                self.lru
+                    .capacity()
+                    .saturating_sub(self.in_use.len())
+                    .saturating_sub(reserved)
+            }),
             ..Default::default()
         }
     }
@@ -1186,6 +1204,7 @@ pub fn simulate(trace: &Trace, cfg: &SimConfig) -> anyhow::Result<SimResult> {
         .map(|_| {
             let mut w = SimWorker::new(cfg.cache_blocks, cfg.host_blocks, cfg.disk_blocks);
             w.memory = cfg.decode_reserve.map(|c| EngineMemory::new(c, bs));
+            w.holds_blocks = cfg.hold_blocks;
             w
         })
         .collect();

@@ -174,6 +174,8 @@ impl KvRouter {
             classes.size[d as usize] = 0;
         }
         out.sort_unstable_by_key(|c| c.worker);
+        // A pull target may also be in its run.
+        out.dedup_by_key(|c| c.worker);
     }
 
     /// Adds the members of match class `class` (device blocks `class`, nothing in
@@ -196,12 +198,12 @@ impl KvRouter {
         let point = prompt_anchor(base.hashes).map_or(0, ring_point);
         let order = &self.load_order;
         let member = |p: &Position| -> Option<Candidate> {
-            let e = self.scored.get(p.4.index()).and_then(Option::as_ref)?;
-            if found.class_of(p.4) != class {
+            let e = self.scored.get(p.5.index()).and_then(Option::as_ref)?;
+            if found.class_of(p.5) != class {
                 return None;
             }
             Some(Candidate {
-                worker: p.4,
+                worker: p.5,
                 id_hash: e.id_hash,
                 load: e.load,
                 matched_blocks: class as usize,
@@ -211,28 +213,32 @@ impl KvRouter {
             })
         };
         // The next run of members after `after` at `level` of `lane`: its first
-        // member, that member's cost and whether it is within bounds.
+        // member, that member's cost, the least a run from there on can cost (its
+        // cost were it to admit the prompt at once: the order follows that, and not
+        // admitting it only costs more) and whether it is within bounds.
         let next_run = |lane: Lane, level: u8, after: Option<Position>| {
             let (first, c) = order
                 .walk(lane, level, after)
                 .find_map(|p| Some((p, member(&p)?)))?;
             let (cost, ok) = policy.price(base, &c, bound);
-            Some((first, c, cost, ok))
+            let least = if c.load.admits(base.admit_blocks()) {
+                cost
+            } else {
+                let admitted = Candidate {
+                    load: c.load.with_admit_blocks(None),
+                    ..c
+                };
+                policy.price(base, &admitted, bound).0
+            };
+            Some((first, c, cost, least, ok))
         };
-        // Adds a run: its first member (unless `first_added`) and the members a tie can
-        // go to, the nearest at or after the anchor's point on the ring, wrapping
-        // around to its start.
-        let add_run = |lane: Lane,
-                       first: &Position,
-                       c: Candidate,
-                       first_added: bool,
-                       out: &mut Vec<Candidate>| {
+        // Adds a run: its first member and the members a tie can go to, the nearest at
+        // or after the anchor's point on the ring, wrapping around to its start.
+        let add_run = |lane: Lane, first: &Position, c: Candidate, out: &mut Vec<Candidate>| {
             let run = run_of(first);
-            if !first_added {
-                out.push(c);
-            }
+            out.push(c);
             let after_point = order.run_from(lane, run, point);
-            let wrapped = order.run_from(lane, run, 0).take_while(|p| p.3 < point);
+            let wrapped = order.run_from(lane, run, 0).take_while(|p| p.4 < point);
             out.extend(
                 after_point
                     .chain(wrapped)
@@ -242,9 +248,25 @@ impl KvRouter {
             );
         };
         // A pull that ends a wait goes to the idle lane with the fewest sequences
-        // within bounds, whatever its pool's use: the first member of each level's
-        // first idle run within bounds is a candidate.
+        // within bounds that admits the prompt, whatever its pool's use: the first
+        // member of each level's first such idle run is a candidate.
         let pull_targets = policy.pulls_end_waits();
+        // Runs that differ only in their headroom tie for it: the first member of
+        // each that admits the prompt is a candidate.
+        let pull_target = |level: u8, mut after: Option<Position>, out: &mut Vec<Candidate>| {
+            let mut load = None;
+            while let Some((first, c, _, _, ok)) = next_run(Lane::Idle, level, after) {
+                let run = run_of(&first);
+                if load.is_some_and(|l| l != (run.1, run.2)) {
+                    return;
+                }
+                if ok && policy.starts_at_once(base, &c) {
+                    out.push(c);
+                    load = Some((run.1, run.2));
+                }
+                after = Some(LoadOrder::run_end(run));
+            }
+        };
         // Phase 1: at each level of each lane, the runs out of bounds are added up to
         // the first run within bounds, where phase 2 starts.
         let mut resume: [[Option<Option<Position>>; USAGE_LEVELS as usize + 1]; 2] =
@@ -253,16 +275,16 @@ impl KvRouter {
         for lane in Lane::BOTH {
             for level in order.levels(lane) {
                 let mut after = None;
-                while let Some((first, c, cost, ok)) = next_run(lane, level, after) {
+                while let Some((first, c, cost, _, ok)) = next_run(lane, level, after) {
                     if ok {
                         cheapest_ok = cheapest_ok.min(cost);
                         resume[lane as usize][level as usize] = Some(after);
                         if pull_targets && lane == Lane::Idle {
-                            out.push(c);
+                            pull_target(level, after, out);
                         }
                         break;
                     }
-                    add_run(lane, &first, c, false, out);
+                    add_run(lane, &first, c, out);
                     after = Some(LoadOrder::run_end(run_of(&first)));
                 }
             }
@@ -281,14 +303,15 @@ impl KvRouter {
                     continue;
                 };
                 let level = level as u8;
-                // The first run's first member may be in already (a pull target).
-                let mut first_added = pull_targets && lane == Lane::Idle;
-                while let Some((first, c, cost, _)) = next_run(lane, level, after) {
-                    if cost > reach {
+                // Runs within reach are added whole; the walk ends at the first run
+                // that, and every run after it, costs more than the reach.
+                while let Some((first, c, cost, least, _)) = next_run(lane, level, after) {
+                    if least > reach {
                         break;
                     }
-                    add_run(lane, &first, c, first_added, out);
-                    first_added = false;
+                    if cost <= reach {
+                        add_run(lane, &first, c, out);
+                    }
                     after = Some(LoadOrder::run_end(run_of(&first)));
                 }
             }

@@ -1148,6 +1148,10 @@ mod ordered_walk {
                     },
                     total_blocks: 64,
                     free_blocks: 64 - 4 * usize::from(usage),
+                    // Headroom for 0 to 63 blocks, or unsaid: prompts of 9 to 21
+                    // blocks are admitted at once on some workers and not on others.
+                    admit_blocks: (w % 4 != 3)
+                        .then(|| (64 - 4 * usize::from(usage)).saturating_sub(w * 5 % 48)),
                     ..WorkerLoad::default()
                 },
             )
@@ -1192,10 +1196,61 @@ mod ordered_walk {
                     for r in [&mut walk, &mut scan] {
                         backlog(r, &w, (change as usize % 7) * 512);
                     }
+                } else {
+                    // Its running sequences leave room for fewer blocks.
+                    let load = WorkerLoad {
+                        running: 1 + change as usize % 5,
+                        admit_blocks: Some(change as usize % 32),
+                        ..WorkerLoad::default()
+                    };
+                    for r in [&mut walk, &mut scan] {
+                        r.update_load(&w, load).unwrap();
+                    }
                 }
             }
         }
     }
+}
+
+/// A worker whose running sequences leave too little admission headroom for a prompt
+/// would queue it until they end, however idle its prefill lane: `cache-aware` sends a
+/// cold prompt to a lane that starts it at once. A worker that says nothing of its
+/// headroom, or runs nothing (a lone sequence is always admitted), is priced as before.
+#[test]
+fn a_prompt_goes_where_the_admission_headroom_holds_it() {
+    let toks = tokens(11, 20 * BS);
+    let h = hashes(&toks);
+    let decoding = |running: usize, admit_blocks: Option<usize>| WorkerLoad {
+        running,
+        total_blocks: 64,
+        free_blocks: 40,
+        admit_blocks,
+        ..WorkerLoad::default()
+    };
+    for (w0_admits, expect) in [
+        (None, "w0"),
+        (Some(21), "w0"),
+        (Some(20), "w1"),
+        (Some(5), "w1"),
+    ] {
+        let mut r = router(2);
+        // w0 decodes 3 sequences, w1 4: on sequences alone w0 is cheaper.
+        r.update_load("w0", decoding(3, w0_admits)).unwrap();
+        r.update_load("w1", decoding(4, Some(64))).unwrap();
+        // The prompt and its one partial block: 21 blocks.
+        let d = r
+            .route(&h, toks.len() + 1, PolicyKind::CacheAware, 0)
+            .unwrap();
+        assert_eq!(&*d.worker, expect, "w0's headroom {w0_admits:?}");
+    }
+    // Running nothing, w0 admits whatever its reported headroom.
+    let mut r = router(2);
+    r.update_load("w0", decoding(0, Some(0))).unwrap();
+    r.update_load("w1", decoding(1, Some(64))).unwrap();
+    let d = r
+        .route(&h, toks.len() + 1, PolicyKind::CacheAware, 0)
+        .unwrap();
+    assert_eq!(&*d.worker, "w0");
 }
 
 /// A prefix held only by a worker this request cannot use (fenced, or excluded by a

@@ -12,7 +12,10 @@
 //!         + decode_cost_per_sequence × active(W)    // decode work sharing W's steps
 //!         + δ(W) × duplicated(W)                    // held elsewhere, recomputed on W
 //!         + memory_weight × computed(W) × usage(W)  // what W stores, by its pool's use
-//! λ(W)    = prefill_weight          if W's prefill lane is busy
+//! backlog(W) = W's queued prefill
+//!         + admission_wait_ratio × prompt           // if W cannot admit the prompt now
+//! λ(W)    = prefill_weight          if W's prefill lane is busy (or W cannot admit
+//!                                   the prompt now)
 //!         = idle_prefill_weight     if it is idle
 //!         = wait_ending_prefill_weight
 //!                                   if it is idle and starting there ends a wait:
@@ -20,6 +23,26 @@
 //!                                   holder's wait ≥ wait_ending_ratio × W's prefill
 //! δ(W)    = busy_duplicate_weight   if W's prefill lane is busy, else 0
 //! ```
+//!
+//! **Admission.** An engine starts a prompt only where its free blocks hold the
+//! prompt's blocks beside what its running sequences are expected to grow by (the
+//! decode reserve); otherwise the prompt waits for running sequences to end, however
+//! idle the prefill lane. Workers report that headroom
+//! ([`WorkerLoad::admit_blocks`](crate::load::WorkerLoad::admit_blocks)); a worker
+//! whose headroom cannot hold the whole prompt (the router cannot tell which cached
+//! blocks a running sequence holds) and that runs anything is priced as a busy lane
+//! with `admission_wait_ratio` (0.5) × the prompt's tokens of wait added, and so is a
+//! prompt's holder in the wait the wait-ending weight reads. In `kvfleet bench sweep`
+//! in the engine-faithful mode (docs/policy-sweep.head.md, 2026-12-07), where the
+//! simulated workers admit by the engine's rule, this took the avoidable waits of
+//! seed 1 at 8-64 workers from 1,982 to 484 and the groups meeting the hit target
+//! from 36 to 45 of 63 (all three targets: 7 to 12); the held-out seeds 2 and 3 went
+//! from 1,781 and 1,621 waits to 362 and 382, and from 6 and 6 groups meeting all
+//! three to 8 and 8 of 42. A ratio of 0.25, 0.75 and 1 gave 13, 12 and 8 groups
+//! meeting all three (905, 555 and 615 avoidable waits; the holder's wait priced at
+//! a whole prompt in these three). In the default mode, whose
+//! workers start a prompt whatever their pool holds and say nothing of headroom,
+//! nothing changes.
 //!
 //! `uncached(W)` counts every tier as cached; `load(W)` prices W's host and disk hits
 //! as the recompute-equivalent of copying them in (`tiers`, see
@@ -136,6 +159,7 @@
 //! cheapest is used.
 
 use super::{mix64, Candidate, FleetLoad, RouteContext, RoutingPolicy, Selection, TierCostConfig};
+use crate::load::CandidateLoad;
 use crate::registry::WorkerIdx;
 use kvfleet_core::kv_events::Medium;
 use serde::{Deserialize, Serialize};
@@ -160,6 +184,11 @@ pub struct CacheAwareConfig {
     /// idle lane pays `wait_ending_prefill_weight` (default 0.7: the router sees a
     /// queue late and short, so a wait it puts at 70% of a cold start may be longer).
     pub wait_ending_ratio: f64,
+    /// The wait priced on a worker that cannot admit the prompt now (its admission
+    /// headroom, [`CandidateLoad::admits`], is short of the prompt's blocks: its
+    /// running sequences must end first), as a fraction of the prompt's tokens
+    /// (default 0.5; 0 prices only the busy lane).
+    pub admission_wait_ratio: f64,
     /// Extra cost of one prompt token a worker whose prefill lane is busy would
     /// recompute although another worker holds or is computing it (default 6.0; 0
     /// turns it off).
@@ -216,6 +245,7 @@ impl Default for CacheAwareConfig {
             idle_prefill_weight: 1.5,
             wait_ending_prefill_weight: 0.9,
             wait_ending_ratio: 0.7,
+            admission_wait_ratio: 0.5,
             busy_duplicate_weight: 6.0,
             decode_cost_per_sequence: 16.0,
             memory_weight: 0.25,
@@ -257,6 +287,7 @@ impl CacheAwareConfig {
                 self.wait_ending_prefill_weight,
             ),
             ("wait_ending_ratio", self.wait_ending_ratio),
+            ("admission_wait_ratio", self.admission_wait_ratio),
             ("busy_duplicate_weight", self.busy_duplicate_weight),
             ("decode_cost_per_sequence", self.decode_cost_per_sequence),
             ("memory_weight", self.memory_weight),
@@ -315,12 +346,56 @@ impl CacheAware {
     #[inline]
     pub fn prefill_weight(&self, ctx: &RouteContext<'_>, c: &Candidate, own: f64) -> f64 {
         if c.load.prefill_backlog_tokens() > 0 {
-            self.config.prefill_weight
-        } else if self.ends_a_wait(ctx, own) {
+            return self.config.prefill_weight;
+        }
+        let idle = if self.ends_a_wait(ctx, own) {
             self.config.wait_ending_prefill_weight
         } else {
             self.config.idle_prefill_weight
+        };
+        if c.load.admits(ctx.admit_blocks()) {
+            idle
+        } else {
+            // An idle lane that cannot admit the prompt is busy with its running
+            // sequences; never cheaper than were it to admit it (the load order's
+            // walk relies on that).
+            idle.max(self.config.prefill_weight)
         }
+    }
+
+    /// The prompt tokens `c` is priced as computing before it can start this
+    /// request: its prefill backlog ([`Self::backlog_of`]).
+    #[inline]
+    pub fn backlog(&self, ctx: &RouteContext<'_>, c: &Candidate) -> usize {
+        self.backlog_of(&c.load, ctx.prompt_tokens, ctx.admit_blocks())
+    }
+
+    /// The prefill backlog of a worker with `load`, and where its admission headroom
+    /// cannot hold a prompt of `prompt_tokens` in `admit_blocks` blocks,
+    /// `admission_wait_ratio` × the prompt more: the running sequences it waits on to
+    /// end first. Its prefill lane then counts as busy.
+    #[inline]
+    pub fn backlog_of(
+        &self,
+        load: &CandidateLoad,
+        prompt_tokens: usize,
+        admit_blocks: usize,
+    ) -> usize {
+        let backlog = load.prefill_backlog_tokens();
+        if load.admits(admit_blocks) {
+            backlog
+        } else {
+            let wait = self.config.admission_wait_ratio * prompt_tokens as f64;
+            // At least one token: a lane that cannot start the prompt is never idle.
+            backlog.saturating_add((wait as usize).max(1))
+        }
+    }
+
+    /// Whether `c` would start this request's prefill at once: its prefill lane is
+    /// idle and its admission headroom holds the prompt.
+    #[inline]
+    pub fn starts_at_once(&self, ctx: &RouteContext<'_>, c: &Candidate) -> bool {
+        self.backlog(ctx, c) == 0
     }
 
     /// Whether an idle lane computing `own` token equivalents would end a wait: the
@@ -352,7 +427,7 @@ impl CacheAware {
     fn priced(&self, ctx: &RouteContext<'_>, c: &Candidate, pulls: bool) -> (f64, usize) {
         let (computed, own) = self.own_prefill(ctx, c, pulls);
         let cost = self.prefill_weight(ctx, c, own) * own
-            + c.load.prefill_backlog_tokens() as f64
+            + self.backlog(ctx, c) as f64
             + self.config.decode_cost_per_sequence * c.load.active_sequences() as f64
             + self.memory_price(ctx, c, computed)
             + self.duplicate_price(ctx, c, computed);
@@ -373,7 +448,7 @@ impl CacheAware {
     /// lane, nothing on an idle one.
     #[inline]
     fn duplicate_price(&self, ctx: &RouteContext<'_>, c: &Candidate, computed: usize) -> f64 {
-        if c.load.prefill_backlog_tokens() == 0 || self.config.busy_duplicate_weight == 0.0 {
+        if self.backlog(ctx, c) == 0 || self.config.busy_duplicate_weight == 0.0 {
             return 0.0;
         }
         let held = (ctx.deepest_blocks * ctx.block_size).min(ctx.prompt_tokens);
@@ -551,7 +626,7 @@ impl CacheAware {
     /// wait 20 ms each behind one another for 15 ms of tokens, which the backlog
     /// alone puts at 2 ms.
     fn time_to_first_token(&self, ctx: &RouteContext<'_>, c: &Candidate, pulls: bool) -> f64 {
-        c.load.prefill_backlog_tokens() as f64
+        self.backlog(ctx, c) as f64
             + self.config.tiers.prefill_overhead_tokens() * c.load.prefills_ahead() as f64
             + self.own_prefill(ctx, c, pulls).1
     }
@@ -573,11 +648,7 @@ impl CacheAware {
         // pull: the guard holds for every choice.
         let mut cold = f64::INFINITY;
         let mut pull: Option<(f64, usize, u64, WorkerIdx)> = None;
-        for c in ctx
-            .candidates
-            .iter()
-            .filter(|c| c.load.prefill_backlog_tokens() == 0)
-        {
+        for c in ctx.candidates.iter().filter(|c| self.backlog(ctx, c) == 0) {
             cold = cold.min(self.time_to_first_token(ctx, c, false));
             let pulled = self.pulled(ctx, c, true);
             if pulled == 0 {
@@ -587,12 +658,7 @@ impl CacheAware {
             if !self.within_bounds(c, computed, bound) {
                 continue;
             }
-            let k = (
-                c.load.prefill_backlog_tokens() as f64 + prefill,
-                c.load.active_sequences(),
-                c.id_hash,
-                c.worker,
-            );
+            let k = (prefill, c.load.active_sequences(), c.id_hash, c.worker);
             if pull.is_none_or(|p| {
                 k.0.total_cmp(&p.0)
                     .then((k.1, k.2, k.3).cmp(&(p.1, p.2, p.3)))

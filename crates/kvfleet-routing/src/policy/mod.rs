@@ -146,6 +146,15 @@ impl RouteContext<'_> {
     }
 
     /// Prompt tokens `c` would have to compute.
+    /// Blocks a worker's admission headroom must hold for it to start the request at
+    /// once ([`CandidateLoad::admits`](crate::load::CandidateLoad::admits)): the whole
+    /// prompt, since the free pool must hold every block of it no running sequence
+    /// holds, cached or not, and the router cannot tell which those are.
+    #[inline]
+    pub fn admit_blocks(&self) -> usize {
+        admit_blocks(self.prompt_tokens, self.block_size)
+    }
+
     pub fn uncached_tokens(&self, c: &Candidate) -> usize {
         self.prompt_tokens - self.cached_tokens(c)
     }
@@ -295,6 +304,12 @@ pub fn mix64(mut z: u64) -> u64 {
 /// Total sequences over `candidates`, used by the bounded-load rules.
 fn total_active(candidates: &[Candidate]) -> usize {
     candidates.iter().map(|c| c.load.active_sequences()).sum()
+}
+
+/// The blocks a worker's admission headroom must hold to start a prompt of
+/// `prompt_tokens` at once ([`RouteContext::admit_blocks`]).
+pub fn admit_blocks(prompt_tokens: usize, block_size: usize) -> usize {
+    prompt_tokens.div_ceil(block_size.max(1))
 }
 
 #[cfg(test)]
