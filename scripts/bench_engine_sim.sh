@@ -29,7 +29,9 @@
 # flags, e.g. `--decode-reserve-ratio 0`), SIM_RESERVE (the reserve ratio of the
 # simulator's engine rule: 0.3, the workers' default), RTT (the client's round trip
 # the simulator adds before a turn's child arrives, ms; default: measured on the live
-# run, see below), SPREAD (round trips of the spread, 13; 0 skips it).
+# run, see below), SPREAD (round trips of the spread, 13; 0 skips it),
+# CACHE_AWARE_CONFIG (`cache-aware`'s weights, JSON inline or a file, for the router
+# and every simulation alike).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -90,8 +92,10 @@ for i in $(seq 0 $((WORKERS - 1))); do
 done
 WORKER_LIST=$(IFS=,; echo "${ADDRS[*]}")
 
+CA=()
+[ -n "${CACHE_AWARE_CONFIG:-}" ] && CA=(--cache-aware-config "$CACHE_AWARE_CONFIG")
 RUST_LOG=warn "$BIN" router --http 127.0.0.1:0 --model tiny --block-size "$BLOCK_SIZE" \
-  --policy cache-aware --workers "$WORKER_LIST" > "$OUT/router.log" 2>&1 &
+  --policy cache-aware --workers "$WORKER_LIST" "${CA[@]}" > "$OUT/router.log" 2>&1 &
 PIDS+=($!)
 URL="http://$(addr_of "$OUT/router.log" http://)"
 echo "router $URL in front of $WORKERS sim workers ($BLOCKS blocks of $BLOCK_SIZE tokens each)"
@@ -141,7 +145,7 @@ for ((k = 0; k < ${#SIMS[@]}; k += 2)); do
   # shellcheck disable=SC2086 # the flags are split on purpose
   "$BIN" sim --trace "$OUT/trace.jsonl" --workers "$WORKERS" --cache-blocks "$BLOCKS" \
     --tokens-per-id "$BLOCK_SIZE" --policy cache-aware --cost-model "$COST_MODEL" \
-    --peer-pull-min-blocks 0 --client-rtt-ms "$RTT" ${SIMS[k+1]} "${OUTCOMES[@]}" \
+    --peer-pull-min-blocks 0 --client-rtt-ms "$RTT" ${SIMS[k+1]} "${OUTCOMES[@]}" "${CA[@]}" \
     --json > "$OUT/${SIMS[k]}.json"
 done
 # The simulator's figures hang on the order of near-simultaneous events: a turn that
@@ -157,7 +161,7 @@ for ((i = 0; i < SPREAD; i++)); do
   # shellcheck disable=SC2086 # the flags are split on purpose
   "$BIN" sim --trace "$OUT/trace.jsonl" --workers "$WORKERS" --cache-blocks "$BLOCKS" \
     --tokens-per-id "$BLOCK_SIZE" --policy cache-aware --cost-model "$COST_MODEL" \
-    --peer-pull-min-blocks 0 --client-rtt-ms "$r" ${SIMS[LAST+1]} \
+    --peer-pull-min-blocks 0 --client-rtt-ms "$r" ${SIMS[LAST+1]} "${CA[@]}" \
     --json > "$OUT/spread/${i}_$r.json"
 done
 python3 - "$OUT" "${SIMS[@]}" <<'PY'
