@@ -866,6 +866,12 @@ impl KvRouter {
         let mut load_reports = 0;
         if let Some(Some(e)) = self.workers.get_mut(worker.index()) {
             e.load.start_request(prefill_tokens);
+            // The prompt takes its blocks from the worker's headroom until the next
+            // poll reports what is left.
+            e.load.admit_blocks_since_poll = e
+                .load
+                .admit_blocks_since_poll
+                .saturating_add(crate::policy::admit_blocks(prompt_tokens, bs));
             load_reports = e.load.reports;
         }
         self.rescore(worker);

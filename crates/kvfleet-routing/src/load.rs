@@ -40,6 +40,9 @@ pub struct WorkerLoad {
     /// blocks less what its running sequences are expected to grow by. `None`: the
     /// worker does not say (it admits whatever its pool holds, or predates the field).
     pub admit_blocks: Option<usize>,
+    /// Blocks of the prompts this router sent the worker since its last poll: they
+    /// come out of `admit_blocks` until the next poll counts them.
+    pub admit_blocks_since_poll: usize,
     /// KV blocks holding cached prefixes, free or in use (polled; shown, not scored).
     pub cached_blocks: usize,
     /// Prompt tokens received since the worker started (polled; shown, not scored).
@@ -139,6 +142,7 @@ impl WorkerLoad {
         self.preemptions = report.preemptions;
         self.requests_since_poll = 0;
         self.prefill_tokens_since_poll = 0;
+        self.admit_blocks_since_poll = 0;
         self.reports = self.reports.wrapping_add(1);
         self.report_seq = report.report_seq;
     }
@@ -309,7 +313,10 @@ impl From<&WorkerLoad> for CandidateLoad {
         CandidateLoad::new(l.active_sequences(), l.prefill_backlog_tokens())
             .with_usage_level(l.usage_level())
             .with_prefills_ahead(l.prefills_ahead())
-            .with_admit_blocks(l.admit_blocks)
+            .with_admit_blocks(
+                l.admit_blocks
+                    .map(|a| a.saturating_sub(l.admit_blocks_since_poll)),
+            )
     }
 }
 

@@ -1253,6 +1253,45 @@ fn a_prompt_goes_where_the_admission_headroom_holds_it() {
     assert_eq!(&*d.worker, "w0");
 }
 
+/// The prompts a router sent a worker since its last poll take their blocks from the
+/// reported headroom until the next poll: two cold prompts arriving within a poll do
+/// not both go to the one worker that had room for one of them.
+#[test]
+fn prompts_sent_since_the_last_poll_use_up_the_headroom() {
+    let decoding = |running: usize, admit: usize| WorkerLoad {
+        running,
+        total_blocks: 64,
+        free_blocks: 40,
+        admit_blocks: Some(admit),
+        ..WorkerLoad::default()
+    };
+    let mut r = router(2);
+    r.update_load("w0", decoding(1, 30)).unwrap();
+    r.update_load("w1", decoding(3, 64)).unwrap();
+    // Two different cold prompts of 21 blocks each.
+    let a = tokens(21, 20 * BS);
+    let b = tokens(22, 20 * BS);
+    let first = r
+        .route(&hashes(&a), a.len() + 1, PolicyKind::CacheAware, 0)
+        .unwrap();
+    assert_eq!(&*first.worker, "w0", "fewer sequences, room for 30 blocks");
+    // Its first token comes before the next poll: w0's lane is idle again, and the
+    // prompt decodes there.
+    r.prefill_finished("w0", first.prefill_tokens, first.load_reports)
+        .unwrap();
+    let second = r
+        .route(&hashes(&b), b.len() + 1, PolicyKind::CacheAware, 0)
+        .unwrap();
+    assert_eq!(&*second.worker, "w1", "w0 has 9 blocks of room left");
+    // Its next poll counts the first prompt; the headroom it reports is what holds.
+    r.update_load("w0", decoding(2, 30)).unwrap();
+    let c = tokens(23, 20 * BS);
+    let third = r
+        .route(&hashes(&c), c.len() + 1, PolicyKind::CacheAware, 0)
+        .unwrap();
+    assert_eq!(&*third.worker, "w0");
+}
+
 /// A prefix held only by a worker this request cannot use (fenced, or excluded by a
 /// retry) is no longer "held elsewhere": recomputing it on a busy lane is not a
 /// duplicate, so that lane pays no duplicate price for it.

@@ -32,7 +32,9 @@
 //! whose headroom cannot hold the whole prompt (the router cannot tell which cached
 //! blocks a running sequence holds) and that runs anything is priced as a busy lane
 //! with `admission_wait_ratio` (0.5) × the prompt's tokens of wait added, and so is a
-//! prompt's holder in the wait the wait-ending weight reads. In `kvfleet bench sweep`
+//! prompt's holder in the wait the wait-ending weight reads. Until a worker's next poll
+//! the prompts this router sent it since take their blocks from its headroom
+//! ([`WorkerLoad::admit_blocks_since_poll`](crate::load::WorkerLoad::admit_blocks_since_poll)). In `kvfleet bench sweep`
 //! in the engine-faithful mode (docs/policy-sweep.head.md, 2026-12-07), where the
 //! simulated workers admit by the engine's rule, this took the avoidable waits of
 //! seed 1 at 8-64 workers from 1,982 to 484 and the groups meeting the hit target
