@@ -4,6 +4,49 @@
 
 mod support;
 
+/// [`generated_trace`] of `sessions` conversations of `turns` turns (no forks; a
+/// 2,048-token system prompt, 1,024 each of tools and history, 768-token turns,
+/// 64-token answers), `gap_ms` apart within a session, `rate` sessions a second.
+fn conversation_trace(
+    name: &str,
+    sessions: u32,
+    turns: u32,
+    gap_ms: u32,
+    rate: u32,
+) -> (std::path::PathBuf, String) {
+    let (sessions, turns, gap_ms, rate) = (
+        sessions.to_string(),
+        turns.to_string(),
+        gap_ms.to_string(),
+        rate.to_string(),
+    );
+    generated_trace(
+        name,
+        &[
+            "--sessions",
+            &sessions,
+            "--fork-k",
+            "0",
+            "--parent-turns",
+            &turns,
+            "--system-tokens",
+            "2048",
+            "--tools-tokens",
+            "1024",
+            "--history-tokens",
+            "1024",
+            "--turn-tokens",
+            "768",
+            "--output-tokens",
+            "64",
+            "--turn-gap-ms",
+            &gap_ms,
+            "--session-rate",
+            &rate,
+        ],
+    )
+}
+
 /// A fresh directory named for `name` and this process, with the trace `kvfleet bench
 /// gen` writes there from `gen_args` (its `--out` added): the directory, to remove at
 /// the end, and the trace's path.
@@ -106,31 +149,7 @@ fn replay_agrees_with_the_simulator() {
 #[test]
 fn sim_with_host_and_disk_tiers_raises_the_hit_ratio() {
     // A conversation trace whose live sessions outgrow 2 × 40 device blocks.
-    let (dir, trace) = generated_trace(
-        "tiers",
-        &[
-            "--sessions",
-            "40",
-            "--fork-k",
-            "0",
-            "--parent-turns",
-            "8",
-            "--system-tokens",
-            "2048",
-            "--tools-tokens",
-            "1024",
-            "--history-tokens",
-            "1024",
-            "--turn-tokens",
-            "768",
-            "--output-tokens",
-            "64",
-            "--turn-gap-ms",
-            "20000",
-            "--session-rate",
-            "2",
-        ],
-    );
+    let (dir, trace) = conversation_trace("tiers", 40, 8, 20000, 2);
     let trace_s = trace.as_str();
     let sim = |extra: &[&str]| -> serde_json::Value {
         let mut args = vec![
@@ -182,31 +201,7 @@ fn sim_with_host_and_disk_tiers_raises_the_hit_ratio() {
 #[test]
 fn sims_idle_guard_takes_the_waits_out_of_sglangs_rule_and_the_hits_they_bought() {
     // Conversations on 4 workers whose turns queue behind each other on their holder.
-    let (dir, trace) = generated_trace(
-        "guard",
-        &[
-            "--sessions",
-            "24",
-            "--fork-k",
-            "0",
-            "--parent-turns",
-            "6",
-            "--system-tokens",
-            "2048",
-            "--tools-tokens",
-            "1024",
-            "--history-tokens",
-            "1024",
-            "--turn-tokens",
-            "768",
-            "--output-tokens",
-            "64",
-            "--turn-gap-ms",
-            "1000",
-            "--session-rate",
-            "4",
-        ],
-    );
+    let (dir, trace) = conversation_trace("guard", 24, 6, 1000, 4);
     let trace_s = trace.as_str();
     let sim = |sglang: &str| -> serde_json::Value {
         let out: serde_json::Value = serde_json::from_str(&support::run_kvfleet(&[

@@ -344,7 +344,7 @@ impl CacheAware {
     /// The weight of an uncached token on `c`, which would compute `own` token
     /// equivalents for the request: `prefill_weight` when its prefill lane is busy;
     /// when it is idle, `wait_ending_prefill_weight` if that ends a wait
-    /// ([`Self::ends_a_wait`]), else `idle_prefill_weight`.
+    /// (`ends_a_wait`), else `idle_prefill_weight`.
     #[inline]
     pub fn prefill_weight(&self, ctx: &RouteContext<'_>, c: &Candidate, own: f64) -> f64 {
         if c.load.prefill_backlog_tokens() > 0 {
