@@ -176,6 +176,9 @@ impl Reservations {
         hashes: &[BlockHash],
         now_ms: u64,
     ) -> Option<ReservationId> {
+        if hashes.is_empty() {
+            return None;
+        }
         let leaf = self.insert_path(worker, hashes)?;
         let deepest = {
             let node = &self.nodes[leaf as usize];
@@ -542,6 +545,16 @@ fn common_prefix(edge: &[BlockHash], hashes: &[BlockHash]) -> usize {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    /// A prompt shorter than one block has no chain: reserving it is a no-op that
+    /// says so, as documented, not an out-of-bounds panic on a request path.
+    #[test]
+    fn an_empty_chain_reserves_nothing() {
+        let mut r = Reservations::new(1_000);
+        assert_eq!(r.reserve(WorkerIdx(0), &[], 0), None);
+        assert!(r.is_empty());
+        assert_eq!(r.pending(&[]).deepest(), 0);
+    }
 
     fn chain_from(prefix: &[BlockHash], salt: u64, n: usize) -> Vec<BlockHash> {
         let mut out = prefix.to_vec();
