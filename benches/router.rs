@@ -372,6 +372,7 @@ fn main() {
                 id_hash: mix64(w as u64),
                 load: CandidateLoad::new(w % 17, (w * 7_919) % 20_000),
                 matched_blocks: if w % 2 == 0 { 1_000 } else { 64 },
+                running_blocks: 0,
                 host_blocks: 0,
                 disk_blocks: 0,
                 kv_movable: true,

@@ -23,7 +23,7 @@ use kvfleet_core::BlockHash;
 use kvfleet_routing::{
     CacheDump, DumpedBlock, IndexError, KvRouter, Pin, PolicyKind, RebuildStep, RegisterError,
     ReservationId, RouteDecision, RouteError, RouterConfig, RouterKvEvent, RouterSnapshot,
-    UnknownWorker, WorkerIdx, WorkerLoad,
+    RunningId, UnknownWorker, WorkerIdx, WorkerLoad,
 };
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
@@ -114,6 +114,8 @@ pub struct InFlight {
     /// The request's reservation, and the reservations' clock: when the request ends,
     /// the reservation counts only for the grace period more.
     reservation: Option<ReservationId>,
+    /// The request's chain among those running on its worker, ended with it.
+    running: Option<RunningId>,
     clock: Instant,
 }
 
@@ -157,6 +159,9 @@ impl Drop for InFlight {
         let _ = kv.request_finished(&self.worker, prefill);
         if let Some(id) = self.reservation {
             kv.request_ended(id, now_ms);
+        }
+        if let Some(id) = self.running {
+            kv.request_done(id);
         }
         if actual != NO_OUTCOME {
             kv.record_outcome(self.predicted_cached_tokens, actual);
@@ -210,6 +215,7 @@ impl RoutingState {
             predicted_cached_tokens: decision.predicted_cached_tokens,
             actual_cached_tokens: AtomicUsize::new(NO_OUTCOME),
             reservation: decision.reservation,
+            running: decision.running,
             clock: self.started,
         };
         Ok(Routed {

@@ -8,10 +8,12 @@
 //! A request's life: [`KvRouter::route`] looks the prompt's block hashes up in the
 //! index and in the pending reservations, lets the chosen policy pick a worker,
 //! reserves the prompt's chain for that worker (so siblings that arrive before its KV
-//! events follow it) and counts the request as in flight there. When the request ends,
-//! the caller calls [`KvRouter::request_finished`] with the decision's
-//! `prefill_tokens`, and, once the worker reports how many tokens it actually served
-//! from cache, [`KvRouter::record_outcome`] to track prediction accuracy.
+//! events follow it), records the chain as running there (so a later prompt sharing
+//! its prefix is known to need fewer free blocks there) and counts the request as in
+//! flight. When the request ends, the caller calls [`KvRouter::request_finished`] with
+//! the decision's `prefill_tokens` and [`KvRouter::request_done`] with its `running`,
+//! and, once the worker reports how many tokens it actually served from cache,
+//! [`KvRouter::record_outcome`] to track prediction accuracy.
 
 use crate::events::{CacheDump, RouterKvEvent, RouterKvEventKind};
 use crate::load::{CandidateLoad, WorkerLoad};
@@ -25,6 +27,7 @@ use crate::prefix_index::{IndexError, Matches, PrefixIndex, TieredMatches, Worke
 use crate::registry::{WorkerIdx, WorkerRegistry};
 use crate::reservations::{ReservationId, Reservations};
 use kvfleet_core::{BlockHash, DEFAULT_BLOCK_SIZE};
+use ordered::Found;
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 use std::time::Instant;
@@ -169,12 +172,22 @@ pub struct RouteDecision {
     /// block, or when the worker already holds the whole chain); release it with
     /// [`KvRouter::cancel_reservation`] if the request never reaches the worker.
     pub reservation: Option<ReservationId>,
+    /// The request's chain as running on the chosen worker (none for prompts shorter
+    /// than one block, or while no worker reports its admission headroom, the one
+    /// thing the running chains are read for): give it back to
+    /// [`KvRouter::request_done`] when the request ends, however it ends.
+    pub running: Option<RunningId>,
     /// Load reports the chosen worker's load had taken in when this was decided: give
     /// it back to [`KvRouter::prefill_finished`].
     pub load_reports: u64,
     /// Time spent per phase.
     pub timings: RouteTimings,
 }
+
+/// Handle of a routed request's chain among the chains running on its worker; see
+/// [`RouteDecision::running`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct RunningId(ReservationId);
 
 /// "Pull blocks `first_block..end_block` of the prompt from `from`": the chosen worker
 /// fetches them (`FetchBlocks`) before it queues the request, instead of computing
@@ -273,6 +286,16 @@ pub struct KvRouter {
     registry: WorkerRegistry,
     index: PrefixIndex,
     reservations: Reservations,
+    /// The chains of the requests this router sent that have not ended, by worker
+    /// (the same trie as `reservations`, but each entry lives until its request ends
+    /// rather than until the worker's events confirm it): the blocks a worker's running
+    /// sequences hold, as far as this router knows, which its admission headroom need
+    /// not hold again ([`Candidate::running_blocks`]).
+    running: Reservations,
+    /// Workers whose load reports their admission headroom: only then do the running
+    /// chains change a decision, so only then are they recorded and looked up (a
+    /// lookup walks every worker running a shared system prompt).
+    headroom_workers: usize,
     workers: Vec<Option<WorkerEntry>>,
     /// `workers`' [`Scored`] parts, by index; refreshed by every load change.
     scored: Vec<Option<Scored>>,
@@ -295,6 +318,7 @@ pub struct KvRouter {
     not_pull_sources: std::collections::HashSet<String>,
     // Scratch buffers reused by every route.
     matches: Matches,
+    running_matches: Matches,
     tiered: TieredMatches,
     candidates: Vec<Candidate>,
     /// Scratch of the ordered walk (`ordered.rs`).
@@ -315,6 +339,8 @@ impl KvRouter {
             index: PrefixIndex::new(),
             reservations: Reservations::new(config.reservation_ttl_ms)
                 .with_grace(config.reservation_grace_ms),
+            running: Reservations::new(config.reservation_ttl_ms).with_grace(0),
+            headroom_workers: 0,
             workers: Vec::new(),
             scored: Vec::new(),
             load_order: LoadOrder::new(config.cache_aware.decode_cost_per_sequence),
@@ -328,6 +354,7 @@ impl KvRouter {
             fenced: std::collections::HashSet::new(),
             not_pull_sources: std::collections::HashSet::new(),
             matches: Matches::new(),
+            running_matches: Matches::new(),
             tiered: TieredMatches::new(),
             candidates: Vec::new(),
             classes: ordered::MatchClasses::default(),
@@ -443,6 +470,7 @@ impl KvRouter {
         };
         self.index.remove_worker(idx);
         self.reservations.remove_worker(idx);
+        self.running.remove_worker(idx);
         if let Some(slot) = self.workers.get_mut(idx.index()) {
             *slot = None;
         }
@@ -604,6 +632,13 @@ impl KvRouter {
         self.reservations.finish(id, now_ms);
     }
 
+    /// The request whose decision made `running` ([`RouteDecision::running`]) ended,
+    /// answered or failed: its blocks no longer count as held by its worker's running
+    /// sequences.
+    pub fn request_done(&mut self, running: RunningId) {
+        self.running.release(running.0);
+    }
+
     /// Ends a reservation early, e.g. when the request never reached the worker.
     /// Returns whether it was still live.
     pub fn cancel_reservation(&mut self, id: ReservationId) -> bool {
@@ -685,6 +720,7 @@ impl KvRouter {
             .and_then(|id| self.registry.get(id));
         let pin_blocks = pinned.map_or(0, |p| p.holds_blocks);
         self.reservations.expire(now_ms);
+        self.running.expire(now_ms);
         if self.registry.is_empty() {
             return Err(RouteError::NoWorkers);
         }
@@ -692,6 +728,11 @@ impl KvRouter {
         let t0 = Instant::now();
         let mut matches = std::mem::take(&mut self.matches);
         let mut tiered = std::mem::take(&mut self.tiered);
+        let mut running = std::mem::take(&mut self.running_matches);
+        running.clear();
+        if self.headroom_workers > 0 {
+            self.running.pending_into(hashes, &mut running);
+        }
         // The tier walk runs only once some worker reported a host or disk block.
         let with_tiers = self.index.has_lower_tiers();
         if with_tiers {
@@ -730,7 +771,7 @@ impl KvRouter {
         // prefix (a reservation reaches deeper than any reported copy).
         let holder_wait_tokens =
             if policy == PolicyKind::CacheAware && deepest_blocks == computed_blocks {
-                self.holder_wait_tokens(&matches, deepest_blocks, prompt_tokens, exclude)
+                self.holder_wait_tokens(&matches, &running, deepest_blocks, prompt_tokens, exclude)
             } else {
                 0
             };
@@ -738,6 +779,13 @@ impl KvRouter {
         let mut candidates = std::mem::take(&mut self.candidates);
         candidates.clear();
         let tiers = with_tiers.then_some(&tiered);
+        let found = Found {
+            matches: &matches,
+            running: &running,
+            tiered: tiers,
+            reusable,
+            admit_blocks: crate::policy::admit_blocks(prompt_tokens, bs),
+        };
         // cache-aware walks the load order unless the candidates are restricted (a
         // pin, fenced or excluded workers) or the prompt has no reusable block, or
         // a weight is not a number the orders can follow.
@@ -766,21 +814,12 @@ impl KvRouter {
                 deepest_blocks,
                 holder_wait_tokens,
             };
-            self.ordered_candidates(
-                &base,
-                &matches,
-                tiers,
-                reusable,
-                &mut classes,
-                &mut candidates,
-            );
+            self.ordered_candidates(&base, &found, &mut classes, &mut candidates);
             self.classes = classes;
             fleet
         } else {
             self.scan_candidates(
-                &matches,
-                tiers,
-                reusable,
+                &found,
                 pin.map(|w| (w, pin_blocks)),
                 exclude,
                 &mut candidates,
@@ -817,6 +856,7 @@ impl KvRouter {
             std::mem::swap(&mut matches, tiered.device_mut());
         }
         self.matches = matches;
+        self.running_matches = running;
         self.tiered = tiered;
         self.candidates = candidates;
         let (selection, chosen) = chosen.ok_or(RouteError::NoWorkers)?;
@@ -863,15 +903,24 @@ impl KvRouter {
             }
             _ => None,
         };
+        let running = if self.headroom_workers > 0 {
+            self.running.reserve(worker, hashes, now_ms).map(RunningId)
+        } else {
+            None
+        };
         let mut load_reports = 0;
         if let Some(Some(e)) = self.workers.get_mut(worker.index()) {
             e.load.start_request(prefill_tokens);
             // The prompt takes its blocks from the worker's headroom until the next
             // poll reports what is left.
-            e.load.admit_blocks_since_poll = e
-                .load
-                .admit_blocks_since_poll
-                .saturating_add(crate::policy::admit_blocks(prompt_tokens, bs));
+            e.load.admit_blocks_since_poll =
+                e.load
+                    .admit_blocks_since_poll
+                    .saturating_add(crate::policy::admit_need(
+                        crate::policy::admit_blocks(prompt_tokens, bs),
+                        &chosen.load,
+                        chosen.running_blocks,
+                    ));
             load_reports = e.load.reports;
         }
         self.rescore(worker);
@@ -895,6 +944,7 @@ impl KvRouter {
             prefill_tokens,
             spilled_from,
             reservation,
+            running,
             load_reports,
             timings: RouteTimings {
                 index_lookup_ns: nanos(t1 - t0),
@@ -910,6 +960,7 @@ impl KvRouter {
     fn holder_wait_tokens(
         &self,
         matches: &Matches,
+        running: &Matches,
         deepest: usize,
         prompt_tokens: usize,
         exclude: &[String],
@@ -924,11 +975,15 @@ impl KvRouter {
         // first, priced as the policy prices it.
         self.usable_matches(matches, exclude)
             .filter(|m| m.depth >= deepest)
-            .filter_map(|m| self.scored.get(m.worker.index())?.as_ref())
-            .map(|e| {
-                self.cache_aware
-                    .backlog_of(&e.load, prompt_tokens, admit)
-                    .saturating_add(lacks)
+            .filter_map(|m| {
+                let e = self.scored.get(m.worker.index())?.as_ref()?;
+                let need =
+                    crate::policy::admit_need(admit, &e.load, running.depth(m.worker).min(m.depth));
+                Some(
+                    self.cache_aware
+                        .backlog_of(&e.load, prompt_tokens, need)
+                        .saturating_add(lacks),
+                )
             })
             .min()
             .unwrap_or(0)
@@ -960,22 +1015,32 @@ impl KvRouter {
     /// the pin's blocks).
     fn scan_candidates(
         &self,
-        matches: &Matches,
-        tiered: Option<&TieredMatches>,
-        reusable: usize,
+        found: &Found<'_>,
         pin: Option<(WorkerIdx, usize)>,
         exclude: &[String],
         out: &mut Vec<Candidate>,
     ) {
-        let mut found = matches.as_slice().iter().peekable();
+        let Found {
+            matches,
+            running,
+            tiered,
+            reusable,
+            ..
+        } = *found;
+        let mut device = matches.as_slice().iter().peekable();
+        let mut runs = running.as_slice().iter().peekable();
         // Fenced and excluded workers are looked up by id only when there are some.
         let skip_ids = !self.fenced.is_empty() || !exclude.is_empty();
         for (i, scored) in self.scored.iter().enumerate() {
             let Some(e) = scored else { continue };
             let worker = WorkerIdx(i as u32);
             // Both lists are sorted by index: merge instead of searching.
-            while found.next_if(|m| m.worker < worker).is_some() {}
-            let depth = found.next_if(|m| m.worker == worker).map_or(0, |m| m.depth);
+            while device.next_if(|m| m.worker < worker).is_some() {}
+            let depth = device
+                .next_if(|m| m.worker == worker)
+                .map_or(0, |m| m.depth);
+            while runs.next_if(|m| m.worker < worker).is_some() {}
+            let run = runs.next_if(|m| m.worker == worker).map_or(0, |m| m.depth);
             if pin.is_some_and(|(p, _)| p != worker) {
                 continue;
             }
@@ -988,17 +1053,24 @@ impl KvRouter {
                 Some((_, blocks)) => depth.max(blocks),
                 None => depth,
             };
-            out.push(self.candidate(worker, e, depth, tiered, reusable));
+            let run = crate::policy::running_that_admits(
+                found.admit_blocks,
+                &e.load,
+                run.min(depth.min(reusable)),
+            );
+            out.push(self.candidate(worker, e, depth, run, tiered, reusable));
         }
     }
 
-    /// `worker`'s candidate for a prompt it holds `depth` device blocks of.
+    /// `worker`'s candidate for a prompt it holds `depth` device blocks of, `running`
+    /// of them shared with requests this router sent it that have not ended.
     #[inline]
     fn candidate(
         &self,
         worker: WorkerIdx,
         e: &Scored,
         depth: usize,
+        running: usize,
         tiered: Option<&TieredMatches>,
         reusable: usize,
     ) -> Candidate {
@@ -1012,6 +1084,7 @@ impl KvRouter {
             id_hash: e.id_hash,
             load: e.load,
             matched_blocks,
+            running_blocks: running.min(matched_blocks),
             host_blocks,
             disk_blocks,
             kv_movable: e.kv_movable,
@@ -1096,6 +1169,8 @@ impl KvRouter {
         if i >= self.scored.len() {
             self.scored.resize(i + 1, None);
         }
+        let says = |s: &Option<Scored>| s.is_some_and(|s| s.load.admit_blocks() != u32::MAX);
+        let said = says(&self.scored[i]);
         self.scored[i] = self
             .workers
             .get(i)
@@ -1105,6 +1180,11 @@ impl KvRouter {
                 load: CandidateLoad::from(&e.load),
                 kv_movable: e.kv_movable,
             });
+        match (said, says(&self.scored[i])) {
+            (false, true) => self.headroom_workers += 1,
+            (true, false) => self.headroom_workers -= 1,
+            _ => {}
+        }
         self.load_order
             .set(idx, self.scored[i].map(|s| (s.load, s.id_hash)));
     }

@@ -35,7 +35,8 @@ pub mod seams;
 pub use events::{CacheDump, DumpedBlock, Medium, RouterKvEvent, RouterKvEventKind};
 pub use kv_router::{
     KvRouter, Pin, PredictionStats, PullPlan, RebuildStep, RegisterError, RouteDecision,
-    RouteError, RouteTimings, RouterConfig, RouterSnapshot, UnknownWorker, WorkerSnapshot,
+    RouteError, RouteTimings, RouterConfig, RouterSnapshot, RunningId, UnknownWorker,
+    WorkerSnapshot,
 };
 pub use load::{CandidateLoad, WorkerLoad, USAGE_LEVELS};
 pub use policy::{PolicyKind, RoutingPolicy};

@@ -12,7 +12,10 @@ use super::lru::ChainChange;
 use super::{RouteReq, SimRouter, SimWorker};
 use kvfleet_core::kv_events::{KvEvent, KvEventKind};
 use kvfleet_core::BlockHash;
-use kvfleet_routing::{KvRouter, PolicyKind, ReservationId, RouterConfig};
+use kvfleet_routing::{KvRouter, PolicyKind, ReservationId, RouterConfig, RunningId};
+
+/// A request in flight: its prefill tokens, reservation and running chain.
+type InFlight = (usize, Option<ReservationId>, Option<RunningId>);
 
 /// A [`KvRouter`] driving one policy.
 pub struct KvfleetPolicy {
@@ -25,8 +28,9 @@ pub struct KvfleetPolicy {
     /// The last decision's pull: (simulated source worker, end block).
     pull: Option<(usize, usize)>,
     /// Requests in flight, by the token `route` handed out: (prefill tokens,
-    /// reservation), so their end releases both as the live router's does.
-    in_flight: Vec<(usize, Option<ReservationId>)>,
+    /// reservation, running chain), so their end releases them as the live router's
+    /// does.
+    in_flight: Vec<InFlight>,
     /// Tokens of finished requests, for reuse.
     free_tokens: Vec<usize>,
 }
@@ -71,7 +75,7 @@ impl KvfleetPolicy {
     }
 
     /// The token `route` hands back for a request, remembering what its end releases.
-    fn issue_token(&mut self, entry: (usize, Option<ReservationId>)) -> usize {
+    fn issue_token(&mut self, entry: InFlight) -> usize {
         match self.free_tokens.pop() {
             Some(t) => {
                 self.in_flight[t] = entry;
@@ -101,12 +105,12 @@ impl SimRouter for KvfleetPolicy {
         {
             Ok(d) => {
                 self.pull = d.pull.map(|p| (self.slot[p.from_idx.index()], p.end_block));
-                let token = self.issue_token((d.prefill_tokens, d.reservation));
+                let token = self.issue_token((d.prefill_tokens, d.reservation, d.running));
                 (self.slot[d.worker_idx.index()], token)
             }
             Err(_) => {
                 self.pull = None;
-                (0, self.issue_token((0, None)))
+                (0, self.issue_token((0, None, None)))
             }
         }
     }
@@ -165,9 +169,16 @@ impl SimRouter for KvfleetPolicy {
     }
 
     fn on_finished(&mut self, w: usize, token: usize, workers: &[SimWorker], now_ms: f64) {
-        let (prefill, reservation) = self.in_flight.get(token).copied().unwrap_or((0, None));
+        let (prefill, reservation, running) = self
+            .in_flight
+            .get(token)
+            .copied()
+            .unwrap_or((0, None, None));
         self.free_tokens.push(token);
         let _ = self.router.request_finished(&self.ids[w], prefill);
+        if let Some(id) = running {
+            self.router.request_done(id);
+        }
         if let Some(id) = reservation {
             self.router.request_ended(id, now_ms as u64);
         }

@@ -6,6 +6,7 @@
 //! reference (`tests.rs`: `the_ordered_walk_chooses_what_the_full_scan_chooses`).
 
 use super::{lower_tier_blocks, KvRouter};
+use crate::load::CandidateLoad;
 use crate::load_order::{run_of, Lane, LoadOrder, Position};
 use crate::policy::{prompt_anchor, ring_point, Candidate, RouteContext, TIE_RING_REACH};
 use crate::prefix_index::{Matches, TieredMatches};
@@ -19,44 +20,143 @@ const WALK_MIN_CLASS: usize = 32;
 /// Scratch of the ordered walk: the size of each match class.
 #[derive(Debug, Default)]
 pub(super) struct MatchClasses {
-    /// Workers of each class `d ≥ 1`, by `d`. All 0 between routes.
+    /// Workers of each class `d ≥ 1` that runs none of the prompt, by `d`. All 0
+    /// between routes.
     size: Vec<u32>,
+    /// Workers of each class that runs some of the prompt (few such classes: a
+    /// shared system prompt, a session's own turns). Empty between routes.
+    running_size: Vec<(Class, u32)>,
     /// The classes `d ≥ 1` with members this route.
-    seen: Vec<u32>,
+    seen: Vec<Class>,
     /// Candidates of each class while it is still small (so a class that stays small
     /// needs no second pass over the matches); empty between routes.
     kept: Vec<(Class, Candidate)>,
 }
 
-/// A worker's match class for one prompt: 0 for matching nothing, `d ≥ 1` for
-/// matching `d` device blocks and nothing in lower tiers, [`PRICED`] for one with
-/// lower-tier blocks (priced on its own).
-type Class = u32;
+impl MatchClasses {
+    /// Workers of `class` counted so far.
+    fn size(&self, class: Class) -> u32 {
+        if class >> 32 == 0 {
+            self.size[class as usize]
+        } else {
+            self.running_size
+                .iter()
+                .find(|(c, _)| *c == class)
+                .map_or(0, |(_, n)| *n)
+        }
+    }
+
+    /// Counts one more worker of `class`; its size now.
+    fn add(&mut self, class: Class) -> u32 {
+        let size = if class >> 32 == 0 {
+            &mut self.size[class as usize]
+        } else {
+            match self.running_size.iter().position(|(c, _)| *c == class) {
+                Some(i) => &mut self.running_size[i].1,
+                None => {
+                    self.running_size.push((class, 0));
+                    let last = self.running_size.len() - 1;
+                    &mut self.running_size[last].1
+                }
+            }
+        };
+        if *size == 0 {
+            self.seen.push(class);
+        }
+        *size += 1;
+        *size
+    }
+
+    /// Forgets this route's sizes.
+    fn reset(&mut self) {
+        for &d in &self.seen {
+            if d >> 32 == 0 {
+                self.size[d as usize] = 0;
+            }
+        }
+        self.running_size.clear();
+        self.seen.clear();
+    }
+}
+
+/// A worker's match class for one prompt: 0 for matching nothing; for matching `d ≥
+/// 1` device blocks and nothing in lower tiers, `d` in the low 32 bits and in the high
+/// ones the blocks of it that requests this router sent there still run
+/// ([`Candidate::running_blocks`]: equal members must admit the prompt alike);
+/// [`PRICED`] for one with lower-tier blocks (priced on its own).
+type Class = u64;
 
 /// The class of a worker priced on its own.
 const PRICED: Class = Class::MAX;
 
-/// What a prompt's lookup found, for classing workers.
+/// The class of `matched` device blocks, `running` of them still run there.
+#[inline]
+fn class_of(matched: usize, running: usize) -> Class {
+    let (m, r) = (matched as u64, running.min(matched) as u64);
+    if m >> 32 != 0 || r >> 31 != 0 {
+        // Beyond any prompt a class can tell apart: priced on its own.
+        PRICED
+    } else {
+        m | (r << 32)
+    }
+}
+
+/// The matched and running blocks of a class other than [`PRICED`].
+#[inline]
+fn blocks_of(class: Class) -> (usize, usize) {
+    (
+        (class & u64::from(u32::MAX)) as usize,
+        (class >> 32) as usize,
+    )
+}
+
+/// What a prompt's lookup found: the candidates are built from it.
 #[derive(Clone, Copy)]
-struct Found<'a> {
-    matches: &'a Matches,
-    tiered: Option<&'a TieredMatches>,
-    reusable: usize,
+pub(super) struct Found<'a> {
+    /// Device depths, index and reservations.
+    pub(super) matches: &'a Matches,
+    /// Depths of the chains running on each worker ([`Candidate::running_blocks`]).
+    pub(super) running: &'a Matches,
+    /// Host and disk depths, once some worker reported a lower tier.
+    pub(super) tiered: Option<&'a TieredMatches>,
+    /// Blocks a request can reuse.
+    pub(super) reusable: usize,
+    /// Blocks a worker's admission headroom must hold for the prompt, were none of it
+    /// running there ([`RouteContext::admit_blocks`]).
+    pub(super) admit_blocks: usize,
 }
 
 impl Found<'_> {
-    /// The class of `worker`, whose device match is `depth` blocks.
+    /// The class of `worker`, whose device match is `depth` blocks and load `load`.
     #[inline]
-    fn class(&self, worker: WorkerIdx, depth: usize) -> Class {
+    fn class(&self, worker: WorkerIdx, depth: usize, load: &CandidateLoad) -> Class {
         let matched = depth.min(self.reusable);
         let lower = self.tiered.map_or((0, 0), |t| {
             lower_tier_blocks(t.get(worker), matched, self.reusable)
         });
         if lower != (0, 0) {
             PRICED
-        } else {
+        } else if matched == 0 || self.running.is_empty() {
             matched as Class
+        } else {
+            class_of(matched, self.running_of(worker, matched, load))
         }
+    }
+
+    /// `worker`'s running blocks of the prompt that change a decision
+    /// ([`crate::policy::running_that_admits`]), at most `matched`.
+    #[inline]
+    pub(super) fn running_of(
+        &self,
+        worker: WorkerIdx,
+        matched: usize,
+        load: &CandidateLoad,
+    ) -> usize {
+        if self.running.is_empty() || matched == 0 {
+            return 0;
+        }
+        let running = self.running.depth(worker).min(matched);
+        crate::policy::running_that_admits(self.admit_blocks, load, running)
     }
 
     /// `worker`'s device match, by search (the walk asks about a few workers only).
@@ -68,8 +168,8 @@ impl Found<'_> {
     }
 
     /// `worker`'s class, found by search.
-    fn class_of(&self, worker: WorkerIdx) -> Class {
-        self.class(worker, self.depth(worker))
+    fn class_of(&self, worker: WorkerIdx, load: &CandidateLoad) -> Class {
+        self.class(worker, self.depth(worker), load)
     }
 }
 
@@ -85,21 +185,20 @@ impl KvRouter {
     pub(super) fn ordered_candidates(
         &self,
         base: &RouteContext<'_>,
-        matches: &Matches,
-        tiered: Option<&TieredMatches>,
-        reusable: usize,
+        found: &Found<'_>,
         classes: &mut MatchClasses,
         out: &mut Vec<Candidate>,
     ) {
-        let found = Found {
+        let Found {
             matches,
             tiered,
             reusable,
-        };
+            ..
+        } = *found;
         if classes.size.len() <= reusable {
             classes.size.resize(reusable + 1, 0);
         }
-        classes.seen.clear();
+        classes.reset();
         // Class sizes from which a class is walked rather than priced whole: dense
         // enough that the walk rarely steps over a worker of another class.
         let walk_min = WALK_MIN_CLASS.max(self.load_order.workers() / 8) as u32;
@@ -112,19 +211,16 @@ impl KvRouter {
                 continue;
             };
             matching += 1;
-            match found.class(m.worker, m.depth) {
-                PRICED => out.push(self.candidate(m.worker, e, m.depth, tiered, reusable)),
+            let run = found.running_of(m.worker, m.depth.min(reusable), &e.load);
+            match found.class(m.worker, m.depth, &e.load) {
+                PRICED => out.push(self.candidate(m.worker, e, m.depth, run, tiered, reusable)),
                 d => {
-                    let size = &mut classes.size[d as usize];
-                    if *size == 0 {
-                        classes.seen.push(d);
-                    }
-                    *size += 1;
                     // Every member of a class that ends up small is kept here.
-                    if *size < walk_min {
-                        classes
-                            .kept
-                            .push((d, self.candidate(m.worker, e, m.depth, tiered, reusable)));
+                    if classes.add(d) < walk_min {
+                        classes.kept.push((
+                            d,
+                            self.candidate(m.worker, e, m.depth, run, tiered, reusable),
+                        ));
                     }
                 }
             }
@@ -135,24 +231,24 @@ impl KvRouter {
                 if found.depth(m.worker) == 0 {
                     if let Some(e) = registered(m.worker) {
                         matching += 1;
-                        out.push(self.candidate(m.worker, e, 0, tiered, reusable));
+                        out.push(self.candidate(m.worker, e, 0, 0, tiered, reusable));
                     }
                 }
             }
         }
         // Members of small classes, kept by pass 1.
-        let size = &classes.size;
+        let kept = std::mem::take(&mut classes.kept);
         out.extend(
-            classes
-                .kept
-                .drain(..)
-                .filter(|(d, _)| size[*d as usize] < walk_min)
-                .map(|(_, c)| c),
+            kept.iter()
+                .filter(|(d, _)| classes.size(*d) < walk_min)
+                .map(|(_, c)| *c),
         );
+        classes.kept = kept;
+        classes.kept.clear();
         // Large classes, and the workers matching nothing.
         let unmatched = self.load_order.workers() - matching;
         if unmatched >= walk_min as usize {
-            self.walk_class(base, &found, 0, out);
+            self.walk_class(base, found, 0, out);
         } else if unmatched > 0 {
             // Few: every worker in no match list (both are sorted by index).
             let mut device = matches.as_slice().iter().peekable();
@@ -160,19 +256,17 @@ impl KvRouter {
                 let w = WorkerIdx(i as u32);
                 while device.next_if(|m| m.worker < w).is_some() {}
                 let Some(e) = e else { continue };
-                if device.peek().is_none_or(|m| m.worker != w) && found.class(w, 0) == 0 {
-                    out.push(self.candidate(w, e, 0, None, reusable));
+                if device.peek().is_none_or(|m| m.worker != w) && found.class(w, 0, &e.load) == 0 {
+                    out.push(self.candidate(w, e, 0, 0, None, reusable));
                 }
             }
         }
         for &d in &classes.seen {
-            if classes.size[d as usize] >= walk_min {
-                self.walk_class(base, &found, d, out);
+            if classes.size(d) >= walk_min {
+                self.walk_class(base, found, d, out);
             }
         }
-        for &d in &classes.seen {
-            classes.size[d as usize] = 0;
-        }
+        classes.reset();
         out.sort_unstable_by_key(|c| c.worker);
         // A pull target may also be in its run.
         out.dedup_by_key(|c| c.worker);
@@ -199,14 +293,16 @@ impl KvRouter {
         let order = &self.load_order;
         let member = |p: &Position| -> Option<Candidate> {
             let e = self.scored.get(p.5.index()).and_then(Option::as_ref)?;
-            if found.class_of(p.5) != class {
+            if found.class_of(p.5, &e.load) != class {
                 return None;
             }
+            let (matched_blocks, running_blocks) = blocks_of(class);
             Some(Candidate {
                 worker: p.5,
                 id_hash: e.id_hash,
                 load: e.load,
-                matched_blocks: class as usize,
+                matched_blocks,
+                running_blocks,
                 host_blocks: 0,
                 disk_blocks: 0,
                 kv_movable: e.kv_movable,
@@ -221,7 +317,7 @@ impl KvRouter {
                 .walk(lane, level, after)
                 .find_map(|p| Some((p, member(&p)?)))?;
             let (cost, ok) = policy.price(base, &c, bound);
-            let least = if c.load.admits(base.admit_blocks()) {
+            let least = if c.load.admits(base.admit_blocks_on(&c)) {
                 cost
             } else {
                 let admitted = Candidate {

@@ -1189,8 +1189,12 @@ mod ordered_walk {
                 // reports a new backlog.
                 let w = format!("w{}", change as usize % f.workers);
                 if change % 3 == 0 {
-                    for r in [&mut walk, &mut scan] {
-                        r.request_finished(&a.worker, a.prefill_tokens).unwrap();
+                    for (r, d) in [(&mut walk, &a), (&mut scan, &s)] {
+                        r.request_finished(&d.worker, d.prefill_tokens).unwrap();
+                        // Its blocks no longer count as running there.
+                        if let Some(id) = d.running {
+                            r.request_done(id);
+                        }
                     }
                 } else if change % 3 == 1 {
                     for r in [&mut walk, &mut scan] {
@@ -1251,6 +1255,68 @@ fn a_prompt_goes_where_the_admission_headroom_holds_it() {
         .route(&h, toks.len() + 1, PolicyKind::CacheAware, 0)
         .unwrap();
     assert_eq!(&*d.worker, "w0");
+}
+
+/// An idle lane's free pool need not hold the prompt blocks its running sequences
+/// hold: a system prompt shared with a request this router sent there that has not
+/// ended. Such a lane starts the prompt at once rather than the prompt queueing behind
+/// its busy holder; once that request ends, or while prefills are queued there (they
+/// take the free blocks first), the whole prompt must fit again.
+#[test]
+fn blocks_the_running_sequences_hold_need_no_room_on_an_idle_lane() {
+    // A 4-block system prompt; the session's prompt adds 12 blocks: 17 blocks with
+    // its partial one.
+    let system = tokens(31, 4 * BS);
+    let with = |id: u64, blocks: usize| {
+        let mut t = system.clone();
+        t.extend(tokens(id, blocks * BS));
+        t
+    };
+    let (other, prompt) = (with(32, 8), with(33, 12));
+    let (oh, ph) = (hashes(&other), hashes(&prompt));
+    let load = |queued: usize, running: usize, admit: usize| WorkerLoad {
+        queued_prefill_tokens: queued,
+        running,
+        total_blocks: 64,
+        free_blocks: 40,
+        admit_blocks: Some(admit),
+        ..WorkerLoad::default()
+    };
+    for (case, end_it, w1_queued, expect) in [
+        ("running the system prompt", false, 0, "w1"),
+        ("its request ended", true, 0, "w0"),
+        ("prefills queued", false, 8, "w0"),
+    ] {
+        let mut r = router(2);
+        // w0 holds 14 of the prompt's 16 blocks (its session's last turn) and has
+        // 1,330 tokens of prefill queued: it costs 2 × 33 + 1,330 + 2 × 16 = 1,428.
+        // Idle and admitting, w1 costs 0.9 × 193 + 16 = 190 (its start ends the wait
+        // on w0). Unable to admit, it costs 2 × 193 + 128 (half the prompt's wait) +
+        // 6 × 160 (the blocks w0 holds, computed again on a busy lane) + 16 = 1,490,
+        // and with 8 tokens queued 1,498 (1,370 were its running blocks counted).
+        r.apply_event("w0", &RouterKvEvent::stored(1, None, ph[..14].to_vec()))
+            .unwrap();
+        r.update_load("w0", load(1_330, 2, 64)).unwrap();
+        // w1 runs another session sharing the system prompt, sent by this router.
+        let d = r
+            .route_pinned(&oh, other.len() + 1, Some("w1"), PolicyKind::CacheAware, 0)
+            .unwrap();
+        assert_eq!(&*d.worker, "w1");
+        r.apply_event("w1", &RouterKvEvent::stored(1, None, oh.clone()))
+            .unwrap();
+        r.prefill_finished("w1", d.prefill_tokens, d.load_reports)
+            .unwrap();
+        if end_it {
+            r.request_finished("w1", 0).unwrap();
+            r.request_done(d.running.unwrap());
+        }
+        // Room for 13 blocks: the prompt's 17 less the 4 its running sequence holds.
+        r.update_load("w1", load(w1_queued, 1, 13)).unwrap();
+        let got = r
+            .route(&ph, prompt.len() + 1, PolicyKind::CacheAware, 1)
+            .unwrap();
+        assert_eq!(&*got.worker, expect, "{case}");
+    }
 }
 
 /// The prompts a router sent a worker since its last poll take their blocks from the

@@ -29,8 +29,10 @@
 //! decode reserve); otherwise the prompt waits for running sequences to end, however
 //! idle the prefill lane. Workers report that headroom
 //! ([`WorkerLoad::admit_blocks`](crate::load::WorkerLoad::admit_blocks)); a worker
-//! whose headroom cannot hold the whole prompt (the router cannot tell which cached
-//! blocks a running sequence holds) and that runs anything is priced as a busy lane
+//! whose headroom cannot hold the prompt's blocks its running sequences do not hold
+//! ([`admit_need`](super::admit_need): on an idle lane, the prompt less the leading
+//! blocks that requests this router sent there and that have not ended share; on a
+//! busy one, the whole prompt) and that runs anything is priced as a busy lane
 //! with `admission_wait_ratio` (0.5) × the prompt's tokens of wait added, and so is a
 //! prompt's holder in the wait the wait-ending weight reads. Until a worker's next poll
 //! the prompts this router sent it since take their blocks from its headroom
@@ -44,7 +46,13 @@
 //! meeting all three (905, 555 and 615 avoidable waits; the holder's wait priced at
 //! a whole prompt in these three). In the default mode, whose
 //! workers start a prompt whatever their pool holds and say nothing of headroom,
-//! nothing changes.
+//! nothing changes. Leaving out of an idle lane's need the blocks its running
+//! sequences hold (docs/policy-sweep.head.md, 2026-12-07, late) matters where sessions
+//! share a system prompt: on `herd` and `tenants` an idle lane running other sessions
+//! had looked short of room, and requests queued behind a busy holder instead. It took
+//! the avoidable waits of seed 1 at 8-64 workers from 484 to 194 (all three targets
+//! in 15 of 63 groups, against 12), and of seeds 2 and 3 from 358 and 376 to 178 and
+//! 136, changing no other family.
 //!
 //! `uncached(W)` counts every tier as cached; `load(W)` prices W's host and disk hits
 //! as the recompute-equivalent of copying them in (`tiers`, see
@@ -355,7 +363,7 @@ impl CacheAware {
         } else {
             self.config.idle_prefill_weight
         };
-        if c.load.admits(ctx.admit_blocks()) {
+        if c.load.admits(ctx.admit_blocks_on(c)) {
             idle
         } else {
             // An idle lane that cannot admit the prompt is busy with its running
@@ -369,7 +377,7 @@ impl CacheAware {
     /// request: its prefill backlog ([`Self::backlog_of`]).
     #[inline]
     pub fn backlog(&self, ctx: &RouteContext<'_>, c: &Candidate) -> usize {
-        self.backlog_of(&c.load, ctx.prompt_tokens, ctx.admit_blocks())
+        self.backlog_of(&c.load, ctx.prompt_tokens, ctx.admit_blocks_on(c))
     }
 
     /// The prefill backlog of a worker with `load`, and where its admission headroom
@@ -781,6 +789,7 @@ mod tests {
             id_hash: u64::from(i),
             load: CandidateLoad::new(active, backlog),
             matched_blocks: matched,
+            running_blocks: 0,
             host_blocks: 0,
             disk_blocks: 0,
             kv_movable: true,

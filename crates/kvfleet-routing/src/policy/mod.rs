@@ -49,6 +49,11 @@ pub struct Candidate {
     /// (index plus pending reservations), already capped at the blocks a request can
     /// reuse.
     pub matched_blocks: usize,
+    /// Leading blocks of the prompt that requests this router sent the worker, and
+    /// that have not ended, share with it (at most `matched_blocks`): its running
+    /// sequences hold them, or will once the queued ones start, so its free pool need
+    /// not hold them to admit the prompt ([`RouteContext::admit_blocks_on`]).
+    pub running_blocks: usize,
     /// Blocks after those the worker holds in its host tier (capped likewise).
     pub host_blocks: usize,
     /// Blocks after those the worker holds on disk only (capped likewise).
@@ -145,16 +150,23 @@ impl RouteContext<'_> {
             .min(self.prompt_tokens)
     }
 
-    /// Prompt tokens `c` would have to compute.
     /// Blocks a worker's admission headroom must hold for it to start the request at
-    /// once ([`CandidateLoad::admits`](crate::load::CandidateLoad::admits)): the whole
-    /// prompt, since the free pool must hold every block of it no running sequence
-    /// holds, cached or not, and the router cannot tell which those are.
+    /// once, were no running sequence holding any of it: the whole prompt, since the
+    /// free pool must hold every block no running sequence holds, cached or not.
     #[inline]
     pub fn admit_blocks(&self) -> usize {
         admit_blocks(self.prompt_tokens, self.block_size)
     }
 
+    /// Blocks `c`'s admission headroom must hold for it to start the request at once
+    /// ([`CandidateLoad::admits`](crate::load::CandidateLoad::admits)); see
+    /// [`admit_need`].
+    #[inline]
+    pub fn admit_blocks_on(&self, c: &Candidate) -> usize {
+        admit_need(self.admit_blocks(), &c.load, c.running_blocks)
+    }
+
+    /// Prompt tokens `c` would have to compute.
     pub fn uncached_tokens(&self, c: &Candidate) -> usize {
         self.prompt_tokens - self.cached_tokens(c)
     }
@@ -310,6 +322,46 @@ fn total_active(candidates: &[Candidate]) -> usize {
 /// `prompt_tokens` at once ([`RouteContext::admit_blocks`]).
 pub fn admit_blocks(prompt_tokens: usize, block_size: usize) -> usize {
     prompt_tokens.div_ceil(block_size.max(1))
+}
+
+/// The blocks the admission headroom of a worker with `load` must hold to start a
+/// prompt of `admit_blocks` blocks, `running` of whose leading blocks requests this
+/// router sent there and that have not ended share ([`Candidate::running_blocks`]).
+///
+/// With nothing queued, its running sequences hold those blocks, so its free pool
+/// need not: the need is the rest of the prompt. (Another router's requests are
+/// unknown here, so the need errs high.) With prefills queued, those take the free
+/// blocks first, in numbers the router does not know, and the whole prompt stands in
+/// for the need: in `kvfleet bench sweep`'s engine-faithful mode, subtracting the
+/// queue's needs from the reported headroom instead moved `conversation` turns off
+/// their holders (hit target met in 41 of 63 groups, against 45), and counting the
+/// running blocks on a busy lane too made fork children queue behind their siblings
+/// (avoidable waits 484 → 1,303; docs/policy-sweep.head.md, 2026-12-07, late).
+#[inline]
+pub fn admit_need(admit_blocks: usize, load: &CandidateLoad, running: usize) -> usize {
+    if load.prefill_backlog_tokens() > 0 {
+        admit_blocks
+    } else {
+        admit_blocks.saturating_sub(running)
+    }
+}
+
+/// Of `running` blocks ([`Candidate::running_blocks`]), those that change a decision:
+/// all of them where they let a worker with `load` admit a prompt of `admit_blocks`
+/// blocks that it could not admit were they not held ([`admit_need`]), none elsewhere,
+/// where they change no price. Counting only these keeps the workers whose running
+/// chains change nothing in one match class, so the load order's walk stays as short
+/// as without them.
+#[inline]
+pub fn running_that_admits(admit_blocks: usize, load: &CandidateLoad, running: usize) -> usize {
+    if running > 0
+        && !load.admits(admit_blocks)
+        && load.admits(admit_need(admit_blocks, load, running))
+    {
+        running
+    } else {
+        0
+    }
 }
 
 #[cfg(test)]
