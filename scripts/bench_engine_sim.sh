@@ -21,7 +21,8 @@
 #
 # Env: SHAPE (`fork`, the default: fork fan-outs of ~120-token prompts, the sweep's
 # `short`; or `conversation`: 8-turn conversations growing to ~380 tokens, the sweep's
-# `conversation` shape at 16 tokens per hash id, with 64-token answers), WORKERS,
+# `conversation` shape at 16 tokens per hash id, with 64-token answers; or `herd`:
+# `fork` with every session sharing its system prompt and tools), WORKERS,
 # BLOCKS (KV blocks per worker), SESSIONS (trace sessions), SESSION_RATE (sessions
 # started per second; higher queues more), BIN (a built kvfleet; default
 # target/debug/kvfleet, built if missing), OUT (results directory), COST_MODEL (cost
@@ -74,7 +75,11 @@ case "$SHAPE" in
   conversation)
     GEN=(--system-tokens 2048 --tools-tokens 1024 --history-tokens 1024 --turn-tokens 768
       --parent-turns 8 --fork-k 0 --output-tokens 64 --turn-gap-ms 500) ;;
-  *) echo "SHAPE must be fork or conversation, not $SHAPE" >&2; exit 2 ;;
+  herd)
+    GEN=(--system-tokens 1024 --tools-tokens 1024 --history-tokens 1024 --turn-tokens 256
+      --parent-turns 2 --child-turns 1 --fork-k 4 --output-tokens 4 --turn-gap-ms 200
+      --shared-prefix) ;;
+  *) echo "SHAPE must be fork, conversation or herd, not $SHAPE" >&2; exit 2 ;;
 esac
 "$BIN" bench gen --out "$OUT/trace.jsonl" --sessions "$SESSIONS" "${GEN[@]}" \
   --session-rate "$SESSION_RATE" > "$OUT/gen.log"

@@ -11,7 +11,9 @@
 //!   the index stays at its preloaded size (about 1M worker-blocks at 256 workers).
 //! - **Load.** Every worker's load is reported about every 250 ms, as supervisors poll
 //!   it, and pushed `--load-pushes-per-worker-s` times a second through
-//!   [`apply_wire_batch`], as a worker pushes it with its KV events.
+//!   [`apply_wire_batch`], as a worker pushes it with its KV events. Both carry the
+//!   admission headroom an engine reports (room for every prompt here), so the router
+//!   tracks the chains running on each worker as it does in a real fleet.
 //! - **Requests.** An open-loop generator starts `--rate` requests per second. Each
 //!   routes a prompt of 132 blocks (a 32-block system prompt every worker holds, a
 //!   96-block body some worker holds, a 4-block tail of its own) with `cache-aware`,
@@ -122,6 +124,10 @@ pub struct RouterScaleArgs {
     /// reference the walk is compared with).
     #[arg(long)]
     full_scan: bool,
+    /// Workers say nothing of their admission headroom (as before 2026-12-07): the
+    /// router then neither orders by it nor tracks the chains running on each worker.
+    #[arg(long)]
+    no_headroom: bool,
 }
 
 /// What one run measured.
@@ -554,6 +560,7 @@ async fn measure(args: RouterScaleArgs) -> Result<RouterScaleReport> {
         let (routing, stop) = (routing.clone(), stop.clone());
         let ids: Vec<String> = (0..args.workers).map(|w| format!("w{w}")).collect();
         let per_ms = ids.len().div_ceil(250);
+        let headroom = !args.no_headroom;
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(Duration::from_millis(1));
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
@@ -574,6 +581,13 @@ async fn measure(args: RouterScaleArgs) -> Result<RouterScaleReport> {
                         },
                         total_blocks: 4_096,
                         free_blocks: 4_096 - ((r >> 28) % 17) as usize * 256,
+                        // As an engine reports it: the free blocks less its running
+                        // sequences' expected growth. The router then tracks the chains
+                        // running on each worker, which is part of what it costs.
+                        admit_blocks: headroom.then(|| {
+                            (4_096 - ((r >> 28) % 17) as usize * 256)
+                                .saturating_sub(((r >> 33) % 8) as usize * 64)
+                        }),
                         ..WorkerLoad::default()
                     };
                     if let Err(e) = routing.update_load(id, report) {
@@ -592,6 +606,7 @@ async fn measure(args: RouterScaleArgs) -> Result<RouterScaleReport> {
         let (routing, stop) = (routing.clone(), stop.clone());
         let ids: Vec<String> = (0..args.workers).map(|w| format!("w{w}")).collect();
         let per_s = args.load_pushes_per_worker_s * args.workers as u64;
+        let headroom = !args.no_headroom;
         tokio::spawn(async move {
             let (mut pacer, mut n) = (Pacer::new(per_s as f64), 0u64);
             while !stop.load(Ordering::Relaxed) {
@@ -607,6 +622,10 @@ async fn measure(args: RouterScaleArgs) -> Result<RouterScaleReport> {
                             queued_prefill_tokens: (r >> 8) % 2 * 256,
                             total_blocks: 4_096,
                             free_blocks: 4_096 - ((r >> 16) % 9) as u32 * 256,
+                            admit_blocks: headroom.then(|| {
+                                (4_096 - ((r >> 16) % 9) as u32 * 256)
+                                    .saturating_sub(((r >> 24) % 8) as u32 * 64)
+                            }),
                             load_seq: n,
                             ..pb::LoadResponse::default()
                         }),

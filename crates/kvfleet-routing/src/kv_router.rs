@@ -27,7 +27,7 @@ use crate::prefix_index::{IndexError, Matches, PrefixIndex, TieredMatches, Worke
 use crate::registry::{WorkerIdx, WorkerRegistry};
 use crate::reservations::{ReservationId, Reservations};
 use kvfleet_core::{BlockHash, DEFAULT_BLOCK_SIZE};
-use ordered::Found;
+use ordered::{Found, RunningLookup};
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 use std::time::Instant;
@@ -318,7 +318,6 @@ pub struct KvRouter {
     not_pull_sources: std::collections::HashSet<String>,
     // Scratch buffers reused by every route.
     matches: Matches,
-    running_matches: Matches,
     tiered: TieredMatches,
     candidates: Vec<Candidate>,
     /// Scratch of the ordered walk (`ordered.rs`).
@@ -354,7 +353,6 @@ impl KvRouter {
             fenced: std::collections::HashSet::new(),
             not_pull_sources: std::collections::HashSet::new(),
             matches: Matches::new(),
-            running_matches: Matches::new(),
             tiered: TieredMatches::new(),
             candidates: Vec::new(),
             classes: ordered::MatchClasses::default(),
@@ -728,11 +726,6 @@ impl KvRouter {
         let t0 = Instant::now();
         let mut matches = std::mem::take(&mut self.matches);
         let mut tiered = std::mem::take(&mut self.tiered);
-        let mut running = std::mem::take(&mut self.running_matches);
-        running.clear();
-        if self.headroom_workers > 0 {
-            self.running.pending_into(hashes, &mut running);
-        }
         // The tier walk runs only once some worker reported a host or disk block.
         let with_tiers = self.index.has_lower_tiers();
         if with_tiers {
@@ -765,6 +758,8 @@ impl KvRouter {
             .min(reusable)
         };
         let computed_blocks = deepest(&matches);
+        let admit_blocks = crate::policy::admit_blocks(prompt_tokens, bs);
+        let running = RunningLookup::new(&self.running, hashes);
         self.reservations.pending_into(hashes, &mut matches);
         let deepest_blocks = deepest(&matches);
         // Only `cache-aware` reads it, and not while a sibling still computes the
@@ -781,10 +776,10 @@ impl KvRouter {
         let tiers = with_tiers.then_some(&tiered);
         let found = Found {
             matches: &matches,
-            running: &running,
+            running,
             tiered: tiers,
             reusable,
-            admit_blocks: crate::policy::admit_blocks(prompt_tokens, bs),
+            admit_blocks,
         };
         // cache-aware walks the load order unless the candidates are restricted (a
         // pin, fenced or excluded workers) or the prompt has no reusable block, or
@@ -856,7 +851,6 @@ impl KvRouter {
             std::mem::swap(&mut matches, tiered.device_mut());
         }
         self.matches = matches;
-        self.running_matches = running;
         self.tiered = tiered;
         self.candidates = candidates;
         let (selection, chosen) = chosen.ok_or(RouteError::NoWorkers)?;
@@ -960,7 +954,7 @@ impl KvRouter {
     fn holder_wait_tokens(
         &self,
         matches: &Matches,
-        running: &Matches,
+        running: &RunningLookup<'_>,
         deepest: usize,
         prompt_tokens: usize,
         exclude: &[String],
@@ -977,8 +971,8 @@ impl KvRouter {
             .filter(|m| m.depth >= deepest)
             .filter_map(|m| {
                 let e = self.scored.get(m.worker.index())?.as_ref()?;
-                let need =
-                    crate::policy::admit_need(admit, &e.load, running.depth(m.worker).min(m.depth));
+                let run = running.admitting(m.worker, m.depth, &e.load, admit);
+                let need = crate::policy::admit_need(admit, &e.load, run);
                 Some(
                     self.cache_aware
                         .backlog_of(&e.load, prompt_tokens, need)
@@ -1020,15 +1014,8 @@ impl KvRouter {
         exclude: &[String],
         out: &mut Vec<Candidate>,
     ) {
-        let Found {
-            matches,
-            running,
-            tiered,
-            reusable,
-            ..
-        } = *found;
+        let (matches, tiered, reusable) = (found.matches, found.tiered, found.reusable);
         let mut device = matches.as_slice().iter().peekable();
-        let mut runs = running.as_slice().iter().peekable();
         // Fenced and excluded workers are looked up by id only when there are some.
         let skip_ids = !self.fenced.is_empty() || !exclude.is_empty();
         for (i, scored) in self.scored.iter().enumerate() {
@@ -1039,8 +1026,6 @@ impl KvRouter {
             let depth = device
                 .next_if(|m| m.worker == worker)
                 .map_or(0, |m| m.depth);
-            while runs.next_if(|m| m.worker < worker).is_some() {}
-            let run = runs.next_if(|m| m.worker == worker).map_or(0, |m| m.depth);
             if pin.is_some_and(|(p, _)| p != worker) {
                 continue;
             }
@@ -1053,11 +1038,7 @@ impl KvRouter {
                 Some((_, blocks)) => depth.max(blocks),
                 None => depth,
             };
-            let run = crate::policy::running_that_admits(
-                found.admit_blocks,
-                &e.load,
-                run.min(depth.min(reusable)),
-            );
+            let run = found.running_of(worker, depth.min(reusable), &e.load);
             out.push(self.candidate(worker, e, depth, run, tiered, reusable));
         }
     }

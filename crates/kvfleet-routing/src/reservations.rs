@@ -42,7 +42,8 @@ const NIL: u32 = u32::MAX;
 struct Node {
     parent: u32,
     edge: Vec<BlockHash>,
-    // Reservations passing through this whole node, per worker.
+    // Reservations passing through this whole node, per worker, sorted by worker (one
+    // worker's depth is then a search per node on the path, `depth_of`).
     holders: Vec<(WorkerIdx, u32)>,
     total: u32,
 }
@@ -335,6 +336,33 @@ impl Reservations {
         out.apply_raises();
     }
 
+    /// The deepest prefix of `hashes` that one of `worker`'s live reservations covers
+    /// ([`pending_into`](Self::pending_into) for one worker): a search of each node's
+    /// holders along the path, however many other workers share it.
+    pub fn depth_of(&self, worker: WorkerIdx, hashes: &[BlockHash]) -> usize {
+        if self.live == 0 {
+            return 0;
+        }
+        let (mut parent, mut pos) = (NIL, 0);
+        while pos < hashes.len() {
+            let Child::Found(id) = self.child(parent, hashes[pos]) else {
+                break;
+            };
+            let node = &self.nodes[id as usize];
+            // A reservation passing through a node passes through its ancestors.
+            if node.holders.binary_search_by_key(&worker, |h| h.0).is_err() {
+                break;
+            }
+            let m = common_prefix(&node.edge, &hashes[pos..]);
+            pos += m;
+            if m < node.edge.len() {
+                break;
+            }
+            parent = id;
+        }
+        pos
+    }
+
     /// Matched depth per worker from reservations alone.
     pub fn pending(&self, hashes: &[BlockHash]) -> Matches {
         let mut m = Matches::new();
@@ -380,9 +408,9 @@ impl Reservations {
     fn add_holder(&mut self, id: u32, worker: WorkerIdx) {
         let n = &mut self.nodes[id as usize];
         n.total += 1;
-        match n.holders.iter_mut().find(|(w, _)| *w == worker) {
-            Some((_, c)) => *c += 1,
-            None => n.holders.push((worker, 1)),
+        match n.holders.binary_search_by_key(&worker, |h| h.0) {
+            Ok(i) => n.holders[i].1 += 1,
+            Err(i) => n.holders.insert(i, (worker, 1)),
         }
     }
 
@@ -495,10 +523,10 @@ impl Reservations {
         while id != NIL {
             let n = &mut self.nodes[id as usize];
             n.total -= 1;
-            if let Some(i) = n.holders.iter().position(|(w, _)| *w == worker) {
+            if let Ok(i) = n.holders.binary_search_by_key(&worker, |h| h.0) {
                 n.holders[i].1 -= 1;
                 if n.holders[i].1 == 0 {
-                    n.holders.swap_remove(i);
+                    n.holders.remove(i);
                 }
             }
             let parent = n.parent;
@@ -739,6 +767,7 @@ mod tests {
                                 .max()
                                 .unwrap_or(0);
                             prop_assert_eq!(got.depth(WorkerIdx(wk)), want);
+                            prop_assert_eq!(r.depth_of(WorkerIdx(wk), q), want);
                         }
                     }
                 }

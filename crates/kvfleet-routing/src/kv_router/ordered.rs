@@ -11,7 +11,9 @@ use crate::load_order::{run_of, Lane, LoadOrder, Position};
 use crate::policy::{prompt_anchor, ring_point, Candidate, RouteContext, TIE_RING_REACH};
 use crate::prefix_index::{Matches, TieredMatches};
 use crate::registry::WorkerIdx;
+use crate::reservations::Reservations;
 use crate::USAGE_LEVELS;
+use kvfleet_core::BlockHash;
 
 /// Match classes at least this large are walked in load order rather than priced
 /// whole (and at least an eighth of the fleet).
@@ -110,13 +112,48 @@ fn blocks_of(class: Class) -> (usize, usize) {
     )
 }
 
+/// How far the chains running on each worker ([`Candidate::running_blocks`]) share
+/// a prompt, asked of the running trie one worker at a time, and only where a
+/// worker's running blocks can change a decision (a lane with nothing queued, short of
+/// room for the whole prompt): a shared system prompt runs on the whole fleet, and a
+/// lookup for every worker would walk all of them on every decision.
+pub(super) struct RunningLookup<'a> {
+    trie: &'a Reservations,
+    hashes: &'a [BlockHash],
+}
+
+impl<'a> RunningLookup<'a> {
+    /// The chains of `trie`, as far as they share `hashes`.
+    pub(super) fn new(trie: &'a Reservations, hashes: &'a [BlockHash]) -> Self {
+        Self { trie, hashes }
+    }
+
+    /// Of the leading blocks of the prompt (at most `matched`) that a chain running on
+    /// `worker`, whose load is `load`, shares, those that change a decision
+    /// ([`crate::policy::running_that_admits`]) for a prompt of `admit_blocks`.
+    pub(super) fn admitting(
+        &self,
+        worker: WorkerIdx,
+        matched: usize,
+        load: &CandidateLoad,
+        admit_blocks: usize,
+    ) -> usize {
+        // Where the whole prompt is admitted, or a queue takes the free blocks first,
+        // running blocks change nothing: no lookup.
+        if matched == 0 || load.prefill_backlog_tokens() > 0 || load.admits(admit_blocks) {
+            return 0;
+        }
+        let running = self.trie.depth_of(worker, self.hashes).min(matched);
+        crate::policy::running_that_admits(admit_blocks, load, running)
+    }
+}
+
 /// What a prompt's lookup found: the candidates are built from it.
-#[derive(Clone, Copy)]
 pub(super) struct Found<'a> {
     /// Device depths, index and reservations.
     pub(super) matches: &'a Matches,
-    /// Depths of the chains running on each worker ([`Candidate::running_blocks`]).
-    pub(super) running: &'a Matches,
+    /// The chains running on each worker, as far as they share the prompt.
+    pub(super) running: RunningLookup<'a>,
     /// Host and disk depths, once some worker reported a lower tier.
     pub(super) tiered: Option<&'a TieredMatches>,
     /// Blocks a request can reuse.
@@ -136,7 +173,7 @@ impl Found<'_> {
         });
         if lower != (0, 0) {
             PRICED
-        } else if matched == 0 || self.running.is_empty() {
+        } else if matched == 0 {
             matched as Class
         } else {
             class_of(matched, self.running_of(worker, matched, load))
@@ -152,11 +189,8 @@ impl Found<'_> {
         matched: usize,
         load: &CandidateLoad,
     ) -> usize {
-        if self.running.is_empty() || matched == 0 {
-            return 0;
-        }
-        let running = self.running.depth(worker).min(matched);
-        crate::policy::running_that_admits(self.admit_blocks, load, running)
+        self.running
+            .admitting(worker, matched, load, self.admit_blocks)
     }
 
     /// `worker`'s device match, by search (the walk asks about a few workers only).
@@ -189,12 +223,7 @@ impl KvRouter {
         classes: &mut MatchClasses,
         out: &mut Vec<Candidate>,
     ) {
-        let Found {
-            matches,
-            tiered,
-            reusable,
-            ..
-        } = *found;
+        let (matches, tiered, reusable) = (found.matches, found.tiered, found.reusable);
         if classes.size.len() <= reusable {
             classes.size.resize(reusable + 1, 0);
         }
