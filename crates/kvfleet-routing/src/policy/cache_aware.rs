@@ -47,7 +47,7 @@
 //! a whole prompt in these three). In the default mode, whose
 //! workers start a prompt whatever their pool holds and say nothing of headroom,
 //! nothing changes. Leaving out of an idle lane's need the blocks its running
-//! sequences hold (docs/policy-sweep.head.md, 2026-12-07, late) matters where sessions
+//! sequences hold (docs/policy-sweep.head.md, 2026-12-07, late night) matters where sessions
 //! share a system prompt: on `herd` and `tenants` an idle lane running other sessions
 //! had looked short of room, and requests queued behind a busy holder instead. It took
 //! the avoidable waits of seed 1 at 8-64 workers from 484 to 194 (all three targets

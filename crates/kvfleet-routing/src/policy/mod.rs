@@ -336,7 +336,7 @@ pub fn admit_blocks(prompt_tokens: usize, block_size: usize) -> usize {
 /// queue's needs from the reported headroom instead moved `conversation` turns off
 /// their holders (hit target met in 41 of 63 groups, against 45), and counting the
 /// running blocks on a busy lane too made fork children queue behind their siblings
-/// (avoidable waits 484 → 1,303; docs/policy-sweep.head.md, 2026-12-07, late).
+/// (avoidable waits 484 → 1,303; docs/policy-sweep.head.md, 2026-12-07, late night).
 #[inline]
 pub fn admit_need(admit_blocks: usize, load: &CandidateLoad, running: usize) -> usize {
     if load.prefill_backlog_tokens() > 0 {
