@@ -240,12 +240,16 @@ impl KvRouter {
                 continue;
             };
             matching += 1;
-            let run = found.running_of(m.worker, m.depth.min(reusable), &e.load);
             match found.class(m.worker, m.depth, &e.load) {
-                PRICED => out.push(self.candidate(m.worker, e, m.depth, run, tiered, reusable)),
+                PRICED => {
+                    let run = found.running_of(m.worker, m.depth.min(reusable), &e.load);
+                    out.push(self.candidate(m.worker, e, m.depth, run, tiered, reusable));
+                }
                 d => {
-                    // Every member of a class that ends up small is kept here.
+                    // Every member of a class that ends up small is kept here. The
+                    // class holds its running blocks: no second lookup.
                     if classes.add(d) < walk_min {
+                        let run = blocks_of(d).1;
                         classes.kept.push((
                             d,
                             self.candidate(m.worker, e, m.depth, run, tiered, reusable),
