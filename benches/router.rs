@@ -6,7 +6,10 @@
 //!   chain in a host tier;
 //! - KV event apply throughput (blocks/s), `Stored` then `Removed` of 1,024 blocks;
 //! - `KvRouter::route` end to end: a fully cached prompt, and a fork child whose
-//!   2,000-block prefix is cached and whose 48-block tail gets reserved;
+//!   2,000-block prefix is cached and whose 48-block tail gets reserved; then the same
+//!   on a loaded fleet (`route_loaded_1M_256w`: as `kvfleet bench router-scale` loads
+//!   it, a third of the prefill lanes busy, KV pools at every usage level, admission
+//!   headroom reported, so that `cache-aware` walks the load order of every level);
 //! - each policy's choice among 256 candidates.
 //!
 //! Criterion reports means and medians; before it runs, the binary times 10,000 single
@@ -20,7 +23,9 @@ use criterion::{BenchmarkId, Criterion, Throughput};
 use kvfleet_bench::token_blocks::synthetic_chain;
 use kvfleet_core::BlockHash;
 use kvfleet_routing::policy::mix64;
-use kvfleet_routing::{KvRouter, PolicyKind, PrefixIndex, RouterConfig, RouterKvEvent, WorkerIdx};
+use kvfleet_routing::{
+    KvRouter, PolicyKind, PrefixIndex, RouterConfig, RouterKvEvent, WorkerIdx, WorkerLoad,
+};
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
@@ -349,6 +354,55 @@ fn main() {
                     if let Ok(d) = &d {
                         if let Some(r) = d.reservation {
                             router.cancel_reservation(r);
+                        }
+                        let _ = router.request_finished(&d.worker, d.prefill_tokens);
+                    }
+                    black_box(d.is_ok())
+                })
+            });
+        }
+        g.finish();
+    }
+
+    {
+        // Loads as `kvfleet bench router-scale` reports them.
+        for w in 0..WORKERS {
+            let r = mix64(w as u64 ^ 0x10ad);
+            let level = ((r >> 28) % 17) as usize;
+            let load = WorkerLoad {
+                running: (r % 8) as usize,
+                waiting: ((r >> 8) % 2) as usize,
+                queued_prefill_tokens: if (r >> 16).is_multiple_of(3) {
+                    ((r >> 20) % 16 + 1) as usize * 512
+                } else {
+                    0
+                },
+                total_blocks: 4_096,
+                free_blocks: 4_096 - level * 256,
+                admit_blocks: Some(
+                    (4_096 - level * 256).saturating_sub(((r >> 33) % 8) as usize * 64),
+                ),
+                ..WorkerLoad::default()
+            };
+            if let Err(err) = router.update_load(&format!("worker-{w}"), load) {
+                panic!("loading the fleet: {err}");
+            }
+        }
+        let mut g = c.benchmark_group("route_loaded_1M_256w");
+        g.throughput(Throughput::Elements(1));
+        for (name, set) in [("fully_cached", &q.full), ("fork_child", &q.fork_child)] {
+            let mut i = 0;
+            g.bench_function(name, |b| {
+                b.iter(|| {
+                    i = (i + 1) % set.len();
+                    let h = &set[i];
+                    let d = router.route(black_box(h), h.len() * 16 + 5, PolicyKind::CacheAware, 0);
+                    if let Ok(d) = &d {
+                        if let Some(r) = d.reservation {
+                            router.cancel_reservation(r);
+                        }
+                        if let Some(r) = d.running {
+                            router.request_done(r);
                         }
                         let _ = router.request_finished(&d.worker, d.prefill_tokens);
                     }

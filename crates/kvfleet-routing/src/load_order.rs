@@ -68,13 +68,18 @@ pub fn run_of(p: &Position) -> Run {
     (p.0, p.1, p.2, p.3)
 }
 
+/// One lane's order, a tree per usage level: a decision walks each level's head, and
+/// a tree of its own per level spares it a search for where each level starts (and
+/// keeps every search within a level's workers).
+type LaneOrder = [BTreeSet<Position>; USAGE_LEVELS as usize + 1];
+
 /// Registered workers in two load orders, with the fleet's totals.
 #[derive(Clone, Debug)]
 pub struct LoadOrder {
     /// `d`: the cost of one active sequence, in prompt-token equivalents.
     decode_cost: f64,
-    idle: BTreeSet<Position>,
-    busy: BTreeSet<Position>,
+    idle: LaneOrder,
+    busy: LaneOrder,
     /// Each worker's lane and position, by index (`None`: not registered).
     slot: Vec<Option<(Lane, Position)>>,
     workers: usize,
@@ -87,8 +92,8 @@ impl LoadOrder {
     pub fn new(decode_cost: f64) -> Self {
         Self {
             decode_cost,
-            idle: BTreeSet::new(),
-            busy: BTreeSet::new(),
+            idle: Default::default(),
+            busy: Default::default(),
             slot: Vec::new(),
             workers: 0,
             active_sequences: 0,
@@ -124,7 +129,7 @@ impl LoadOrder {
             self.slot.resize(i + 1, None);
         }
         if let Some((lane, pos)) = self.slot[i].take() {
-            self.lane_mut(lane).remove(&pos);
+            self.lane_mut(lane)[usize::from(pos.0)].remove(&pos);
             self.workers -= 1;
             self.active_sequences -= pos.2 as usize;
             self.usage_levels -= usize::from(pos.0);
@@ -132,7 +137,7 @@ impl LoadOrder {
         if let Some((load, id_hash)) = load {
             let lane = Lane::of(&load);
             let active = load.active_sequences();
-            let level = load.usage_level();
+            let level = load.usage_level().min(USAGE_LEVELS);
             let pos = (
                 level,
                 self.key(lane, &load),
@@ -141,7 +146,7 @@ impl LoadOrder {
                 id_hash,
                 w,
             );
-            self.lane_mut(lane).insert(pos);
+            self.lane_mut(lane)[usize::from(level)].insert(pos);
             self.slot[i] = Some((lane, pos));
             self.workers += 1;
             self.active_sequences += active;
@@ -149,16 +154,13 @@ impl LoadOrder {
         }
     }
 
-    /// The usage levels `lane` has workers at, lowest first: one range query per
-    /// level present (positions are ordered by level first).
+    /// The usage levels `lane` has workers at, lowest first.
     pub fn levels(&self, lane: Lane) -> impl Iterator<Item = u8> + '_ {
-        let set = self.lane(lane);
-        std::iter::successors(set.first().map(|p| p.0), move |&l| {
-            let next = l.checked_add(1).filter(|&n| n <= USAGE_LEVELS)?;
-            set.range((next, 0, 0, 0, 0, WorkerIdx(0))..)
-                .next()
-                .map(|p| p.0)
-        })
+        self.lane(lane)
+            .iter()
+            .enumerate()
+            .filter(|(_, set)| !set.is_empty())
+            .map(|(level, _)| level as u8)
     }
 
     /// `lane`'s workers at usage `level` in order, after `after` (from the level's
@@ -174,14 +176,23 @@ impl LoadOrder {
             Bound::Excluded,
         );
         let end = Bound::Included(LoadOrder::run_end((level, u64::MAX, u64::MAX, u32::MAX)));
-        self.lane(lane).range((start, end)).copied()
+        self.lane(lane)
+            .get(usize::from(level))
+            .into_iter()
+            .flat_map(move |set| set.range((start, end)).copied())
     }
 
     /// The workers of `run` in `lane` whose id hash is at least `from`, in order.
     pub fn run_from(&self, lane: Lane, run: Run, from: u64) -> impl Iterator<Item = Position> + '_ {
         self.lane(lane)
-            .range((run.0, run.1, run.2, run.3, from, WorkerIdx(0))..=LoadOrder::run_end(run))
-            .copied()
+            .get(usize::from(run.0))
+            .into_iter()
+            .flat_map(move |set| {
+                set.range(
+                    (run.0, run.1, run.2, run.3, from, WorkerIdx(0))..=LoadOrder::run_end(run),
+                )
+                .copied()
+            })
     }
 
     /// The position just past the end of `run`: walking after it starts the next run.
@@ -201,14 +212,14 @@ impl LoadOrder {
         }
     }
 
-    fn lane(&self, lane: Lane) -> &BTreeSet<Position> {
+    fn lane(&self, lane: Lane) -> &LaneOrder {
         match lane {
             Lane::Idle => &self.idle,
             Lane::Busy => &self.busy,
         }
     }
 
-    fn lane_mut(&mut self, lane: Lane) -> &mut BTreeSet<Position> {
+    fn lane_mut(&mut self, lane: Lane) -> &mut LaneOrder {
         match lane {
             Lane::Idle => &mut self.idle,
             Lane::Busy => &mut self.busy,

@@ -33,6 +33,12 @@ pub(super) struct MatchClasses {
     /// Candidates of each class while it is still small (so a class that stays small
     /// needs no second pass over the matches); empty between routes.
     kept: Vec<(Class, Candidate)>,
+    /// Each matching worker's class this route, by index, as (route stamp, class):
+    /// the walk asks for the class of every worker it steps over, and pass 1 has
+    /// already worked it out (a search of the matches, and of the running chains).
+    by_worker: Vec<(u32, Class)>,
+    /// This route's stamp in `by_worker` (never 0, which marks no entry).
+    stamp: u32,
 }
 
 impl MatchClasses {
@@ -67,6 +73,36 @@ impl MatchClasses {
         }
         *size += 1;
         *size
+    }
+
+    /// Starts a route over `workers` registered slots: no class is known yet.
+    fn begin(&mut self, workers: usize) {
+        self.reset();
+        if self.by_worker.len() < workers {
+            self.by_worker.resize(workers, (0, 0));
+        }
+        self.stamp = self.stamp.wrapping_add(1);
+        if self.stamp == 0 {
+            self.by_worker.fill((0, 0));
+            self.stamp = 1;
+        }
+    }
+
+    /// Records `worker`'s class this route.
+    #[inline]
+    fn know(&mut self, worker: WorkerIdx, class: Class) {
+        if let Some(slot) = self.by_worker.get_mut(worker.index()) {
+            *slot = (self.stamp, class);
+        }
+    }
+
+    /// `worker`'s class this route, if [`Self::know`] recorded it.
+    #[inline]
+    fn known(&self, worker: WorkerIdx) -> Option<Class> {
+        match self.by_worker.get(worker.index()) {
+            Some(&(stamp, class)) if stamp == self.stamp => Some(class),
+            _ => None,
+        }
     }
 
     /// Forgets this route's sizes.
@@ -200,11 +236,6 @@ impl Found<'_> {
         m.binary_search_by_key(&worker, |x| x.worker)
             .map_or(0, |i| m[i].depth)
     }
-
-    /// `worker`'s class, found by search.
-    fn class_of(&self, worker: WorkerIdx, load: &CandidateLoad) -> Class {
-        self.class(worker, self.depth(worker), load)
-    }
 }
 
 impl KvRouter {
@@ -227,7 +258,7 @@ impl KvRouter {
         if classes.size.len() <= reusable {
             classes.size.resize(reusable + 1, 0);
         }
-        classes.reset();
+        classes.begin(self.scored.len());
         // Class sizes from which a class is walked rather than priced whole: dense
         // enough that the walk rarely steps over a worker of another class.
         let walk_min = WALK_MIN_CLASS.max(self.load_order.workers() / 8) as u32;
@@ -240,7 +271,9 @@ impl KvRouter {
                 continue;
             };
             matching += 1;
-            match found.class(m.worker, m.depth, &e.load) {
+            let class = found.class(m.worker, m.depth, &e.load);
+            classes.know(m.worker, class);
+            match class {
                 PRICED => {
                     let run = found.running_of(m.worker, m.depth.min(reusable), &e.load);
                     out.push(self.candidate(m.worker, e, m.depth, run, tiered, reusable));
@@ -281,7 +314,7 @@ impl KvRouter {
         // Large classes, and the workers matching nothing.
         let unmatched = self.load_order.workers() - matching;
         if unmatched >= walk_min as usize {
-            self.walk_class(base, found, 0, out);
+            self.walk_class(base, found, classes, 0, out);
         } else if unmatched > 0 {
             // Few: every worker in no match list (both are sorted by index).
             let mut device = matches.as_slice().iter().peekable();
@@ -296,7 +329,7 @@ impl KvRouter {
         }
         for &d in &classes.seen {
             if classes.size(d) >= walk_min {
-                self.walk_class(base, found, d, out);
+                self.walk_class(base, found, classes, d, out);
             }
         }
         classes.reset();
@@ -317,6 +350,7 @@ impl KvRouter {
         &self,
         base: &RouteContext<'_>,
         found: &Found<'_>,
+        classes: &MatchClasses,
         class: Class,
         out: &mut Vec<Candidate>,
     ) {
@@ -326,7 +360,11 @@ impl KvRouter {
         let order = &self.load_order;
         let member = |p: &Position| -> Option<Candidate> {
             let e = self.scored.get(p.5.index()).and_then(Option::as_ref)?;
-            if found.class_of(p.5, &e.load) != class {
+            // A worker pass 1 did not see matches no device block of the prompt.
+            let of = classes
+                .known(p.5)
+                .unwrap_or_else(|| found.class(p.5, 0, &e.load));
+            if of != class {
                 return None;
             }
             let (matched_blocks, running_blocks) = blocks_of(class);
@@ -397,17 +435,19 @@ impl KvRouter {
             }
         };
         // Phase 1: at each level of each lane, the runs out of bounds are added up to
-        // the first run within bounds, where phase 2 starts.
-        let mut resume: [[Option<Option<Position>>; USAGE_LEVELS as usize + 1]; 2] =
+        // the first run within bounds, where phase 2 starts (kept, so phase 2 does not
+        // find and price it again).
+        type Found1 = (Position, Candidate, f64, f64);
+        let mut resume: [[Option<Found1>; USAGE_LEVELS as usize + 1]; 2] =
             [[None; USAGE_LEVELS as usize + 1]; 2];
         let mut cheapest_ok = f64::INFINITY;
         for lane in Lane::BOTH {
             for level in order.levels(lane) {
                 let mut after = None;
-                while let Some((first, c, cost, _, ok)) = next_run(lane, level, after) {
+                while let Some((first, c, cost, least, ok)) = next_run(lane, level, after) {
                     if ok {
                         cheapest_ok = cheapest_ok.min(cost);
-                        resume[lane as usize][level as usize] = Some(after);
+                        resume[lane as usize][level as usize] = Some((first, c, cost, least));
                         if pull_targets && lane == Lane::Idle {
                             pull_target(level, after, out);
                         }
@@ -428,20 +468,20 @@ impl KvRouter {
         for lane in Lane::BOTH {
             for (level, start) in resume[lane as usize].iter().enumerate() {
                 // A level without a run within bounds (or without workers) is done.
-                let Some(mut after) = *start else {
-                    continue;
-                };
+                let mut run = *start;
                 let level = level as u8;
                 // Runs within reach are added whole; the walk ends at the first run
                 // that, and every run after it, costs more than the reach.
-                while let Some((first, c, cost, least, _)) = next_run(lane, level, after) {
+                while let Some((first, c, cost, least)) = run {
                     if least > reach {
                         break;
                     }
                     if cost <= reach {
                         add_run(lane, &first, c, out);
                     }
-                    after = Some(LoadOrder::run_end(run_of(&first)));
+                    let after = Some(LoadOrder::run_end(run_of(&first)));
+                    run = next_run(lane, level, after)
+                        .map(|(p, c, cost, least, _)| (p, c, cost, least));
                 }
             }
         }
