@@ -530,15 +530,29 @@ impl KvRouter {
     /// [`rebuild_worker`](Self::rebuild_worker). `Stored` events confirm the worker's
     /// reservations whose chains are now cached.
     pub fn apply_event(&mut self, id: &str, event: &RouterKvEvent) -> Result<(), IndexError> {
+        self.apply_event_part(id, event, 0..usize::MAX).map(|_| ())
+    }
+
+    /// [`Self::apply_event`] for blocks `part` of the event only (see
+    /// [`PrefixIndex::apply_part`]): returns whether to go on with the next part.
+    pub fn apply_event_part(
+        &mut self,
+        id: &str,
+        event: &RouterKvEvent,
+        part: std::ops::Range<usize>,
+    ) -> Result<bool, IndexError> {
         let idx = self
             .registry
             .get(id)
             .ok_or_else(|| IndexError::UnknownWorker(id.to_owned()))?;
-        self.index.apply(idx, event)?;
+        let start = part.start;
+        let more = self.index.apply_part(idx, event, part.clone())?;
         if let RouterKvEventKind::Stored { block_hashes, .. } = &event.kind {
-            self.reservations.confirm_stored(idx, block_hashes);
+            let stored = block_hashes.get(start..part.end.min(block_hashes.len()));
+            self.reservations
+                .confirm_stored(idx, stored.unwrap_or_default());
         }
-        Ok(())
+        Ok(more)
     }
 
     /// Replaces worker `id`'s blocks with a cache dump reflecting its events up to

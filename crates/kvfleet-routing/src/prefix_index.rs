@@ -50,6 +50,7 @@
 use crate::events::{CacheDump, DumpedBlock, Medium, RouterKvEvent, RouterKvEventKind};
 use crate::registry::WorkerIdx;
 use kvfleet_core::BlockHash;
+use std::ops::Range;
 use table::BlockTable;
 
 mod table;
@@ -479,21 +480,53 @@ impl PrefixIndex {
     /// one is a duplicate and is ignored; one that skips ahead is a [`IndexError::Gap`]
     /// and is not applied.
     pub fn apply(&mut self, worker: WorkerIdx, event: &RouterKvEvent) -> Result<(), IndexError> {
+        self.apply_part(worker, event, 0..usize::MAX).map(|_| ())
+    }
+
+    /// Applies blocks `part` of one event of `worker` ([`Self::apply`] a part at a
+    /// time, so that a caller holding a lock for each part never holds it for a whole
+    /// large event). A coalesced event is a run of single-block changes in the order
+    /// the worker made them, so each part leaves the index as the worker was at some
+    /// moment. The first part (`part.start == 0`) checks the sequence number; the
+    /// last one records it. Returns whether to go on with the next part: `false` for
+    /// a duplicate, after the last part, or when `worker`'s sequence moved meanwhile
+    /// (a rebuild): the event's remaining parts are then dropped. A part that does not
+    /// follow its previous one, or lies past the event's blocks, applies nothing.
+    pub fn apply_part(
+        &mut self,
+        worker: WorkerIdx,
+        event: &RouterKvEvent,
+        part: Range<usize>,
+    ) -> Result<bool, IndexError> {
         self.ensure_worker(worker);
         let last = self.workers[worker.index()].last_seq;
         if event.seq <= last {
-            return Ok(());
+            return Ok(false);
         }
         if event.seq != last + 1 {
-            return Err(IndexError::Gap {
-                worker,
-                expected: last + 1,
-                got: event.seq,
-            });
+            // On the first part a gap; on a later one the sequence moved meanwhile.
+            return if part.start == 0 {
+                Err(IndexError::Gap {
+                    worker,
+                    expected: last + 1,
+                    got: event.seq,
+                })
+            } else {
+                Ok(false)
+            };
         }
-        self.apply_kind(worker, &event.kind);
-        self.workers[worker.index()].last_seq = event.seq;
-        Ok(())
+        let len = match &event.kind {
+            RouterKvEventKind::Stored { block_hashes, .. }
+            | RouterKvEventKind::Removed { block_hashes, .. } => block_hashes.len(),
+            RouterKvEventKind::Cleared => 0,
+        };
+        let end = part.end.min(len);
+        self.apply_kind(worker, &event.kind, part.start..end);
+        if end >= len {
+            self.workers[worker.index()].last_seq = event.seq;
+            return Ok(false);
+        }
+        Ok(true)
     }
 
     /// Replaces everything known about `worker` with a cache dump reflecting its
@@ -843,33 +876,45 @@ impl PrefixIndex {
         self.zeros = vec![0; stride];
     }
 
-    fn apply_kind(&mut self, worker: WorkerIdx, kind: &RouterKvEventKind) {
+    /// Applies blocks `blocks` of an event of kind `kind` (a `Cleared` event for the
+    /// range starting at 0).
+    fn apply_kind(&mut self, worker: WorkerIdx, kind: &RouterKvEventKind, blocks: Range<usize>) {
         match kind {
             RouterKvEventKind::Stored {
                 parent_hash,
                 block_hashes,
                 medium,
             } => {
+                let Some(part) = block_hashes.get(blocks.clone()) else {
+                    return;
+                };
                 let tier = self.tier_mut(worker, *medium);
-                let mut parent = *parent_hash;
-                for &h in block_hashes {
+                // A part after the first hangs under the block before it.
+                let mut parent = match blocks.start {
+                    0 => *parent_hash,
+                    i => Some(block_hashes[i - 1]),
+                };
+                for &h in part {
                     tier.insert_block(worker, h, parent);
                     parent = Some(h);
                 }
             }
+            // A tier that never received a block has nothing to remove.
             RouterKvEventKind::Removed {
                 block_hashes,
                 medium,
-            } => {
-                // A tier that never received a block has nothing to remove.
-                if medium.is_device() || !self.lower.is_empty() {
-                    let tier = self.tier_mut(worker, *medium);
-                    for &h in block_hashes {
-                        tier.remove_block(worker, h);
-                    }
+            } if medium.is_device() || !self.lower.is_empty() => {
+                let tier = self.tier_mut(worker, *medium);
+                for &h in block_hashes.get(blocks).unwrap_or_default() {
+                    tier.remove_block(worker, h);
                 }
             }
-            RouterKvEventKind::Cleared => self.clear_all_tiers(worker),
+            RouterKvEventKind::Removed { .. } => {}
+            RouterKvEventKind::Cleared => {
+                if blocks.start == 0 {
+                    self.clear_all_tiers(worker);
+                }
+            }
         }
     }
 
@@ -1037,6 +1082,59 @@ mod tests {
         assert!(idx.find_matches(&[]).is_empty());
         assert_eq!(idx.num_blocks(), 10);
         assert_eq!(idx.worker_block_count(w(1)), 4);
+    }
+
+    #[test]
+    fn an_event_applied_in_parts_leaves_what_it_leaves_whole() {
+        let a = chain(9, 40);
+        let b = extend(&a[..10], 3, 25);
+        let events = [
+            RouterKvEvent::stored(1, None, a.clone()),
+            RouterKvEvent::stored(2, Some(a[9]), b[10..].to_vec()),
+            // Evicted tail first, as the engine frees them.
+            RouterKvEvent::removed(3, a[12..].iter().rev().copied().collect()),
+        ];
+        let mut whole = PrefixIndex::new();
+        let mut parts = PrefixIndex::new();
+        for e in &events {
+            whole.apply(w(0), e).unwrap();
+            let mut start = 0;
+            let mut applied = 0;
+            while parts.apply_part(w(0), e, start..start + 7).unwrap() {
+                start += 7;
+                applied += 1;
+                // Between parts: the worker as it was part-way, never past the event.
+                assert_eq!(parts.last_seq(w(0)), e.seq - 1);
+            }
+            assert!(applied > 0, "every event here is longer than a part");
+            assert_eq!(parts.last_seq(w(0)), e.seq);
+        }
+        let blocks = |idx: &PrefixIndex| {
+            let mut v: Vec<u64> = idx.worker_blocks(w(0)).iter().map(|d| d.hash.0).collect();
+            v.sort_unstable();
+            v
+        };
+        assert_eq!(blocks(&parts), blocks(&whole));
+        assert_eq!(parts.find_matches(&a).depth(w(0)), 12);
+        assert_eq!(parts.find_matches(&b).depth(w(0)), 35);
+        // A duplicate stops at once; a gap is an error on the first part only.
+        assert_eq!(parts.apply_part(w(0), &events[1], 0..7), Ok(false));
+        let late = RouterKvEvent::stored(5, None, chain(11, 20));
+        assert!(matches!(
+            parts.apply_part(w(0), &late, 0..7),
+            Err(IndexError::Gap {
+                expected: 4,
+                got: 5,
+                ..
+            })
+        ));
+        // A rebuild between two parts drops the event's remaining parts.
+        let next = RouterKvEvent::stored(4, None, chain(12, 20));
+        assert_eq!(parts.apply_part(w(0), &next, 0..7), Ok(true));
+        parts.rebuild_worker(w(0), &[], 9);
+        assert_eq!(parts.apply_part(w(0), &next, 7..14), Ok(false));
+        assert_eq!(parts.worker_block_count(w(0)), 0);
+        assert_eq!(parts.last_seq(w(0)), 9);
     }
 
     #[test]
