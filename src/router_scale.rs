@@ -21,9 +21,9 @@
 //!   place of the `Stored` event that would confirm it and its outcome recorded.
 //!
 //! The decision latency is what a request handler waits for `RoutingState::route`:
-//! the routing lock (held meanwhile by other decisions, request ends and single KV
-//! events) and the decision itself. The decision alone (index lookup, scoring,
-//! reservation) is reported beside it.
+//! the routing lock (held meanwhile by other decisions, request ends and KV events,
+//! at most 16 blocks of an event at a time) and the decision itself. The decision
+//! alone (index lookup, scoring, reservation) is reported beside it.
 
 use anyhow::{bail, Result};
 use clap::Args;
@@ -397,9 +397,10 @@ fn doc(reports: &[RouterScaleReport], p99_ranges: &[(f64, f64)], args: &RouterSc
          runtime's 1 ms timer: each tick starts that millisecond's requests together, \
          burstier than Poisson arrivals.\n\n\
          *wait* is what a request handler waits for a decision: the routing lock \
-         (*lock wait*: held meanwhile by other decisions, request ends and single KV \
-         events) and the decision. *decide* is the decision alone (index lookup, \
-         scoring, reservation). *scoring*: `load order` is the default, where \
+         (*lock wait*: held meanwhile by other decisions, request ends and KV events, \
+         at most 16 blocks of an event at a time) and the decision. *decide* is the \
+         decision alone (index lookup, scoring, reservation). *scoring*: `load order` \
+         is the default, where \
          `cache-aware` prices the workers matching the prompt unlike the rest and only \
          the heads of the load order of each large group of equally matched workers \
          (here: the system prompt every worker holds); `every worker` prices the whole \

@@ -287,8 +287,9 @@ impl RoutingState {
         hold(&self.kv).rebuild_step(id, RebuildStep::End(seq))
     }
 
-    /// Applies a batch of worker `id`'s events, one event per lock and yielding to the
-    /// runtime every [`EVENTS_PER_YIELD`], stopping at the first error (see
+    /// Applies a batch of worker `id`'s events, [`EVENT_PART_BLOCKS`] blocks per lock
+    /// and yielding to the runtime every [`EVENTS_PER_YIELD`] parts, stopping at the
+    /// first error (see
     /// [`kvfleet_routing::KvEventSink::apply_events`]).
     pub async fn apply_events(&self, id: &str, events: &[RouterKvEvent]) -> Result<(), IndexError> {
         let mut parts = 0usize;
