@@ -20,12 +20,11 @@
 //! `cargo bench --bench router` (about 40 s)
 
 use criterion::{BenchmarkId, Criterion, Throughput};
+use kvfleet_bench::synthetic_load::polled_load;
 use kvfleet_bench::token_blocks::synthetic_chain;
 use kvfleet_core::BlockHash;
 use kvfleet_routing::policy::mix64;
-use kvfleet_routing::{
-    KvRouter, PolicyKind, PrefixIndex, RouterConfig, RouterKvEvent, WorkerIdx, WorkerLoad,
-};
+use kvfleet_routing::{KvRouter, PolicyKind, PrefixIndex, RouterConfig, RouterKvEvent, WorkerIdx};
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
@@ -276,6 +275,35 @@ fn report_percentiles(f: &Fleet, idx: &PrefixIndex, router: &mut KvRouter, q: &Q
     eprintln!();
 }
 
+/// `KvRouter::route` of the fully cached queries and the fork children, each decision
+/// undone (reservation, running chain, in-flight count) so that every iteration sees
+/// the same state.
+fn route_group(c: &mut Criterion, name: &str, router: &mut KvRouter, q: &Queries) {
+    let mut g = c.benchmark_group(name);
+    g.throughput(Throughput::Elements(1));
+    for (name, set) in [("fully_cached", &q.full), ("fork_child", &q.fork_child)] {
+        let mut i = 0;
+        g.bench_function(name, |b| {
+            b.iter(|| {
+                i = (i + 1) % set.len();
+                let h = &set[i];
+                let d = router.route(black_box(h), h.len() * 16 + 5, PolicyKind::CacheAware, 0);
+                if let Ok(d) = &d {
+                    if let Some(r) = d.reservation {
+                        router.cancel_reservation(r);
+                    }
+                    if let Some(r) = d.running {
+                        router.request_done(r);
+                    }
+                    let _ = router.request_finished(&d.worker, d.prefill_tokens);
+                }
+                black_box(d.is_ok())
+            })
+        });
+    }
+    g.finish();
+}
+
 fn main() {
     let t = Instant::now();
     let f = fleet();
@@ -340,78 +368,16 @@ fn main() {
         g.finish();
     }
 
-    {
-        let mut g = c.benchmark_group("route_1M_256w");
-        g.throughput(Throughput::Elements(1));
-        for (name, set) in [("fully_cached", &q.full), ("fork_child", &q.fork_child)] {
-            let mut i = 0;
-            g.bench_function(name, |b| {
-                b.iter(|| {
-                    i = (i + 1) % set.len();
-                    let h = &set[i];
-                    let d = router.route(black_box(h), h.len() * 16 + 5, PolicyKind::CacheAware, 0);
-                    // Undo the bookkeeping so every iteration sees the same state.
-                    if let Ok(d) = &d {
-                        if let Some(r) = d.reservation {
-                            router.cancel_reservation(r);
-                        }
-                        let _ = router.request_finished(&d.worker, d.prefill_tokens);
-                    }
-                    black_box(d.is_ok())
-                })
-            });
-        }
-        g.finish();
-    }
+    route_group(&mut c, "route_1M_256w", &mut router, &q);
 
-    {
-        // Loads as `kvfleet bench router-scale` reports them.
-        for w in 0..WORKERS {
-            let r = mix64(w as u64 ^ 0x10ad);
-            let level = ((r >> 28) % 17) as usize;
-            let load = WorkerLoad {
-                running: (r % 8) as usize,
-                waiting: ((r >> 8) % 2) as usize,
-                queued_prefill_tokens: if (r >> 16).is_multiple_of(3) {
-                    ((r >> 20) % 16 + 1) as usize * 512
-                } else {
-                    0
-                },
-                total_blocks: 4_096,
-                free_blocks: 4_096 - level * 256,
-                admit_blocks: Some(
-                    (4_096 - level * 256).saturating_sub(((r >> 33) % 8) as usize * 64),
-                ),
-                ..WorkerLoad::default()
-            };
-            if let Err(err) = router.update_load(&format!("worker-{w}"), load) {
-                panic!("loading the fleet: {err}");
-            }
+    // Loads as `kvfleet bench router-scale` reports them.
+    for w in 0..WORKERS {
+        let load = polled_load(mix64(w as u64 ^ 0x10ad), true);
+        if let Err(err) = router.update_load(&format!("worker-{w}"), load) {
+            panic!("loading the fleet: {err}");
         }
-        let mut g = c.benchmark_group("route_loaded_1M_256w");
-        g.throughput(Throughput::Elements(1));
-        for (name, set) in [("fully_cached", &q.full), ("fork_child", &q.fork_child)] {
-            let mut i = 0;
-            g.bench_function(name, |b| {
-                b.iter(|| {
-                    i = (i + 1) % set.len();
-                    let h = &set[i];
-                    let d = router.route(black_box(h), h.len() * 16 + 5, PolicyKind::CacheAware, 0);
-                    if let Ok(d) = &d {
-                        if let Some(r) = d.reservation {
-                            router.cancel_reservation(r);
-                        }
-                        if let Some(r) = d.running {
-                            router.request_done(r);
-                        }
-                        let _ = router.request_finished(&d.worker, d.prefill_tokens);
-                    }
-                    black_box(d.is_ok())
-                })
-            });
-        }
-        g.finish();
     }
+    route_group(&mut c, "route_loaded_1M_256w", &mut router, &q);
 
     {
         // Policy choice alone over 256 candidates, half of them matching 1,000 blocks.

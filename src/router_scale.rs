@@ -27,6 +27,7 @@
 
 use anyhow::{bail, Result};
 use clap::Args;
+use kvfleet_bench::synthetic_load::polled_load;
 use kvfleet_bench::token_blocks::synthetic_chain;
 use kvfleet_core::BlockHash;
 use kvfleet_proto::v1 as pb;
@@ -34,7 +35,7 @@ use kvfleet_router::routing_state::{RouteRequest, RoutingState};
 use kvfleet_router::supervision::apply_wire_batch;
 use kvfleet_router::{PolicyKind, RouterConfig};
 use kvfleet_routing::policy::mix64;
-use kvfleet_routing::{KvRouter, WorkerLoad};
+use kvfleet_routing::KvRouter;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -572,25 +573,9 @@ async fn measure(args: RouterScaleArgs) -> Result<RouterScaleReport> {
                     n += 1;
                     let r = mix64(n ^ 0x10ad);
                     let id = &ids[(n % ids.len() as u64) as usize];
-                    let report = WorkerLoad {
-                        running: (r % 8) as usize,
-                        waiting: ((r >> 8) % 2) as usize,
-                        queued_prefill_tokens: if (r >> 16).is_multiple_of(3) {
-                            ((r >> 20) % 16 + 1) as usize * 512
-                        } else {
-                            0
-                        },
-                        total_blocks: 4_096,
-                        free_blocks: 4_096 - ((r >> 28) % 17) as usize * 256,
-                        // As an engine reports it: the free blocks less its running
-                        // sequences' expected growth. The router then tracks the chains
-                        // running on each worker, which is part of what it costs.
-                        admit_blocks: headroom.then(|| {
-                            (4_096 - ((r >> 28) % 17) as usize * 256)
-                                .saturating_sub(((r >> 33) % 8) as usize * 64)
-                        }),
-                        ..WorkerLoad::default()
-                    };
+                    // As an engine reports it, with its headroom: the router then
+                    // tracks the chains running on each worker, part of what it costs.
+                    let report = polled_load(r, headroom);
                     if let Err(e) = routing.update_load(id, report) {
                         return Err(anyhow::anyhow!("reporting {id}'s load: {e}"));
                     }

@@ -18,6 +18,8 @@
 //!   the simulator and the replay.
 //! - [`report`] and [`plots`]: JSON, Markdown and SVG output.
 //! - [`usage_trace`]: production usage records → a trace (`kvfleet trace export`).
+//! - [`synthetic_load`]: worker loads spread over what a fleet reports, for the
+//!   router's benches.
 
 pub mod bounds;
 pub mod matrix;
@@ -27,6 +29,7 @@ pub mod report;
 pub mod session_placement;
 pub mod sim;
 pub mod sweep;
+pub mod synthetic_load;
 pub mod tiers;
 pub mod token_blocks;
 pub mod trace;
