@@ -545,12 +545,10 @@ impl KvRouter {
             .registry
             .get(id)
             .ok_or_else(|| IndexError::UnknownWorker(id.to_owned()))?;
-        let start = part.start;
         let more = self.index.apply_part(idx, event, part.clone())?;
-        if let RouterKvEventKind::Stored { block_hashes, .. } = &event.kind {
-            let stored = block_hashes.get(start..part.end.min(block_hashes.len()));
+        if let RouterKvEventKind::Stored { .. } = &event.kind {
             self.reservations
-                .confirm_stored(idx, stored.unwrap_or_default());
+                .confirm_stored(idx, crate::prefix_index::event_blocks(&event.kind, part));
         }
         Ok(more)
     }
@@ -925,7 +923,7 @@ impl KvRouter {
                 e.load
                     .admit_blocks_since_poll
                     .saturating_add(crate::policy::admit_need(
-                        crate::policy::admit_blocks(prompt_tokens, bs),
+                        admit_blocks,
                         &chosen.load,
                         chosen.running_blocks,
                     ));

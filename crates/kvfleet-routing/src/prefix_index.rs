@@ -74,6 +74,21 @@ pub enum IndexError {
     UnknownWorker(String),
 }
 
+/// Blocks `part` of an event of kind `kind`, clipped to the event's blocks (none for
+/// `Cleared`): what one part of [`PrefixIndex::apply_part`] applies.
+pub fn event_blocks(kind: &RouterKvEventKind, part: Range<usize>) -> &[BlockHash] {
+    match kind {
+        RouterKvEventKind::Stored { block_hashes, .. }
+        | RouterKvEventKind::Removed { block_hashes, .. } => {
+            let end = part.end.min(block_hashes.len());
+            block_hashes
+                .get(part.start.min(end)..end)
+                .unwrap_or_default()
+        }
+        RouterKvEventKind::Cleared => &[],
+    }
+}
+
 /// One worker's matched depth, in blocks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct WorkerMatch {
@@ -515,11 +530,7 @@ impl PrefixIndex {
                 Ok(false)
             };
         }
-        let len = match &event.kind {
-            RouterKvEventKind::Stored { block_hashes, .. }
-            | RouterKvEventKind::Removed { block_hashes, .. } => block_hashes.len(),
-            RouterKvEventKind::Cleared => 0,
-        };
+        let len = event_blocks(&event.kind, 0..usize::MAX).len();
         let end = part.end.min(len);
         self.apply_kind(worker, &event.kind, part.start..end);
         if end >= len {
@@ -885,14 +896,12 @@ impl PrefixIndex {
                 block_hashes,
                 medium,
             } => {
-                let Some(part) = block_hashes.get(blocks.clone()) else {
-                    return;
-                };
+                let part = event_blocks(kind, blocks.clone());
                 let tier = self.tier_mut(worker, *medium);
                 // A part after the first hangs under the block before it.
                 let mut parent = match blocks.start {
                     0 => *parent_hash,
-                    i => Some(block_hashes[i - 1]),
+                    i => block_hashes.get(i - 1).copied(),
                 };
                 for &h in part {
                     tier.insert_block(worker, h, parent);
@@ -900,12 +909,11 @@ impl PrefixIndex {
                 }
             }
             // A tier that never received a block has nothing to remove.
-            RouterKvEventKind::Removed {
-                block_hashes,
-                medium,
-            } if medium.is_device() || !self.lower.is_empty() => {
+            RouterKvEventKind::Removed { medium, .. }
+                if medium.is_device() || !self.lower.is_empty() =>
+            {
                 let tier = self.tier_mut(worker, *medium);
-                for &h in block_hashes.get(blocks).unwrap_or_default() {
+                for &h in event_blocks(kind, blocks) {
                     tier.remove_block(worker, h);
                 }
             }
@@ -1128,6 +1136,11 @@ mod tests {
                 ..
             })
         ));
+        // A part past the event's blocks applies nothing.
+        let mut past = PrefixIndex::new();
+        let short = RouterKvEvent::stored(1, None, chain(13, 5));
+        assert_eq!(past.apply_part(w(0), &short, 7..14), Ok(false));
+        assert_eq!(past.worker_block_count(w(0)), 0);
         // A rebuild between two parts drops the event's remaining parts.
         let next = RouterKvEvent::stored(4, None, chain(12, 20));
         assert_eq!(parts.apply_part(w(0), &next, 0..7), Ok(true));
