@@ -9,7 +9,8 @@
 //!   2,000-block prefix is cached and whose 48-block tail gets reserved; then the same
 //!   on a loaded fleet (`route_loaded_1M_256w`: as `kvfleet bench router-scale` loads
 //!   it, a third of the prefill lanes busy, KV pools at every usage level, admission
-//!   headroom reported, so that `cache-aware` walks the load order of every level);
+//!   headroom reported, so that `cache-aware` walks the load order of every level),
+//!   and that over 1,024 workers (`route_loaded_1M_1024w`);
 //! - each policy's choice among 256 candidates.
 //!
 //! Criterion reports means and medians; before it runs, the binary times 10,000 single
@@ -43,18 +44,18 @@ struct Fleet {
     events: Vec<Vec<RouterKvEvent>>,
 }
 
-fn fleet() -> Fleet {
+fn fleet(workers: usize) -> Fleet {
     let shared = synthetic_chain(&[], 1, SHARED_BLOCKS);
     let chains: Vec<Vec<BlockHash>> = (0..CHAINS)
         .map(|c| synthetic_chain(&shared, 1_000 + c as u64, PROMPT_BLOCKS - SHARED_BLOCKS))
         .collect();
-    let mut events: Vec<Vec<RouterKvEvent>> = vec![Vec::new(); WORKERS];
+    let mut events: Vec<Vec<RouterKvEvent>> = vec![Vec::new(); workers];
     for evs in events.iter_mut() {
         evs.push(RouterKvEvent::stored(1, None, shared.clone()));
     }
     for (c, chain) in chains.iter().enumerate() {
         for r in 0..REPLICAS {
-            let w = (c + r * WORKERS / REPLICAS) % WORKERS;
+            let w = (c + r * workers / REPLICAS) % workers;
             let seq = events[w].len() as u64 + 1;
             events[w].push(RouterKvEvent::stored(
                 seq,
@@ -275,6 +276,16 @@ fn report_percentiles(f: &Fleet, idx: &PrefixIndex, router: &mut KvRouter, q: &Q
     eprintln!();
 }
 
+/// Loads as `kvfleet bench router-scale` reports them, on `workers` workers.
+fn load_fleet(router: &mut KvRouter, workers: usize) {
+    for w in 0..workers {
+        let load = polled_load(mix64(w as u64 ^ 0x10ad), true);
+        if let Err(err) = router.update_load(&format!("worker-{w}"), load) {
+            panic!("loading the fleet: {err}");
+        }
+    }
+}
+
 /// `KvRouter::route` of the fully cached queries and the fork children, each decision
 /// undone (reservation, running chain, in-flight count) so that every iteration sees
 /// the same state.
@@ -306,7 +317,7 @@ fn route_group(c: &mut Criterion, name: &str, router: &mut KvRouter, q: &Queries
 
 fn main() {
     let t = Instant::now();
-    let f = fleet();
+    let f = fleet(WORKERS);
     let idx = build_index(&f);
     let mut router = build_router(&f);
     let q = queries(&f);
@@ -370,14 +381,15 @@ fn main() {
 
     route_group(&mut c, "route_1M_256w", &mut router, &q);
 
-    // Loads as `kvfleet bench router-scale` reports them.
-    for w in 0..WORKERS {
-        let load = polled_load(mix64(w as u64 ^ 0x10ad), true);
-        if let Err(err) = router.update_load(&format!("worker-{w}"), load) {
-            panic!("loading the fleet: {err}");
-        }
-    }
+    load_fleet(&mut router, WORKERS);
     route_group(&mut c, "route_loaded_1M_256w", &mut router, &q);
+    drop(router);
+
+    // The same chains over 1,024 workers (most hold one chain, every one the system
+    // prompt): the decision grows with the workers holding the prompt's first block.
+    let mut router = build_router(&fleet(1_024));
+    load_fleet(&mut router, 1_024);
+    route_group(&mut c, "route_loaded_1M_1024w", &mut router, &q);
 
     {
         // Policy choice alone over 256 candidates, half of them matching 1,000 blocks.

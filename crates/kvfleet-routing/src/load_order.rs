@@ -11,22 +11,28 @@
 //! one key; it takes [`USAGE_LEVELS`] + 1 values, and each lane keeps one order per
 //! level. At one level the cheapest members of a group come first in one of two
 //! orders: idle lanes by active sequences, busy lanes by `backlog + d × active` (then
-//! active sequences); a decision walks the head of each level. A worker that cannot
-//! admit the prompt now (its admission headroom is short of it) costs more than its
-//! key says, by an amount that depends on the prompt: the key orders each level by
-//! the cost every worker would have were it to admit the prompt, a lower bound, and
-//! the walk stops at the first run whose bound is out of reach. Workers with equal
-//! keys and headroom (a *run*: equal loads, so equal costs, typically hundreds of idle
-//! workers at light load, whose pools hold no running sequence) are ordered by id hash, which is how `cache-aware` breaks ties: by the preferred order
-//! (the smallest id hash) and by the anchor's ring (the tied workers nearest at or
-//! after its point). Both are a range query. The router keeps the orders up to date on
-//! every load change (`O(log n)`), and a decision walks their heads run by run instead
-//! of pricing the fleet: at 1,024 workers it prices a handful of workers, not 1,024.
+//! active sequences); a decision walks the head of each level. Workers with equal
+//! keys (a *run*: typically hundreds of idle workers at light load) are ordered by id
+//! hash, which is how `cache-aware` breaks ties: by the preferred order (the smallest
+//! id hash) and by the anchor's ring (the tied workers nearest at or after its point).
+//! Both are a range query.
+//!
+//! A worker that cannot admit the prompt now (its admission headroom is short of it)
+//! costs more than its key says, by an amount that depends on the prompt: the key
+//! orders each level by the cost every worker would have were it to admit the prompt,
+//! a lower bound, and the walk stops at the first run whose bound is out of reach.
+//! Within a run, a prompt splits the members in two, those whose headroom holds it
+//! and the rest, each at one cost. Headroom is not part of the run (every worker
+//! reports its own, so runs would be one worker long and the walk would price them
+//! one by one); each run's members are also kept by headroom, where either part of
+//! the split is one range. The router keeps the orders up to date on every load
+//! change (`O(log n)`), and a decision walks their heads run by run instead of
+//! pricing the fleet: at 1,024 workers it prices a handful of workers, not 1,024.
 
 use crate::load::{CandidateLoad, USAGE_LEVELS};
 use crate::registry::WorkerIdx;
 use std::collections::BTreeSet;
-use std::ops::Bound;
+use std::ops::{Bound, RangeInclusive};
 
 /// Whether a worker's prefill lane is idle (no backlog) or busy.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -51,27 +57,50 @@ impl Lane {
     }
 }
 
-/// A position in one lane's order: (usage level, order key, active sequences,
-/// admission headroom, id hash, worker). The first four are the worker's run: its
-/// load as far as cost goes.
-pub type Position = (u8, u64, u64, u32, u64, WorkerIdx);
+/// A position in one lane's order: (usage level, order key, active sequences, id
+/// hash, worker). The first three are the worker's run: its load as far as cost goes,
+/// but for its admission headroom.
+pub type Position = (u8, u64, u64, u64, WorkerIdx);
 
-/// A run: (usage level, order key, active sequences, admission headroom in blocks,
-/// `u32::MAX` where the worker does not say), the load of workers that cost the same.
-/// The headroom decides whether a prompt is admitted at once, which the order key
-/// leaves out (it depends on the prompt): within a level the key orders costs as if
-/// every worker admits the prompt, a lower bound of each run's cost.
-pub type Run = (u8, u64, u64, u32);
+/// A run: (usage level, order key, active sequences), the load of workers that cost
+/// the same where their admission headroom holds the prompt (or where it does not).
+/// Within a level the key orders costs as if every worker admits the prompt, a lower
+/// bound of each run's cost.
+pub type Run = (u8, u64, u64);
 
 /// The run of a position: workers with equal loads.
 pub fn run_of(p: &Position) -> Run {
-    (p.0, p.1, p.2, p.3)
+    (p.0, p.1, p.2)
 }
 
-/// One lane's order, a tree per usage level: a decision walks each level's head, and
+/// A position by headroom: (usage level, order key, active sequences, admission
+/// headroom in blocks, `u32::MAX` where the worker does not say, id hash, worker).
+type RoomPosition = (u8, u64, u64, u32, u64, WorkerIdx);
+
+/// One lane's orders, a tree per usage level: a decision walks each level's head, and
 /// a tree of its own per level spares it a search for where each level starts (and
 /// keeps every search within a level's workers).
-type LaneOrder = [BTreeSet<Position>; USAGE_LEVELS as usize + 1];
+#[derive(Clone, Debug, Default)]
+struct LaneOrder {
+    /// Each run's members by id hash.
+    by_id: [BTreeSet<Position>; USAGE_LEVELS as usize + 1],
+    /// The same by headroom, then id hash: a prompt's split of a run is two ranges.
+    by_room: [BTreeSet<RoomPosition>; USAGE_LEVELS as usize + 1],
+}
+
+impl LaneOrder {
+    fn insert(&mut self, p: Position, room: u32) {
+        let level = usize::from(p.0);
+        self.by_id[level].insert(p);
+        self.by_room[level].insert((p.0, p.1, p.2, room, p.3, p.4));
+    }
+
+    fn remove(&mut self, p: &Position, room: u32) {
+        let level = usize::from(p.0);
+        self.by_id[level].remove(p);
+        self.by_room[level].remove(&(p.0, p.1, p.2, room, p.3, p.4));
+    }
+}
 
 /// Registered workers in two load orders, with the fleet's totals.
 #[derive(Clone, Debug)]
@@ -80,8 +109,8 @@ pub struct LoadOrder {
     decode_cost: f64,
     idle: LaneOrder,
     busy: LaneOrder,
-    /// Each worker's lane and position, by index (`None`: not registered).
-    slot: Vec<Option<(Lane, Position)>>,
+    /// Each worker's lane, position and headroom, by index (`None`: not registered).
+    slot: Vec<Option<(Lane, Position, u32)>>,
     workers: usize,
     active_sequences: usize,
     usage_levels: usize,
@@ -92,8 +121,8 @@ impl LoadOrder {
     pub fn new(decode_cost: f64) -> Self {
         Self {
             decode_cost,
-            idle: Default::default(),
-            busy: Default::default(),
+            idle: LaneOrder::default(),
+            busy: LaneOrder::default(),
             slot: Vec::new(),
             workers: 0,
             active_sequences: 0,
@@ -128,8 +157,8 @@ impl LoadOrder {
         if i >= self.slot.len() {
             self.slot.resize(i + 1, None);
         }
-        if let Some((lane, pos)) = self.slot[i].take() {
-            self.lane_mut(lane)[usize::from(pos.0)].remove(&pos);
+        if let Some((lane, pos, room)) = self.slot[i].take() {
+            self.lane_mut(lane).remove(&pos, room);
             self.workers -= 1;
             self.active_sequences -= pos.2 as usize;
             self.usage_levels -= usize::from(pos.0);
@@ -138,16 +167,10 @@ impl LoadOrder {
             let lane = Lane::of(&load);
             let active = load.active_sequences();
             let level = load.usage_level().min(USAGE_LEVELS);
-            let pos = (
-                level,
-                self.key(lane, &load),
-                active as u64,
-                load.admit_blocks(),
-                id_hash,
-                w,
-            );
-            self.lane_mut(lane)[usize::from(level)].insert(pos);
-            self.slot[i] = Some((lane, pos));
+            let pos = (level, self.key(lane, &load), active as u64, id_hash, w);
+            let room = load.admit_blocks();
+            self.lane_mut(lane).insert(pos, room);
+            self.slot[i] = Some((lane, pos, room));
             self.workers += 1;
             self.active_sequences += active;
             self.usage_levels += usize::from(level);
@@ -157,6 +180,7 @@ impl LoadOrder {
     /// The usage levels `lane` has workers at, lowest first.
     pub fn levels(&self, lane: Lane) -> impl Iterator<Item = u8> + '_ {
         self.lane(lane)
+            .by_id
             .iter()
             .enumerate()
             .filter(|(_, set)| !set.is_empty())
@@ -172,11 +196,12 @@ impl LoadOrder {
         after: Option<Position>,
     ) -> impl Iterator<Item = Position> + '_ {
         let start = after.map_or(
-            Bound::Included((level, 0, 0, 0, 0, WorkerIdx(0))),
+            Bound::Included((level, 0, 0, 0, WorkerIdx(0))),
             Bound::Excluded,
         );
-        let end = Bound::Included(LoadOrder::run_end((level, u64::MAX, u64::MAX, u32::MAX)));
+        let end = Bound::Included(LoadOrder::run_end((level, u64::MAX, u64::MAX)));
         self.lane(lane)
+            .by_id
             .get(usize::from(level))
             .into_iter()
             .flat_map(move |set| set.range((start, end)).copied())
@@ -185,19 +210,40 @@ impl LoadOrder {
     /// The workers of `run` in `lane` whose id hash is at least `from`, in order.
     pub fn run_from(&self, lane: Lane, run: Run, from: u64) -> impl Iterator<Item = Position> + '_ {
         self.lane(lane)
+            .by_id
+            .get(usize::from(run.0))
+            .into_iter()
+            .flat_map(move |set| {
+                set.range((run.0, run.1, run.2, from, WorkerIdx(0))..=LoadOrder::run_end(run))
+                    .copied()
+            })
+    }
+
+    /// The workers of `run` in `lane` whose admission headroom is in `rooms`
+    /// (`u32::MAX`: not said), by headroom.
+    pub fn run_by_room(
+        &self,
+        lane: Lane,
+        run: Run,
+        rooms: RangeInclusive<u32>,
+    ) -> impl Iterator<Item = Position> + '_ {
+        let (low, high) = (*rooms.start(), *rooms.end());
+        self.lane(lane)
+            .by_room
             .get(usize::from(run.0))
             .into_iter()
             .flat_map(move |set| {
                 set.range(
-                    (run.0, run.1, run.2, run.3, from, WorkerIdx(0))..=LoadOrder::run_end(run),
+                    (run.0, run.1, run.2, low, 0, WorkerIdx(0))
+                        ..=(run.0, run.1, run.2, high, u64::MAX, WorkerIdx(u32::MAX)),
                 )
-                .copied()
+                .map(|p| (p.0, p.1, p.2, p.4, p.5))
             })
     }
 
     /// The position just past the end of `run`: walking after it starts the next run.
     pub fn run_end(run: Run) -> Position {
-        (run.0, run.1, run.2, run.3, u64::MAX, WorkerIdx(u32::MAX))
+        (run.0, run.1, run.2, u64::MAX, WorkerIdx(u32::MAX))
     }
 
     fn key(&self, lane: Lane, load: &CandidateLoad) -> u64 {
@@ -234,7 +280,7 @@ mod tests {
     fn order_of(o: &LoadOrder, lane: Lane) -> Vec<u32> {
         o.levels(lane)
             .flat_map(|l| o.walk(lane, l, None))
-            .map(|p| p.5 .0)
+            .map(|p| p.4 .0)
             .collect()
     }
 
@@ -268,7 +314,7 @@ mod tests {
         assert_eq!((o.workers(), o.active_sequences()), (3, 5));
         // Resuming after a position.
         let first = o.walk(Lane::Busy, 0, None).next();
-        let rest: Vec<u32> = o.walk(Lane::Busy, 0, first).map(|p| p.5 .0).collect();
+        let rest: Vec<u32> = o.walk(Lane::Busy, 0, first).map(|p| p.4 .0).collect();
         assert_eq!(rest, [1]);
         // A run: equal loads, ordered by id hash; found from a point on the ring.
         for w in 10..15 {
@@ -276,21 +322,21 @@ mod tests {
         }
         assert_eq!(order_of(&o, Lane::Idle), [0, 14, 13, 12, 11, 10]);
         let run = run_of(
-            &o.walk(Lane::Idle, 0, Some(LoadOrder::run_end((0, 3, 3, u32::MAX))))
+            &o.walk(Lane::Idle, 0, Some(LoadOrder::run_end((0, 3, 3))))
                 .next()
                 .unwrap(),
         );
-        assert_eq!(run, (0, 4, 4, u32::MAX));
+        assert_eq!(run, (0, 4, 4));
         let from = |h: u64| {
             o.run_from(Lane::Idle, run, h)
-                .map(|p| p.5 .0)
+                .map(|p| p.4 .0)
                 .collect::<Vec<_>>()
         };
         assert_eq!(from(88), [12, 11, 10]);
         assert!(from(91).is_empty());
         let next: Vec<u32> = o
             .walk(Lane::Idle, 0, Some(LoadOrder::run_end(run)))
-            .map(|p| p.5 .0)
+            .map(|p| p.4 .0)
             .collect();
         assert!(next.is_empty());
         // A fuller pool: another level, walked on its own.
@@ -300,7 +346,7 @@ mod tests {
         );
         assert_eq!(o.levels(Lane::Idle).collect::<Vec<_>>(), [0, 9]);
         assert_eq!(order_of(&o, Lane::Idle), [0, 14, 13, 12, 11, 10, 20]);
-        let at9: Vec<u32> = o.walk(Lane::Idle, 9, None).map(|p| p.5 .0).collect();
+        let at9: Vec<u32> = o.walk(Lane::Idle, 9, None).map(|p| p.4 .0).collect();
         assert_eq!(
             at9,
             [20],
@@ -311,5 +357,50 @@ mod tests {
         assert!(o.usable());
         assert!(!LoadOrder::new(-1.0).usable());
         assert!(!LoadOrder::new(f64::NAN).usable());
+    }
+
+    #[test]
+    fn a_run_holds_every_headroom_and_is_split_by_headroom_in_one_range() {
+        let mut o = LoadOrder::new(16.0);
+        // Five workers decoding 2 sequences each, idle, headroom 10, 20, 30, 40 and
+        // unsaid; id hashes 100 - w.
+        for (w, room) in [
+            (1, Some(30)),
+            (2, Some(10)),
+            (3, None),
+            (4, Some(40)),
+            (5, Some(20)),
+        ] {
+            o.set(
+                WorkerIdx(w),
+                Some((
+                    CandidateLoad::new(2, 0).with_admit_blocks(room),
+                    100 - u64::from(w),
+                )),
+            );
+        }
+        // One run, by id hash.
+        assert_eq!(order_of(&o, Lane::Idle), [5, 4, 3, 2, 1]);
+        let run = (0, 2, 2);
+        let by_room = |o: &LoadOrder, rooms: RangeInclusive<u32>| {
+            o.run_by_room(Lane::Idle, run, rooms)
+                .map(|p| p.4 .0)
+                .collect::<Vec<_>>()
+        };
+        // A prompt of 25 blocks: admitted by 1, 4 and 3 (unsaid), not by 2 and 5.
+        assert_eq!(by_room(&o, 0..=24), [2, 5]);
+        assert_eq!(by_room(&o, 25..=u32::MAX), [1, 4, 3]);
+        // A change of headroom alone moves the worker within its run only.
+        o.set(
+            WorkerIdx(2),
+            Some((CandidateLoad::new(2, 0).with_admit_blocks(Some(50)), 98)),
+        );
+        assert_eq!(order_of(&o, Lane::Idle), [5, 4, 3, 2, 1]);
+        assert_eq!(by_room(&o, 0..=24), [5]);
+        assert_eq!(by_room(&o, 25..=u32::MAX), [1, 4, 2, 3]);
+        // Leaving leaves both orders.
+        o.set(WorkerIdx(5), None);
+        assert!(by_room(&o, 0..=24).is_empty());
+        assert_eq!(order_of(&o, Lane::Idle), [4, 3, 2, 1]);
     }
 }

@@ -7,13 +7,15 @@
 
 use super::{lower_tier_blocks, KvRouter};
 use crate::load::CandidateLoad;
-use crate::load_order::{run_of, Lane, LoadOrder, Position};
+use crate::load_order::{run_of, Lane, LoadOrder, Position, Run};
 use crate::policy::{prompt_anchor, ring_point, Candidate, RouteContext, TIE_RING_REACH};
 use crate::prefix_index::{Matches, TieredMatches};
 use crate::registry::WorkerIdx;
 use crate::reservations::Reservations;
 use crate::USAGE_LEVELS;
 use kvfleet_core::BlockHash;
+use std::iter::Peekable;
+use std::ops::RangeInclusive;
 
 /// Match classes at least this large are walked in load order rather than priced
 /// whole (and at least an eighth of the fleet).
@@ -340,10 +342,10 @@ impl KvRouter {
 
     /// Adds the members of match class `class` (device blocks `class`, nothing in
     /// lower tiers) that can win, walking the order of each lane at each usage level
-    /// run by run (a run: equal loads, so equal costs; at one level costs follow the
-    /// order): at every level, the runs up to the first within its bounds; then, from
-    /// there, every run up to the cheapest within bounds (over all levels) plus the
-    /// near-tie band. Of a run only these members can matter, and only they are
+    /// part by part (a [`Part`] of a run: equal costs; at one level costs follow the
+    /// order): at every level, the parts up to the first within its bounds; then, from
+    /// there, every part up to the cheapest within bounds (over all levels) plus the
+    /// near-tie band. Of a part only these members can matter, and only they are
     /// added: the one the policy prefers (the smallest id hash) and the
     /// [`TIE_RING_REACH`] a tie can go to (the nearest on the anchor's ring).
     fn walk_class(
@@ -358,18 +360,18 @@ impl KvRouter {
         let bound = policy.load_bound(base.fleet);
         let point = prompt_anchor(base.hashes).map_or(0, ring_point);
         let order = &self.load_order;
-        let member = |p: &Position| -> Option<Candidate> {
-            let e = self.scored.get(p.5.index()).and_then(Option::as_ref)?;
+        let member = |w: WorkerIdx| -> Option<Candidate> {
+            let e = self.scored.get(w.index()).and_then(Option::as_ref)?;
             // A worker pass 1 did not see matches no device block of the prompt.
             let of = classes
-                .known(p.5)
-                .unwrap_or_else(|| found.class(p.5, 0, &e.load));
+                .known(w)
+                .unwrap_or_else(|| found.class(w, 0, &e.load));
             if of != class {
                 return None;
             }
             let (matched_blocks, running_blocks) = blocks_of(class);
             Some(Candidate {
-                worker: p.5,
+                worker: w,
                 id_hash: e.id_hash,
                 load: e.load,
                 matched_blocks,
@@ -379,16 +381,13 @@ impl KvRouter {
                 kv_movable: e.kv_movable,
             })
         };
-        // The next run of members after `after` at `level` of `lane`: its first
-        // member, that member's cost, the least a run from there on can cost (its
-        // cost were it to admit the prompt at once: the order follows that, and not
-        // admitting it only costs more) and whether it is within bounds.
-        let next_run = |lane: Lane, level: u8, after: Option<Position>| {
-            let (first, c) = order
-                .walk(lane, level, after)
-                .find_map(|p| Some((p, member(&p)?)))?;
+        // A run's part whose first member is `c`: its cost, the least a part from
+        // there on can cost (its cost were it to admit the prompt at once: the order
+        // follows that, and not admitting it only costs more) and whether it is within
+        // bounds.
+        let part = |run: Run, need: usize, admits: bool, c: Candidate, then| {
             let (cost, ok) = policy.price(base, &c, bound);
-            let least = if c.load.admits(base.admit_blocks_on(&c)) {
+            let least = if admits {
                 cost
             } else {
                 let admitted = Candidate {
@@ -397,93 +396,318 @@ impl KvRouter {
                 };
                 policy.price(base, &admitted, bound).0
             };
-            Some((first, c, cost, least, ok))
+            Part {
+                run,
+                need,
+                admits,
+                first: (c.id_hash, c.worker),
+                then,
+                cost,
+                least,
+                ok,
+            }
         };
-        // Adds a run: its first member and the members a tie can go to, the nearest at
-        // or after the anchor's point on the ring, wrapping around to its start.
-        let add_run = |lane: Lane, first: &Position, c: Candidate, out: &mut Vec<Candidate>| {
-            let run = run_of(first);
-            out.push(c);
-            let after_point = order.run_from(lane, run, point);
-            let wrapped = order.run_from(lane, run, 0).take_while(|p| p.4 < point);
-            out.extend(
-                after_point
-                    .chain(wrapped)
-                    .filter_map(|p| member(&p))
-                    .take(TIE_RING_REACH)
-                    .filter(|r| r.worker != c.worker),
-            );
+        // The first member of a run's part.
+        let first_of = |lane: Lane, run: Run, need: usize, admits: bool| {
+            let rooms = rooms(run.2, need, admits)?;
+            member(nearest(order, lane, run, rooms, 0, 1, &member).first()?)
+        };
+        // The next part after `after` at `level` of `lane` (from the level's start
+        // with `None`). A run's members that admit the prompt come first: the rest
+        // cost more, and are looked for only once the walk goes on past the first.
+        let next_part = |lane: Lane, level: u8, after: Option<&Part>| {
+            // After a part that admits the prompt, the rest of its run may hold
+            // members that do not: the walk looks there first, from the part's first
+            // member on (whatever it passes admits it).
+            let waiting_after =
+                after.filter(|a| a.admits && rooms(a.run.2, a.need, false).is_some());
+            let from = match (after, waiting_after) {
+                (_, Some(a)) if a.then.is_none() => {
+                    Some((a.run.0, a.run.1, a.run.2, a.first.0, a.first.1))
+                }
+                (Some(a), _) => Some(LoadOrder::run_end(a.run)),
+                (None, _) => None,
+            };
+            let mut walk = order.walk(lane, level, from).peekable();
+            if let Some(a) = waiting_after {
+                let waiting = match a.then {
+                    Some(seen) => seen.and_then(member),
+                    None => match first_after(&mut walk, a.run, a.need, false, &member) {
+                        Some(seen) => seen,
+                        None => {
+                            // A long run: searched, and walked on from its end.
+                            walk = order
+                                .walk(lane, level, Some(LoadOrder::run_end(a.run)))
+                                .peekable();
+                            first_of(lane, a.run, a.need, false)
+                        }
+                    },
+                };
+                if let Some(c) = waiting {
+                    return Some(part(a.run, a.need, false, c, None));
+                }
+            }
+            let (p, c) = walk.find_map(|p| Some((p, member(p.4)?)))?;
+            let run = run_of(&p);
+            // One lane and one class: every member of the run needs as many blocks.
+            let need = base.admit_blocks_on(&c);
+            if c.load.admits(need) {
+                return Some(part(run, need, true, c, None));
+            }
+            let admitting = match first_after(&mut walk, run, need, true, &member) {
+                Some(seen) => seen,
+                None => first_of(lane, run, need, true),
+            };
+            Some(match admitting {
+                // `c`, the run's first member, is the first that does not admit it.
+                Some(w) => part(run, need, true, w, Some(Some(c.worker))),
+                None => part(run, need, false, c, None),
+            })
+        };
+        // Adds a part: its first member and the members a tie can go to, the nearest
+        // at or after the anchor's point on the ring, wrapping around to its start.
+        let add_part = |lane: Lane, s: &Part, out: &mut Vec<Candidate>| {
+            out.extend(member(s.first.1));
+            if let Some(rooms) = rooms(s.run.2, s.need, s.admits) {
+                let ring = nearest(order, lane, s.run, rooms, point, TIE_RING_REACH, &member);
+                out.extend(
+                    ring.workers()
+                        .filter(|&w| w != s.first.1)
+                        .filter_map(member),
+                );
+            }
         };
         // A pull that ends a wait goes to the idle lane with the fewest sequences
         // within bounds that admits the prompt, whatever its pool's use: the first
-        // member of each level's first such idle run is a candidate.
+        // member of each level's first such part is a candidate.
         let pull_targets = policy.pulls_end_waits();
-        // Runs that differ only in their headroom tie for it: the first member of
-        // each that admits the prompt is a candidate.
-        let pull_target = |level: u8, mut after: Option<Position>, out: &mut Vec<Candidate>| {
-            let mut load = None;
-            while let Some((first, c, _, _, ok)) = next_run(Lane::Idle, level, after) {
-                let run = run_of(&first);
-                if load.is_some_and(|l| l != (run.1, run.2)) {
+        let pull_target = |level: u8, from: Part, out: &mut Vec<Candidate>| {
+            let mut at = Some(from);
+            while let Some(s) = at {
+                let first = member(s.first.1).filter(|c| s.ok && policy.starts_at_once(base, c));
+                if let Some(c) = first {
+                    out.push(c);
                     return;
                 }
-                if ok && policy.starts_at_once(base, &c) {
-                    out.push(c);
-                    load = Some((run.1, run.2));
-                }
-                after = Some(LoadOrder::run_end(run));
+                at = next_part(Lane::Idle, level, Some(&s));
             }
         };
-        // Phase 1: at each level of each lane, the runs out of bounds are added up to
-        // the first run within bounds, where phase 2 starts (kept, so phase 2 does not
+        // Phase 1: at each level of each lane, the parts out of bounds are added up to
+        // the first part within bounds, where phase 2 starts (kept, so phase 2 does not
         // find and price it again).
-        type Found1 = (Position, Candidate, f64, f64);
-        let mut resume: [[Option<Found1>; USAGE_LEVELS as usize + 1]; 2] =
+        let mut resume: [[Option<Part>; USAGE_LEVELS as usize + 1]; 2] =
             [[None; USAGE_LEVELS as usize + 1]; 2];
         let mut cheapest_ok = f64::INFINITY;
         for lane in Lane::BOTH {
             for level in order.levels(lane) {
                 let mut after = None;
-                while let Some((first, c, cost, least, ok)) = next_run(lane, level, after) {
-                    if ok {
-                        cheapest_ok = cheapest_ok.min(cost);
-                        resume[lane as usize][level as usize] = Some((first, c, cost, least));
+                while let Some(s) = next_part(lane, level, after.as_ref()) {
+                    if s.ok {
+                        cheapest_ok = cheapest_ok.min(s.cost);
+                        resume[lane as usize][level as usize] = Some(s);
                         if pull_targets && lane == Lane::Idle {
-                            pull_target(level, after, out);
+                            pull_target(level, s, out);
                         }
                         break;
                     }
-                    add_run(lane, &first, c, out);
-                    after = Some(LoadOrder::run_end(run_of(&first)));
+                    add_part(lane, &s, out);
+                    after = Some(s);
                 }
             }
         }
         if !cheapest_ok.is_finite() {
-            // No member within bounds: every run was added.
+            // No member within bounds: every part was added.
             return;
         }
-        // Phase 2: from each level's first run within bounds, every run within reach
+        // Phase 2: from each level's first part within bounds, every part within reach
         // (one token of slack for rounding).
         let reach = cheapest_ok + policy.tie_band(cheapest_ok) + 1.0;
         for lane in Lane::BOTH {
             for (level, start) in resume[lane as usize].iter().enumerate() {
-                // A level without a run within bounds (or without workers) is done.
-                let mut run = *start;
-                let level = level as u8;
-                // Runs within reach are added whole; the walk ends at the first run
-                // that, and every run after it, costs more than the reach.
-                while let Some((first, c, cost, least)) = run {
-                    if least > reach {
+                // A level without a part within bounds (or without workers) is done.
+                let mut at = *start;
+                // Parts within reach are added whole; the walk ends at the first part
+                // that, and every part after it, costs more than the reach.
+                while let Some(s) = at {
+                    if s.least > reach {
                         break;
                     }
-                    if cost <= reach {
-                        add_run(lane, &first, c, out);
+                    if s.cost <= reach {
+                        add_part(lane, &s, out);
                     }
-                    let after = Some(LoadOrder::run_end(run_of(&first)));
-                    run = next_run(lane, level, after)
-                        .map(|(p, c, cost, least, _)| (p, c, cost, least));
+                    at = next_part(lane, level as u8, Some(&s));
                 }
             }
         }
     }
+}
+
+/// A run's members of one match class that admit the prompt at once (`admits`), or
+/// those that do not: a run's workers differ only in their admission headroom, and
+/// the prompt splits them in two, each at one cost.
+#[derive(Clone, Copy)]
+struct Part {
+    run: Run,
+    /// Blocks the class's members of the run need to admit the prompt.
+    need: usize,
+    admits: bool,
+    /// The member the policy prefers (the smallest id hash): (id hash, worker).
+    first: (u64, WorkerIdx),
+    /// For the part that admits the prompt, the first member of the one that does
+    /// not, where the walk has seen it (`Some(None)`: the run has none).
+    then: Option<Option<WorkerIdx>>,
+    cost: f64,
+    /// What the part would cost were it to admit the prompt: no part after it at its
+    /// level costs less.
+    least: f64,
+    /// Within the load bound.
+    ok: bool,
+}
+
+/// The admission headrooms of a run's members (running `active` sequences) that admit
+/// a prompt of `need` blocks (`admits`), or of those that do not, as
+/// [`CandidateLoad::admits`] tells them apart; `None` where there are none.
+fn rooms(active: u64, need: usize, admits: bool) -> Option<RangeInclusive<u32>> {
+    if active == 0 {
+        // A worker running nothing admits any prompt.
+        return admits.then_some(0..=u32::MAX);
+    }
+    match (u32::try_from(need), admits) {
+        (Ok(n), true) => Some(n..=u32::MAX),
+        (Ok(0), false) | (Err(_), true) => None,
+        (Ok(n), false) => Some(0..=n - 1),
+        (Err(_), false) => Some(0..=u32::MAX),
+    }
+}
+
+/// Steps [`nearest`] takes by id hash before it also searches by headroom: most parts
+/// are found within them, and every range search costs a descent of the tree.
+const ROOM_SEARCH_AFTER: usize = 16;
+
+/// The next member of `run` on `walk` (the level's order, within the run) that admits
+/// a prompt of `need` blocks (`admits`), or that does not: `Some(None)` where the run
+/// ends first (the walk is then at the next run), `None` where it has not ended within
+/// [`ROOM_SEARCH_AFTER`] steps (then [`nearest`] searches). Most runs end sooner, and
+/// the walk spares a search of the tree.
+fn first_after<I: Iterator<Item = Position>>(
+    walk: &mut Peekable<I>,
+    run: Run,
+    need: usize,
+    admits: bool,
+    member: &impl Fn(WorkerIdx) -> Option<Candidate>,
+) -> Option<Option<Candidate>> {
+    if rooms(run.2, need, admits).is_none() {
+        return Some(None);
+    }
+    for _ in 0..ROOM_SEARCH_AFTER {
+        let Some(p) = walk.next_if(|p| run_of(p) == run) else {
+            return Some(None);
+        };
+        if let Some(c) = member(p.4).filter(|c| c.load.admits(need) == admits) {
+            return Some(Some(c));
+        }
+    }
+    None
+}
+
+/// At most [`TIE_RING_REACH`] workers (id hash, index), in order, without
+/// allocating (and small: a decision fills one for every part it adds).
+#[derive(Clone, Copy)]
+struct Nearest {
+    len: usize,
+    at: [(u64, WorkerIdx); TIE_RING_REACH],
+}
+
+impl Nearest {
+    const EMPTY: Nearest = Nearest {
+        len: 0,
+        at: [(0, WorkerIdx(0)); TIE_RING_REACH],
+    };
+
+    fn first(&self) -> Option<WorkerIdx> {
+        self.workers().next()
+    }
+
+    fn workers(&self) -> impl Iterator<Item = WorkerIdx> + '_ {
+        self.at[..self.len].iter().map(|&(_, w)| w)
+    }
+
+    /// Appends `c`, found in order.
+    fn push(&mut self, c: &Candidate) {
+        if let Some(slot) = self.at.get_mut(self.len) {
+            *slot = (c.id_hash, c.worker);
+            self.len += 1;
+        }
+    }
+
+    /// Inserts `c` in ring order from `from` (see [`nearest`]), keeping the first `k`
+    /// (at most [`TIE_RING_REACH`]).
+    fn insert(&mut self, c: &Candidate, k: usize, from: u64) {
+        let ring = |&(h, w): &(u64, WorkerIdx)| (h < from, h, w);
+        let kc = ring(&(c.id_hash, c.worker));
+        let at = self.at[..self.len]
+            .iter()
+            .position(|x| ring(x) > kc)
+            .unwrap_or(self.len);
+        let k = k.min(TIE_RING_REACH);
+        if at >= k {
+            return;
+        }
+        // The members from `at` move one place on; the one past `k` falls off.
+        let end = self.len.min(k - 1);
+        self.at.copy_within(at..end, at + 1);
+        self.at[at] = (c.id_hash, c.worker);
+        self.len = end + 1;
+    }
+}
+
+/// The first `k` (at most [`TIE_RING_REACH`]) members of `run` in `lane` (`member`:
+/// those of the class walked) whose admission headroom is in `rooms`, in ring order
+/// from `from`: by id hash, those at or after `from` first, then from the start.
+/// Searched by id hash (short where most members are in `rooms`) and, after
+/// [`ROOM_SEARCH_AFTER`] steps, by headroom too (short where few are), a step of each
+/// in turn, and answered by whichever ends first: a large run is never scanned for a
+/// part of it that is small.
+fn nearest(
+    order: &LoadOrder,
+    lane: Lane,
+    run: Run,
+    rooms: RangeInclusive<u32>,
+    from: u64,
+    k: usize,
+    member: &impl Fn(WorkerIdx) -> Option<Candidate>,
+) -> Nearest {
+    let k = k.min(TIE_RING_REACH);
+    let (mut found, mut kept) = (Nearest::EMPTY, Nearest::EMPTY);
+    if k == 0 {
+        return found;
+    }
+    // Each range is searched for only once the walk reaches it (from 0 nothing wraps).
+    let wrapped = std::iter::once(from)
+        .filter(|&f| f > 0)
+        .flat_map(move |f| order.run_from(lane, run, 0).take_while(move |p| p.3 < f));
+    let mut by_id = order.run_from(lane, run, from).chain(wrapped);
+    let mut by_room = None;
+    for step in 0.. {
+        let Some(p) = by_id.next() else {
+            return found;
+        };
+        if let Some(c) = member(p.4).filter(|c| rooms.contains(&c.load.admit_blocks())) {
+            found.push(&c);
+            if found.len == k {
+                return found;
+            }
+        }
+        if step < ROOM_SEARCH_AFTER {
+            continue;
+        }
+        let by_room = by_room.get_or_insert_with(|| order.run_by_room(lane, run, rooms.clone()));
+        let Some(p) = by_room.next() else {
+            return kept;
+        };
+        if let Some(c) = member(p.4) {
+            kept.insert(&c, k, from);
+        }
+    }
+    found
 }

@@ -1012,6 +1012,73 @@ fn the_idle_wait_trigger_never_sends_a_request_to_pull_onto_a_worker_that_cannot
     assert_eq!(route(0, true), ("w2".into(), w0, 100 * BS));
 }
 
+/// On a large fleet every worker reports an admission headroom of its own. Workers
+/// whose loads are equal but for it cost one of two amounts for a prompt (they admit it
+/// at once or not), so the ordered walk adds the two parts of their run, each by its
+/// preferred member and ring neighbours, not a run per headroom: a handful of
+/// candidates, not the fleet. It chooses what pricing every worker chooses, whether
+/// most of the run admits the prompt or only a few dozen workers do (found by
+/// headroom, not by scanning the run).
+#[test]
+fn equal_loads_with_every_headroom_are_walked_as_two_parts_not_a_run_each() {
+    const WORKERS: usize = 1_024;
+    let system = tokens(41, 8 * BS);
+    // Headrooms spread over 0 to 1,023 blocks, or 0 to 34: a 33-block prompt waits
+    // on a few dozen workers, or on all but 34.
+    for spread in [1, 30] {
+        let build = |full_scan: bool| {
+            let mut r = router(WORKERS);
+            r.set_full_scan(full_scan);
+            for w in 0..WORKERS {
+                let id = format!("w{w}");
+                store_in(&mut r, &id, 1, &hashes(&system), Medium::Device);
+                // Two decoding sequences each, one pool level.
+                let load = WorkerLoad {
+                    running: 2,
+                    total_blocks: 4_096,
+                    free_blocks: 4_000,
+                    admit_blocks: Some((w * 389) % WORKERS / spread),
+                    ..WorkerLoad::default()
+                };
+                r.update_load(&id, load).unwrap();
+            }
+            r
+        };
+        let (mut walk, mut scan) = (build(false), build(true));
+        for session in 0..8 {
+            let mut prompt = system.clone();
+            prompt.extend(tokens(500 + session, 24 * BS));
+            let h = hashes(&prompt);
+            let a = walk
+                .route(&h, prompt.len() + 1, PolicyKind::CacheAware, 0)
+                .unwrap();
+            let s = scan
+                .route(&h, prompt.len() + 1, PolicyKind::CacheAware, 0)
+                .unwrap();
+            assert_eq!(a.worker, s.worker, "spread {spread}, session {session}");
+            assert_eq!(scan.candidates.len(), WORKERS);
+            // Both parts: the preferred member and the ring's nearest of each.
+            assert!(
+                walk.candidates.len() <= 2 * (1 + crate::policy::TIE_RING_REACH),
+                "spread {spread}, session {session}: {} candidates",
+                walk.candidates.len()
+            );
+            // The chosen worker's reported headroom holds the prompt.
+            let w: usize = a.worker[1..].parse().unwrap();
+            assert!((w * 389) % WORKERS / spread >= 33, "{}", a.worker);
+            for (r, d) in [(&mut walk, &a), (&mut scan, &s)] {
+                if let Some(id) = d.reservation {
+                    r.cancel_reservation(id);
+                }
+                if let Some(id) = d.running {
+                    r.request_done(id);
+                }
+                r.request_finished(&d.worker, d.prefill_tokens).unwrap();
+            }
+        }
+    }
+}
+
 mod ordered_walk {
     //! `cache-aware` walking the load order chooses exactly what pricing every worker
     //! chooses.
