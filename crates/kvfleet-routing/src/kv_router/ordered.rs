@@ -492,6 +492,28 @@ impl KvRouter {
                 at = next_part(Lane::Idle, level, Some(&s));
             }
         };
+        // The least a member can cost at usage `level`: on an idle lane running
+        // nothing, or a busy one with a token queued, whose headroom holds the prompt.
+        // A cost only grows with sequences, backlog and (a memory weight at least 0)
+        // the pool's use, and pulls are off.
+        let floors = !policy.config().tiers.pulls_enabled() && policy.config().memory_weight >= 0.0;
+        let floor = |level: u8| {
+            let (matched_blocks, running_blocks) = blocks_of(class);
+            let at = |backlog: usize| {
+                let c = Candidate {
+                    worker: WorkerIdx(u32::MAX),
+                    id_hash: 0,
+                    load: CandidateLoad::new(0, backlog).with_usage_level(level),
+                    matched_blocks,
+                    running_blocks,
+                    host_blocks: 0,
+                    disk_blocks: 0,
+                    kv_movable: false,
+                };
+                policy.price(base, &c, bound).0
+            };
+            at(0).min(at(1))
+        };
         // Phase 1: at each level of each lane, the parts out of bounds are added up to
         // the first part within bounds, where phase 2 starts (kept, so phase 2 does not
         // find and price it again).
@@ -500,6 +522,15 @@ impl KvRouter {
         let mut cheapest_ok = f64::INFINITY;
         for lane in Lane::BOTH {
             for level in order.levels(lane) {
+                // Once a level's floor is past the reach so far, nothing there or
+                // higher can be chosen, tie or be the cheapest overall (a spill's
+                // source): the lane's walk ends.
+                if floors
+                    && cheapest_ok.is_finite()
+                    && floor(level) > cheapest_ok + policy.tie_band(cheapest_ok) + 1.0
+                {
+                    break;
+                }
                 let mut after = None;
                 while let Some(s) = next_part(lane, level, after.as_ref()) {
                     if s.ok {
