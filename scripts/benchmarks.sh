@@ -45,7 +45,7 @@ cp "$OUT/replay/worker_load.svg" docs/plots/replay_worker_load.svg
   --replay-json "$OUT/replay.json" --replay-trace "$OUT/replay-trace.jsonl" \
   --replay-setup "$REPLAY_SETUP" --notes docs/benchmarks.notes.md "$@"
 
-# 4. Router scale (about a minute): 64-1,024 workers, 20k-30k requests/s, 0-2M event
+# 4. Router scale (about 5 minutes on 2 cores): 64-1,024 workers, 20k-30k requests/s, 0-2M event
 #    blocks/s.
 "$BIN" bench router-scale --doc docs/router-scale.md --json docs/bench/router-scale.json
 
