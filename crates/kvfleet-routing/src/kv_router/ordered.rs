@@ -478,14 +478,23 @@ impl KvRouter {
             }
         };
         // A pull that ends a wait goes to the idle lane with the fewest sequences
-        // within bounds that admits the prompt, whatever its pool's use: the first
-        // member of each level's first such part is a candidate.
+        // within bounds that admits the prompt and can import KV (a simulated engine
+        // cannot), whatever its pool's use: the first such member at each level is a
+        // candidate.
         let pull_targets = policy.pulls_end_waits();
+        let importer = |w: WorkerIdx| member(w).filter(|c| c.kv_movable);
         let pull_target = |level: u8, from: Part, out: &mut Vec<Candidate>| {
             let mut at = Some(from);
             while let Some(s) = at {
-                let first = member(s.first.1).filter(|c| s.ok && policy.starts_at_once(base, c));
-                if let Some(c) = first {
+                let first = if s.ok && s.admits {
+                    importer(s.first.1).or_else(|| {
+                        let rooms = rooms(s.run.2, s.need, true)?;
+                        importer(nearest(order, Lane::Idle, s.run, rooms, 0, 1, &importer).first()?)
+                    })
+                } else {
+                    None
+                };
+                if let Some(c) = first.filter(|c| policy.starts_at_once(base, c)) {
                     out.push(c);
                     return;
                 }

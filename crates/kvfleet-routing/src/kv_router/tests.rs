@@ -1196,6 +1196,11 @@ mod ordered_walk {
         };
         for w in 0..f.workers {
             r.add_worker(&format!("w{w}"), BS).unwrap();
+            // With pulls on, every third worker cannot import KV (a simulated
+            // engine): never a pull's target, whatever it costs.
+            if f.pulls && w % 3 == 1 {
+                r.set_kv_block_bytes(&format!("w{w}"), 0, BS);
+            }
             if f.without_system_every == 0 || w % f.without_system_every != 0 {
                 store(&mut r, w, &sys, Medium::Device);
             }
