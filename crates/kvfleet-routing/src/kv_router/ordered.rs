@@ -409,8 +409,7 @@ impl KvRouter {
         };
         // The first member of a run's part.
         let first_of = |lane: Lane, run: Run, need: usize, admits: bool| {
-            let rooms = rooms(run.2, need, admits)?;
-            member(nearest(order, lane, run, rooms, 0, 1, &member).first()?)
+            first_member(order, lane, run, need, admits, &member)
         };
         // The next part after `after` at `level` of `lane` (from the level's start
         // with `None`). A run's members that admit the prompt come first: the rest
@@ -487,10 +486,8 @@ impl KvRouter {
             let mut at = Some(from);
             while let Some(s) = at {
                 let first = if s.ok && s.admits {
-                    importer(s.first.1).or_else(|| {
-                        let rooms = rooms(s.run.2, s.need, true)?;
-                        importer(nearest(order, Lane::Idle, s.run, rooms, 0, 1, &importer).first()?)
-                    })
+                    importer(s.first.1)
+                        .or_else(|| first_member(order, Lane::Idle, s.run, s.need, true, &importer))
                 } else {
                     None
                 };
@@ -618,6 +615,20 @@ fn rooms(active: u64, need: usize, admits: bool) -> Option<RangeInclusive<u32>> 
         (Ok(n), false) => Some(0..=n - 1),
         (Err(_), false) => Some(0..=u32::MAX),
     }
+}
+
+/// The first of `run`'s members in `lane` (`member`: those that count) that admit a
+/// prompt of `need` blocks (`admits`), or that do not, by id hash.
+fn first_member(
+    order: &LoadOrder,
+    lane: Lane,
+    run: Run,
+    need: usize,
+    admits: bool,
+    member: &impl Fn(WorkerIdx) -> Option<Candidate>,
+) -> Option<Candidate> {
+    let rooms = rooms(run.2, need, admits)?;
+    member(nearest(order, lane, run, rooms, 0, 1, member).first()?)
 }
 
 /// Steps [`nearest`] takes by id hash before it also searches by headroom: most parts
